@@ -1,0 +1,1 @@
+"""noloco: decentralized, low-communication training of language models."""
