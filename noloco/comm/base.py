@@ -1,0 +1,87 @@
+"""The transport interface: moving opaque byte payloads between ranks, with byte accounting.
+
+A transport knows who its peers are and how to move bytes; it does not know what the bytes mean
+(DESIGN §2). Every collective in :mod:`noloco.collectives` is written against :class:`Transport`,
+so the same reduction runs over the in-process fabric, torch.distributed or hivemind.
+
+Messages are addressed by ``(src, dst, tag)``. A tag names one message of one collective call
+(e.g. ``"outer/r12/delta/rs/3"``), so a payload from the wrong round or phase can never be taken
+for the expected one. ``recv`` blocks at most ``timeout`` seconds and raises :class:`CommTimeout`
+after that, so a dead peer costs at most a timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+
+class CommError(RuntimeError):
+    """A peer-to-peer transfer failed (peer gone, fabric aborted, malformed address)."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A ``recv`` waited longer than its timeout: the peer is dead, partitioned or too slow."""
+
+
+@dataclass
+class ByteCounter:
+    """Bytes and messages this rank has put on and taken off the wire (payload bytes, all tags)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def count_sent(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.messages_sent += 1
+
+    def count_received(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_received += nbytes
+            self.messages_received += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key, value in state.items():
+            if key in self.state_dict():
+                setattr(self, key, int(value))
+
+
+class Transport(ABC):
+    """Point-to-point byte transport seen from one rank.
+
+    Attributes:
+        rank: this rank's index in ``[0, world_size)``.
+        world_size: number of ranks that can be addressed.
+        counter: bytes and messages moved by this rank.
+    """
+
+    rank: int
+    world_size: int
+    counter: ByteCounter
+
+    @abstractmethod
+    def send(self, dst: int, tag: str, payload: bytes) -> None:
+        """Send ``payload`` to rank ``dst`` under ``tag``. Does not wait for the receiver."""
+
+    @abstractmethod
+    def recv(self, src: int, tag: str, timeout: float) -> bytes:
+        """Return the payload rank ``src`` sent under ``tag``; raise :class:`CommTimeout` after ``timeout`` s."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; further calls may fail."""
+
+    def _check_peer(self, peer: int) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.world_size:
+            raise CommError(f"rank {self.rank}: peer {peer!r} is not in [0, {self.world_size})")
+        if peer == self.rank:
+            raise CommError(f"rank {self.rank}: cannot send to or receive from itself")

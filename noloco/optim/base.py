@@ -1,0 +1,47 @@
+"""The outer-update interface: pure tensor math, no transports.
+
+An outer rule receives this worker's slow weights ``φ`` (one flat fp32 vector) and the group means
+that a collective produced, and updates ``φ`` in place. It owns its state (momentum) and nothing
+else. The exchange that produces the means lives in :mod:`noloco.train.outer`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class OuterRule(ABC):
+    """One outer update ``φ ← f(φ, mean_Δ, mean_φ)`` with its own state.
+
+    Attributes:
+        needs_slow_mean: whether :meth:`step` needs ``mean_slow`` (the group mean of ``φ``); rules
+            that do not can skip that exchange.
+    """
+
+    needs_slow_mean: bool = False
+
+    @abstractmethod
+    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None) -> None:
+        """Update ``slow`` in place.
+
+        Args:
+            slow: this worker's slow weights φ_i, 1-D fp32 (mutated).
+            mean_delta: group mean of pseudo-gradients ``θ_j − φ_j``, same shape.
+            mean_slow: group mean of slow weights ``φ_j`` (``None`` unless ``needs_slow_mean``).
+        """
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        ...
+
+
+def _lazy_buffer(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if buffer is None or buffer.shape != like.shape:
+        return torch.zeros_like(like, dtype=torch.float32)
+    return buffer

@@ -1,0 +1,249 @@
+"""Training algorithms behind one interface, usable inside anyone's training loop.
+
+``NoLoCo`` (arXiv 2506.10911), ``DiLoCo`` (arXiv 2311.08105), ``PeriodicAveraging`` and the ``DDP``
+baseline wrap a model, its inner optimizer and a transport. A loop calls two methods::
+
+    loss.backward()
+    algo.sync_gradients()                 # DDP: average gradients over all workers; others: no-op
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    algo.step()                           # inner optimizer step; every H steps the outer exchange
+
+The outer algorithms keep the slow weights ``φ`` as one flat fp32 vector. Every ``every`` inner
+steps they reduce the pseudo-gradients (and, for NoLoCo, the slow weights) over their group with
+:func:`noloco.collectives.allreduce`, apply the pure update rule of :mod:`noloco.optim`, and load
+``φ`` back into the model. NoLoCo with β = γ and one codec for both terms exchanges the fast weights
+once instead (``β·mean_Δ + γ·(mean_φ − φ_i) = β·(mean_θ − φ_i)``), which halves its bytes.
+
+A round with a dead peer raises :class:`~noloco.comm.base.CommTimeout` after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from noloco.collectives import allreduce
+from noloco.comm.base import Transport
+from noloco.gossip import GroupSchedule
+from noloco.optim import AveragingRule, DiLoCoRule, NoLoCoRule, OuterRule
+
+
+@dataclass
+class OuterRoundInfo:
+    """What one outer round did, for logging."""
+
+    round: int
+    group: list[int]
+
+
+def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of the 1-D ``flat`` into ``tensors`` in place (no storage sharing)."""
+    offset = 0
+    for tensor in tensors:
+        n = tensor.numel()
+        tensor.copy_(flat[offset : offset + n].view_as(tensor))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} elements, tensors hold {offset}")
+
+
+class Algorithm:
+    """Base class: holds the model, inner optimizer and transport; counts inner steps."""
+
+    name = "base"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport,
+        codec: str = "fp32",
+        timeout: float = 60.0,
+    ):
+        self.model, self.inner_opt, self.transport = model, inner_opt, transport
+        self.params = _unique_params(model)
+        self.codec, self.timeout = codec, float(timeout)
+        self.inner_step = 0
+        self.last_round: OuterRoundInfo | None = None
+
+    def sync_gradients(self) -> None:
+        """Called after ``backward()``; averages gradients where the algorithm does so."""
+
+    def step(self) -> OuterRoundInfo | None:
+        """Inner optimizer step, then whatever the algorithm does after it. Returns outer-round info."""
+        self.inner_opt.step()
+        self.inner_opt.zero_grad(set_to_none=True)
+        self.inner_step += 1
+        self.last_round = self._after_inner_step()
+        return self.last_round
+
+    def _after_inner_step(self) -> OuterRoundInfo | None:
+        return None
+
+    def slow_weights(self) -> torch.Tensor:
+        """The weights workers agree on (the slow weights for outer algorithms), flat fp32."""
+        return parameters_to_vector(self.params).detach().float().clone()
+
+    def state_dict(self) -> dict:
+        return {"inner_step": self.inner_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner_step = int(state["inner_step"])
+
+
+class DDP(Algorithm):
+    """Baseline: all-reduce (mean) of the gradients over all workers after every backward."""
+
+    name = "ddp"
+
+    def sync_gradients(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = parameters_to_vector(grads)
+        mean = allreduce(
+            flat, self.transport, codec=self.codec, op="mean", timeout=self.timeout,
+            tag=f"ddp/s{self.inner_step + 1}",
+        )
+        for p, g in zip(self.params, grads):
+            if p.grad is None:
+                p.grad = g
+        copy_flat_into(mean, [p.grad for p in self.params])
+
+
+class OuterAlgorithm(Algorithm):
+    """Inner steps locally; every ``every`` steps an outer step over a group from ``schedule``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport,
+        rule: OuterRule,
+        every: int,
+        schedule: GroupSchedule,
+        codec: str = "fp32",
+        timeout: float = 60.0,
+    ):
+        super().__init__(model, inner_opt, transport, codec=codec, timeout=timeout)
+        if every < 1:
+            raise ValueError(f"outer.every must be >= 1, got {every}")
+        self.rule, self.every, self.schedule = rule, int(every), schedule
+        self.slow = parameters_to_vector(self.params).detach().float().clone()
+
+    def _after_inner_step(self) -> OuterRoundInfo | None:
+        if self.inner_step % self.every:
+            return None
+        return self.outer_step(self.inner_step // self.every - 1)
+
+    @torch.no_grad()
+    def outer_step(self, round_index: int) -> OuterRoundInfo:
+        """Exchange with this round's group and apply the outer rule; loads φ into the model."""
+        group = self.schedule.group_of(self.transport.rank, round_index)
+        fast = parameters_to_vector(self.params).detach().float()
+        tag = f"outer/r{round_index}"
+        reduce = lambda x, what: allreduce(  # noqa: E731
+            x, self.transport, group, codec=self.codec, op="mean", timeout=self.timeout, tag=f"{tag}/{what}"
+        )
+        if self._fused_exchange():
+            mean_fast = reduce(fast, "fast")
+            mean_delta, mean_slow = mean_fast - self.slow, self.slow.clone()
+        else:
+            mean_delta = reduce(fast - self.slow, "delta")
+            mean_slow = reduce(self.slow, "slow") if self.rule.needs_slow_mean else None
+        self.rule.step(self.slow, mean_delta, mean_slow)
+        copy_flat_into(self.slow, self.params)
+        return OuterRoundInfo(round=round_index, group=group)
+
+    def _fused_exchange(self) -> bool:
+        return False
+
+    def slow_weights(self) -> torch.Tensor:
+        return self.slow.clone()
+
+    def state_dict(self) -> dict:
+        return {"inner_step": self.inner_step, "slow": self.slow.clone(), "rule": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner_step = int(state["inner_step"])
+        if state["slow"].shape != self.slow.shape:
+            raise ValueError(f"checkpoint slow weights have shape {tuple(state['slow'].shape)}, model needs {tuple(self.slow.shape)}")
+        self.slow = state["slow"].float().clone()
+        self.rule.load_state_dict(state["rule"])
+
+
+class NoLoCo(OuterAlgorithm):
+    """NoLoCo: outer momentum with a pull toward the mean of a random subgroup (DESIGN §3.1)."""
+
+    name = "noloco"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport,
+        every: int = 50,
+        lr: float = 0.7,
+        pull: float = 0.7,
+        momentum: float = 0.5,
+        group_size: int = 2,
+        seed: int = 0,
+        codec: str = "fp32",
+        timeout: float = 60.0,
+    ):
+        schedule = GroupSchedule(transport.world_size, min(group_size, transport.world_size), seed)
+        super().__init__(
+            model, inner_opt, transport, NoLoCoRule(lr, pull, momentum), every, schedule, codec, timeout
+        )
+
+    def _fused_exchange(self) -> bool:
+        return self.rule.lr == self.rule.pull
+
+
+class DiLoCo(OuterAlgorithm):
+    """DiLoCo: global average of pseudo-gradients, outer SGD with Nesterov momentum."""
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport,
+        every: int = 50,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        codec: str = "fp32",
+        timeout: float = 60.0,
+    ):
+        schedule = GroupSchedule(transport.world_size, None, seed=0)
+        super().__init__(
+            model, inner_opt, transport, DiLoCoRule(lr, momentum, nesterov), every, schedule, codec, timeout
+        )
+
+
+class PeriodicAveraging(OuterAlgorithm):
+    """Every ``every`` steps, all workers replace their weights with the world mean."""
+
+    name = "avg"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport,
+        every: int = 50,
+        codec: str = "fp32",
+        timeout: float = 60.0,
+    ):
+        schedule = GroupSchedule(transport.world_size, None, seed=0)
+        super().__init__(model, inner_opt, transport, AveragingRule(), every, schedule, codec, timeout)
+
+
+ALGORITHMS = {cls.name: cls for cls in (NoLoCo, DiLoCo, PeriodicAveraging, DDP)}

@@ -1,0 +1,117 @@
+"""Configuration: the packaged defaults, merged with ``--config`` files and ``key=value`` overrides.
+
+Config errors (an unknown key, a value of the wrong type, a group size that does not divide the
+workers, a missing data path) raise :class:`ConfigError` with one clear line before any work starts.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from noloco.collectives import known_codecs
+
+ALGOS = ("noloco", "diloco", "avg", "ddp")
+BACKENDS = ("local",)
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line meant for the user."""
+
+
+def default_config() -> DictConfig:
+    text = resources.files("noloco.train").joinpath("defaults.yaml").read_text()
+    cfg = OmegaConf.create(text)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(cfg, other)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        reason = str(exc).splitlines()[0]
+        if "not in struct" in reason or "Key '" in reason and "not" in reason:
+            raise ConfigError(f"{origin}: unknown config key '{key}'") from None
+        raise ConfigError(f"{origin}: bad value for '{key}': {reason}") from None
+
+
+def load_config(overrides: list[str] | None = None, config_files: list[str] | None = None) -> DictConfig:
+    """Defaults ← each of ``config_files`` ← ``overrides`` (omegaconf dotlist), then validated."""
+    cfg = default_config()
+    for path in config_files or []:
+        if not Path(path).is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as exc:  # noqa: BLE001 - yaml errors of every kind
+            raise ConfigError(f"--config {path}: cannot parse: {str(exc).splitlines()[0]}") from None
+        cfg = _merge(cfg, loaded, path)
+    dotlist = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        dotlist.append(item)
+    try:
+        parsed = OmegaConf.from_dotlist(dotlist)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"bad override: {str(exc).splitlines()[0]}") from None
+    cfg = _merge(cfg, parsed, "command line")
+    validate(cfg)
+    return cfg
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check values and their relations; resolve defaults that depend on other keys."""
+    _require(cfg.backend in BACKENDS, f"backend={cfg.backend!r} is not one of {BACKENDS}")
+    _require(isinstance(cfg.workers, int) and cfg.workers >= 1, f"workers must be an integer >= 1, got {cfg.workers!r}")
+    _require(isinstance(cfg.steps, int) and cfg.steps >= 1, f"steps must be an integer >= 1, got {cfg.steps!r}")
+    outer = cfg.outer
+    _require(outer.algo in ALGOS, f"outer.algo={outer.algo!r} is not one of {ALGOS}")
+    _require(outer.every >= 1, f"outer.every must be >= 1, got {outer.every}")
+    if outer.algo == "noloco":
+        _require(outer.group_size >= 2, f"outer.group_size must be >= 2 for noloco, got {outer.group_size}")
+        _require(
+            cfg.workers % outer.group_size == 0,
+            f"outer.group_size={outer.group_size} does not divide workers={cfg.workers} "
+            "(seeded random groups need equal sizes)",
+        )
+    if outer.momentum is None:
+        outer.momentum = 0.9 if outer.algo == "diloco" else 0.5
+    _require(0 <= outer.momentum < 1, f"outer.momentum must be in [0, 1), got {outer.momentum}")
+    _require(outer.lr > 0 and outer.pull >= 0, "outer.lr must be > 0 and outer.pull >= 0")
+    _require(cfg.comm.codec in known_codecs(), f"comm.codec={cfg.comm.codec!r} is not one of {known_codecs()}")
+    _require(cfg.comm.timeout > 0, "comm.timeout must be > 0 seconds")
+    inner = cfg.inner
+    _require(inner.lr > 0 and 0 <= inner.min_lr <= inner.lr, "inner.lr must be > 0 and 0 <= inner.min_lr <= inner.lr")
+    _require(inner.warmup >= 0 and inner.grad_clip >= 0, "inner.warmup and inner.grad_clip must be >= 0")
+    data = cfg.data
+    _require(data.seq_len >= 2 and data.batch_size >= 1, "data.seq_len must be >= 2 and data.batch_size >= 1")
+    if data.source == "files":
+        _require(bool(data.path), "data.source=files needs data.path")
+        import glob
+
+        _require(
+            Path(str(data.path)).expanduser().exists() or bool(glob.glob(str(Path(data.path).expanduser()))),
+            f"data.path={data.path!r} does not exist",
+        )
+    if cfg.eval.every is None:
+        cfg.eval.every = outer.every
+    _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
+    _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
+    from noloco.train.model import PRESETS
+
+    _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

@@ -1,0 +1,182 @@
+"""The worker loop: inner AdamW steps, the algorithm's step, evaluation, logging, checkpoints.
+
+One call of :func:`train_worker` is one worker of a run, whatever the backend: the local backend
+runs one per thread over the in-process fabric; other backends run one per process. It reads top
+to bottom: build, (resume), then for each step: batch → loss → backward → ``algo.sync_gradients``
+→ clip → ``algo.step`` (inner step; outer step every H) → log → evaluate → checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from noloco.collectives import allreduce
+from noloco.comm.base import Transport
+from noloco.train import checkpoint
+from noloco.train.algorithms import DDP, Algorithm, DiLoCo, NoLoCo, PeriodicAveraging
+from noloco.train.data import BatchSampler, TokenizedCorpus, eval_batches
+from noloco.train.metrics import MetricsLogger
+from noloco.train.model import LLaMA, model_config
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    final_eval_loss: float
+    slow_weights: torch.Tensor
+    bytes_sent: int
+    bytes_received: int
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
+
+
+def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
+    overrides = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "preset"}
+    if overrides.get("max_seq_len") is None:
+        overrides["max_seq_len"] = max(1024, cfg.data.seq_len)
+    return LLaMA(model_config(cfg.model.preset, vocab_size=vocab_size, **overrides), seed=cfg.run.seed)
+
+
+def build_inner_optimizer(cfg: DictConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (decay on matrices only) and a linear warm-up + cosine schedule down to ``inner.min_lr``."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    inner = cfg.inner
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=inner.lr,
+        betas=(inner.beta1, inner.beta2),
+        foreach=True,
+    )
+    floor = inner.min_lr / inner.lr
+
+    def factor(step: int) -> float:  # step = number of inner steps already taken
+        if step < inner.warmup:
+            return (step + 1) / inner.warmup
+        progress = min(1.0, (step - inner.warmup) / max(1, cfg.steps - inner.warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def build_algorithm(cfg: DictConfig, model, opt, transport: Transport) -> Algorithm:
+    outer, comm = cfg.outer, cfg.comm
+    common = dict(codec=comm.codec, timeout=comm.timeout)
+    if outer.algo == "noloco":
+        return NoLoCo(
+            model, opt, transport, every=outer.every, lr=outer.lr, pull=outer.pull, momentum=outer.momentum,
+            group_size=outer.group_size, seed=cfg.run.seed, **common,
+        )
+    if outer.algo == "diloco":
+        return DiLoCo(
+            model, opt, transport, every=outer.every, lr=outer.lr, momentum=outer.momentum,
+            nesterov=outer.nesterov, **common,
+        )
+    if outer.algo == "avg":
+        return PeriodicAveraging(model, opt, transport, every=outer.every, **common)
+    return DDP(model, opt, transport, **common)
+
+
+@torch.no_grad()
+def evaluate(model: LLaMA, batches) -> float:
+    """Mean cross-entropy (nats/token) over fixed held-out batches."""
+    model.eval()
+    total = sum(model(x, y)[1].item() for x, y in batches)
+    model.train()
+    return total / len(batches)
+
+
+@dataclass
+class RunContext:
+    """What the workers of one run share: config, data, output folder, metrics, progress."""
+
+    cfg: DictConfig
+    corpus: TokenizedCorpus
+    run_dir: Path
+    metrics: MetricsLogger
+    resume_from: Path | None = None
+    resume_step: int = 0
+    progress: object | None = None
+    stop_after: int | None = None  # testing hook: return after this step, as if killed
+
+
+def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
+    cfg, rank = ctx.cfg, transport.rank
+    model = build_model(cfg, ctx.corpus.vocab_size)
+    opt, schedule = build_inner_optimizer(cfg, model)
+    algo = build_algorithm(cfg, model, opt, transport)
+    sampler = BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed)
+    held_out = eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+
+    start, wall_offset, history = 0, 0.0, []
+    if ctx.resume_from is not None:
+        state = checkpoint.load_worker(ctx.resume_from, rank)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["inner_opt"])
+        schedule.load_state_dict(state["schedule"])
+        algo.load_state_dict(state["algorithm"])
+        transport.counter.load_state_dict(state["counter"])
+        start, wall_offset, history = state["step"], state["wall_seconds"], state["eval_history"]
+    started = time.perf_counter()
+    wall = lambda: wall_offset + time.perf_counter() - started  # noqa: E731
+
+    eval_loss = history[-1][1] if history else float("nan")
+    for step in range(start + 1, cfg.steps + 1):
+        inputs, targets = sampler.batch(rank, step)
+        _, loss = model(inputs, targets)
+        loss.backward()
+        algo.sync_gradients()
+        if cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+        lr = schedule.get_last_lr()[0]
+        outer_round = algo.step()
+        schedule.step()
+
+        record = {
+            "worker": rank, "step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
+            "bytes_sent": transport.counter.bytes_sent, "bytes_received": transport.counter.bytes_received,
+            "wall": round(wall(), 4),
+        }
+        if outer_round is not None:
+            record["outer_round"], record["group"] = outer_round.round, outer_round.group
+        if step % cfg.eval.every == 0 or step == cfg.steps:
+            eval_loss = evaluate(model, held_out)
+            history.append((step, eval_loss))
+            record["eval_loss"] = eval_loss
+        ctx.metrics.log(record)
+        if ctx.progress is not None:
+            ctx.progress.advance(rank, loss.item())
+
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
+            state = {
+                "step": step, "model": model.state_dict(), "inner_opt": opt.state_dict(),
+                "schedule": schedule.state_dict(), "algorithm": algo.state_dict(),
+                "counter": transport.counter.state_dict(), "wall_seconds": wall(), "eval_history": history,
+            }
+            checkpoint.save_worker(ctx.run_dir, step, rank, state)
+            # Barrier: the checkpoint is complete only when every worker has saved. Not counted as traffic.
+            _barrier(transport, f"ckpt/{step}", cfg.comm.timeout)
+            if rank == 0:
+                checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(cfg), cfg.checkpoint.keep)
+        if ctx.stop_after is not None and step >= ctx.stop_after:
+            break
+
+    return WorkerResult(
+        rank=rank, final_eval_loss=eval_loss, slow_weights=algo.slow_weights(),
+        bytes_sent=transport.counter.bytes_sent, bytes_received=transport.counter.bytes_received,
+        eval_history=history,
+    )
+
+
+def _barrier(transport: Transport, tag: str, timeout: float) -> None:
+    if transport.world_size == 1:
+        return
+    before = transport.counter.state_dict()
+    allreduce(torch.zeros(1), transport, tag=tag, timeout=timeout)
+    transport.counter.load_state_dict(before)

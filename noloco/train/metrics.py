@@ -1,0 +1,52 @@
+"""Run metrics: one JSON line per (worker, step) in ``metrics.jsonl`` plus TensorBoard scalars.
+
+Thread-safe, so simulated workers of one process share one logger. On resume, records after the
+checkpoint step are dropped from ``metrics.jsonl`` and TensorBoard purges them, so the files read
+as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self._file = self.path.open("a", encoding="utf-8")
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if resume_step is None else resume_step + 1
+            self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)
+
+    def log(self, record: dict) -> None:
+        """``record`` must hold ``worker`` and ``step``; numeric fields also go to TensorBoard."""
+        with self._lock:
+            self._file.write(json.dumps(record) + "\n")
+            if self._writer is not None:
+                worker, step = record["worker"], record["step"]
+                for key, value in record.items():
+                    if key not in ("worker", "step") and isinstance(value, (int, float)):
+                        self._writer.add_scalar(f"{key}/worker{worker}", value, step)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+            if self._writer is not None:
+                self._writer.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,140 @@
+"""The local backend: N simulated workers as threads of one process over the in-process fabric.
+
+:func:`run` prepares the data once, starts one :func:`~noloco.train.loop.train_worker` per rank,
+shows progress, and finishes the run folder: ``summary.json``, ``curves.png`` and a printed table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from noloco.comm import LocalFabric
+from noloco.train.data import eval_batches, prepare_corpus
+from noloco.train.loop import RunContext, WorkerResult, build_model, train_worker
+from noloco.train.metrics import MetricsLogger
+from noloco.train.plots import plot_runs
+
+
+class Progress:
+    """One tqdm bar over all workers' steps, showing the mean of the workers' latest losses."""
+
+    def __init__(self, total: int, initial: int, workers: int, enabled: bool):
+        from tqdm import tqdm
+
+        self._lock = threading.Lock()
+        self._losses = [float("nan")] * workers
+        self._bar = tqdm(total=total, initial=initial, unit="step", disable=not enabled, file=sys.stderr,
+                         dynamic_ncols=True, desc="training")
+
+    def advance(self, rank: int, loss: float) -> None:
+        with self._lock:
+            self._losses[rank] = loss
+            self._bar.update(1)
+            finite = [x for x in self._losses if x == x]
+            if finite:
+                self._bar.set_postfix(loss=f"{sum(finite) / len(finite):.3f}", refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def consensus_distance(slow: list[torch.Tensor]) -> float:
+    """Relative spread of the workers' slow weights: sqrt(mean_i ||φ_i − φ̄||²) / ||φ̄||."""
+    stacked = torch.stack([s.double() for s in slow])
+    mean = stacked.mean(0)
+    spread = (stacked - mean).pow(2).sum(1).mean().sqrt()
+    return float(spread / mean.norm().clamp_min(1e-30))
+
+
+def default_run_name(cfg: DictConfig) -> str:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{cfg.outer.algo}-{cfg.comm.codec}-w{cfg.workers}-{stamp}"
+
+
+def run(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | None = None, resume_step: int = 0,
+        stop_after: int | None = None, quiet: bool = False) -> dict:
+    """Run (or resume) the job described by ``cfg``; returns the summary dict."""
+    started = time.perf_counter()
+    run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+
+    corpus = prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction,
+                            cfg.data.cache_dir)
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
+    torch.set_num_threads(threads)
+    params = build_model(cfg, corpus.vocab_size).num_parameters()
+    say(f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers · {params / 1e6:.2f}M params · "
+        f"{cfg.steps} steps · data {cfg.data.source}: {corpus.train.size:,} train / {corpus.val.size:,} "
+        f"held-out tokens · {run_dir}")
+    (run_dir / "config.yaml").write_text(__import__("omegaconf").OmegaConf.to_yaml(cfg))
+
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard,
+                            resume_step=resume_step if resume_from else None)
+    progress = Progress(cfg.steps * cfg.workers, resume_step * cfg.workers, cfg.workers,
+                        cfg.log.progress and not quiet)
+    ctx = RunContext(cfg, corpus, run_dir, metrics, resume_from, resume_step, progress, stop_after)
+    fabric = LocalFabric(cfg.workers)
+    try:
+        results: list[WorkerResult] = fabric.run(lambda transport: train_worker(ctx, transport))
+    finally:
+        progress.close()
+        metrics.close()
+    train_seconds = time.perf_counter() - started
+
+    targets = torch.cat([y for _, y in eval_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size,
+                                                    cfg.eval.batches)])
+    final = [r.final_eval_loss for r in results]
+    steps_done = stop_after if stop_after is not None else cfg.steps
+    tokens = cfg.workers * (steps_done - resume_step) * cfg.data.batch_size * cfg.data.seq_len
+    summary = {
+        "algo": cfg.outer.algo,
+        "codec": cfg.comm.codec,
+        "workers": cfg.workers,
+        "steps": steps_done,
+        "outer_every": cfg.outer.every,
+        "group_size": cfg.outer.group_size if cfg.outer.algo == "noloco" else cfg.workers,
+        "params": params,
+        "final_eval_loss": sum(final) / len(final),
+        "final_eval_loss_per_worker": final,
+        "unigram_eval_loss": corpus.unigram_loss(targets),
+        "consensus_distance": consensus_distance([r.slow_weights for r in results]),
+        "bytes_sent_per_worker": sum(r.bytes_sent for r in results) / len(results),
+        "bytes_sent_by_worker": [r.bytes_sent for r in results],
+        "bytes_received_by_worker": [r.bytes_received for r in results],
+        "wall_seconds": train_seconds,
+        "tokens_per_second": tokens / train_seconds,
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if cfg.log.plot:
+        plot_runs([run_dir], run_dir / "curves.png", title=run_dir.name)
+    say(format_summary(summary))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        "",
+        f"{'worker':>8} {'held-out loss':>14} {'MB sent':>10} {'MB received':>12}",
+    ]
+    for rank, loss in enumerate(s["final_eval_loss_per_worker"]):
+        lines.append(f"{rank:>8} {loss:>14.4f} {s['bytes_sent_by_worker'][rank] / 1e6:>10.2f} "
+                     f"{s['bytes_received_by_worker'][rank] / 1e6:>12.2f}")
+    lines += [
+        f"{'mean':>8} {s['final_eval_loss']:>14.4f} {s['bytes_sent_per_worker'] / 1e6:>10.2f}",
+        "",
+        f"algo {s['algo']} · codec {s['codec']} · {s['steps']} steps · unigram baseline loss "
+        f"{s['unigram_eval_loss']:.4f} · consensus distance {s['consensus_distance']:.2e}",
+        f"wall {s['wall_seconds']:.1f} s · {s['tokens_per_second']:,.0f} tokens/s · results in {s['run_dir']}",
+    ]
+    return "\n".join(lines)
