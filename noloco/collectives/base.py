@@ -10,9 +10,6 @@ this one. Shapes are checked before any byte is sent; a malformed or mis-sized p
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
-
 import torch
 
 from noloco.collectives.codec import Codec, get_codec
@@ -22,15 +19,12 @@ from noloco.comm.base import Transport
 ALGORITHMS = ("two_phase",)
 OPS = ("mean", "sum")
 
-_auto_tags: dict[tuple[int, int, tuple[int, ...]], int] = defaultdict(int)
-_auto_tags_lock = threading.Lock()
-
 
 def _next_auto_tag(transport: Transport, group: tuple[int, ...]) -> str:
-    key = (id(transport), transport.rank, group)
-    with _auto_tags_lock:
-        count = _auto_tags[key]
-        _auto_tags[key] = count + 1
+    """Tag of the next untagged call of this group, counted on the transport itself (one per rank)."""
+    calls: dict[tuple[int, ...], int] = transport.__dict__.setdefault("_untagged_calls", {})
+    count = calls.get(group, 0)
+    calls[group] = count + 1
     return f"ar/{'-'.join(map(str, group))}/{count}"
 
 

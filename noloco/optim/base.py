@@ -33,12 +33,10 @@ class OuterRule(ABC):
         """
 
     @abstractmethod
-    def state_dict(self) -> dict:
-        ...
+    def state_dict(self) -> dict: ...
 
     @abstractmethod
-    def load_state_dict(self, state: dict) -> None:
-        ...
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _lazy_buffer(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

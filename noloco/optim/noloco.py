@@ -40,7 +40,8 @@ class NoLoCoRule(OuterRule):
         slow.add_(self.velocity)
 
     def state_dict(self) -> dict:
-        return {"velocity": self.velocity}
+        return {"velocity": None if self.velocity is None else self.velocity.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.velocity = state["velocity"]
+        velocity = state["velocity"]
+        self.velocity = None if velocity is None else velocity.detach().float().clone()

@@ -107,7 +107,11 @@ class DDP(Algorithm):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = parameters_to_vector(grads)
         mean = allreduce(
-            flat, self.transport, codec=self.codec, op="mean", timeout=self.timeout,
+            flat,
+            self.transport,
+            codec=self.codec,
+            op="mean",
+            timeout=self.timeout,
             tag=f"ddp/s{self.inner_step + 1}",
         )
         for p, g in zip(self.params, grads):
@@ -172,7 +176,9 @@ class OuterAlgorithm(Algorithm):
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])
         if state["slow"].shape != self.slow.shape:
-            raise ValueError(f"checkpoint slow weights have shape {tuple(state['slow'].shape)}, model needs {tuple(self.slow.shape)}")
+            raise ValueError(
+                f"checkpoint slow weights have shape {tuple(state['slow'].shape)}, model needs {tuple(self.slow.shape)}"
+            )
         self.slow = state["slow"].float().clone()
         self.rule.load_state_dict(state["rule"])
 
@@ -197,9 +203,7 @@ class NoLoCo(OuterAlgorithm):
         timeout: float = 60.0,
     ):
         schedule = GroupSchedule(transport.world_size, min(group_size, transport.world_size), seed)
-        super().__init__(
-            model, inner_opt, transport, NoLoCoRule(lr, pull, momentum), every, schedule, codec, timeout
-        )
+        super().__init__(model, inner_opt, transport, NoLoCoRule(lr, pull, momentum), every, schedule, codec, timeout)
 
     def _fused_exchange(self) -> bool:
         return self.rule.lr == self.rule.pull

@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(others, [str(resume_from / "config.yaml"), *args.config])
             cfg.resume = str(resume_from)
             if resume_step >= cfg.steps:
-                raise ConfigError(f"resume: checkpoint is at step {resume_step}, run has steps={cfg.steps}; "
-                                  "raise steps= to continue")
+                raise ConfigError(
+                    f"resume: checkpoint is at step {resume_step}, run has steps={cfg.steps}; raise steps= to continue"
+                )
         if args.print_config:
             print(OmegaConf.to_yaml(cfg))
             return 0

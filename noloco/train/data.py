@@ -277,7 +277,9 @@ class BatchSampler:
         return windows[:, :-1], windows[:, 1:]
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed held-out windows, evenly spaced over the split (the same for every worker and run)."""
     if tokens.size < seq_len + 2:
         raise DataError(f"the held-out split has {tokens.size} tokens, fewer than data.seq_len+2")

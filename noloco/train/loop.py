@@ -42,7 +42,9 @@ def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
     return LLaMA(model_config(cfg.model.preset, vocab_size=vocab_size, **overrides), seed=cfg.run.seed)
 
 
-def build_inner_optimizer(cfg: DictConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_inner_optimizer(
+    cfg: DictConfig, model: torch.nn.Module
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (decay on matrices only) and a linear warm-up + cosine schedule down to ``inner.min_lr``."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -69,13 +71,27 @@ def build_algorithm(cfg: DictConfig, model, opt, transport: Transport) -> Algori
     common = dict(codec=comm.codec, timeout=comm.timeout)
     if outer.algo == "noloco":
         return NoLoCo(
-            model, opt, transport, every=outer.every, lr=outer.lr, pull=outer.pull, momentum=outer.momentum,
-            group_size=outer.group_size, seed=cfg.run.seed, **common,
+            model,
+            opt,
+            transport,
+            every=outer.every,
+            lr=outer.lr,
+            pull=outer.pull,
+            momentum=outer.momentum,
+            group_size=outer.group_size,
+            seed=cfg.run.seed,
+            **common,
         )
     if outer.algo == "diloco":
         return DiLoCo(
-            model, opt, transport, every=outer.every, lr=outer.lr, momentum=outer.momentum,
-            nesterov=outer.nesterov, **common,
+            model,
+            opt,
+            transport,
+            every=outer.every,
+            lr=outer.lr,
+            momentum=outer.momentum,
+            nesterov=outer.nesterov,
+            **common,
         )
     if outer.algo == "avg":
         return PeriodicAveraging(model, opt, transport, every=outer.every, **common)
@@ -126,7 +142,21 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
     started = time.perf_counter()
     wall = lambda: wall_offset + time.perf_counter() - started  # noqa: E731
 
-    eval_loss = history[-1][1] if history else float("nan")
+    if ctx.resume_from is None:  # the curve starts at the initial loss
+        eval_loss = evaluate(model, held_out)
+        history.append((0, eval_loss))
+        ctx.metrics.log(
+            {
+                "worker": rank,
+                "step": 0,
+                "tokens": 0,
+                "bytes_sent": 0,
+                "bytes_received": 0,
+                "wall": round(wall(), 4),
+                "eval_loss": eval_loss,
+            }
+        )
+    eval_loss = history[-1][1]
     for step in range(start + 1, cfg.steps + 1):
         inputs, targets = sampler.batch(rank, step)
         _, loss = model(inputs, targets)
@@ -139,8 +169,13 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
         schedule.step()
 
         record = {
-            "worker": rank, "step": step, "loss": loss.item(), "lr": lr, "tokens": step * tokens_per_step,
-            "bytes_sent": transport.counter.bytes_sent, "bytes_received": transport.counter.bytes_received,
+            "worker": rank,
+            "step": step,
+            "loss": loss.item(),
+            "lr": lr,
+            "tokens": step * tokens_per_step,
+            "bytes_sent": transport.counter.bytes_sent,
+            "bytes_received": transport.counter.bytes_received,
             "wall": round(wall(), 4),
         }
         if outer_round is not None:
@@ -155,9 +190,14 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
 
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
             state = {
-                "step": step, "model": model.state_dict(), "inner_opt": opt.state_dict(),
-                "schedule": schedule.state_dict(), "algorithm": algo.state_dict(),
-                "counter": transport.counter.state_dict(), "wall_seconds": wall(), "eval_history": history,
+                "step": step,
+                "model": model.state_dict(),
+                "inner_opt": opt.state_dict(),
+                "schedule": schedule.state_dict(),
+                "algorithm": algo.state_dict(),
+                "counter": transport.counter.state_dict(),
+                "wall_seconds": wall(),
+                "eval_history": history,
             }
             checkpoint.save_worker(ctx.run_dir, step, rank, state)
             # Barrier: the checkpoint is complete only when every worker has saved. Not counted as traffic.
@@ -168,8 +208,11 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
             break
 
     return WorkerResult(
-        rank=rank, final_eval_loss=eval_loss, slow_weights=algo.slow_weights(),
-        bytes_sent=transport.counter.bytes_sent, bytes_received=transport.counter.bytes_received,
+        rank=rank,
+        final_eval_loss=eval_loss,
+        slow_weights=algo.slow_weights(),
+        bytes_sent=transport.counter.bytes_sent,
+        bytes_received=transport.counter.bytes_received,
         eval_history=history,
     )
 

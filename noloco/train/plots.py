@@ -28,7 +28,9 @@ def _eval_curves(run_dir: Path) -> tuple[dict[int, list[tuple]], list[tuple]]:
     mean = []
     for step in sorted(by_step):
         pts = by_step[step]
-        mean.append((step, max(p[1] for p in pts), sum(p[2] for p in pts) / len(pts), sum(p[3] for p in pts) / len(pts)))
+        mean.append(
+            (step, max(p[1] for p in pts), sum(p[2] for p in pts) / len(pts), sum(p[3] for p in pts) / len(pts))
+        )
     return per_worker, mean
 
 
@@ -55,12 +57,25 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None) -> Path
             for worker, pts in sorted(per_worker.items()):
                 for ax, col in zip(axes, (0, 1, 2)):
                     xs = [p[col] / (1e6 if col == 2 else 1) for p in pts]
-                    ax.plot(xs, [p[3] for p in pts], color=color, alpha=0.25, lw=1,
-                            label="workers" if worker == 0 and col == 0 else None)
+                    ax.plot(
+                        xs,
+                        [p[3] for p in pts],
+                        color=color,
+                        alpha=0.25,
+                        lw=1,
+                        label="workers" if worker == 0 and col == 0 else None,
+                    )
         for ax, col in zip(axes, (0, 1, 2)):
             xs = [p[col] / (1e6 if col == 2 else 1) for p in mean]
-            ax.plot(xs, [p[3] for p in mean], color=color, lw=2, marker="o", ms=3,
-                    label=_label(Path(run_dir)) if col == 0 else None)
+            ax.plot(
+                xs,
+                [p[3] for p in mean],
+                color=color,
+                lw=2,
+                marker="o",
+                ms=3,
+                label=_label(Path(run_dir)) if col == 0 else None,
+            )
     for ax, xlabel in zip(axes, xlabels):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)

@@ -32,8 +32,16 @@ class Progress:
 
         self._lock = threading.Lock()
         self._losses = [float("nan")] * workers
-        self._bar = tqdm(total=total, initial=initial, unit="step", disable=not enabled, file=sys.stderr,
-                         dynamic_ncols=True, desc="training")
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            unit="step",
+            disable=not enabled,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            desc="training",
+            mininterval=0.2 if sys.stderr.isatty() else 15.0,
+        )
 
     def advance(self, rank: int, loss: float) -> None:
         with self._lock:
@@ -60,28 +68,35 @@ def default_run_name(cfg: DictConfig) -> str:
     return f"{cfg.outer.algo}-{cfg.comm.codec}-w{cfg.workers}-{stamp}"
 
 
-def run(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | None = None, resume_step: int = 0,
-        stop_after: int | None = None, quiet: bool = False) -> dict:
+def run(
+    cfg: DictConfig,
+    run_dir: Path | None = None,
+    resume_from: Path | None = None,
+    resume_step: int = 0,
+    stop_after: int | None = None,
+    quiet: bool = False,
+) -> dict:
     """Run (or resume) the job described by ``cfg``; returns the summary dict."""
     started = time.perf_counter()
     run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
     run_dir.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
 
-    corpus = prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction,
-                            cfg.data.cache_dir)
+    corpus = prepare_corpus(
+        cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction, cfg.data.cache_dir
+    )
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
     torch.set_num_threads(threads)
     params = build_model(cfg, corpus.vocab_size).num_parameters()
-    say(f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers · {params / 1e6:.2f}M params · "
+    say(
+        f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers · {params / 1e6:.2f}M params · "
         f"{cfg.steps} steps · data {cfg.data.source}: {corpus.train.size:,} train / {corpus.val.size:,} "
-        f"held-out tokens · {run_dir}")
+        f"held-out tokens · {run_dir}"
+    )
     (run_dir / "config.yaml").write_text(__import__("omegaconf").OmegaConf.to_yaml(cfg))
 
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard,
-                            resume_step=resume_step if resume_from else None)
-    progress = Progress(cfg.steps * cfg.workers, resume_step * cfg.workers, cfg.workers,
-                        cfg.log.progress and not quiet)
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, resume_step=resume_step if resume_from else None)
+    progress = Progress(cfg.steps * cfg.workers, resume_step * cfg.workers, cfg.workers, cfg.log.progress and not quiet)
     ctx = RunContext(cfg, corpus, run_dir, metrics, resume_from, resume_step, progress, stop_after)
     fabric = LocalFabric(cfg.workers)
     try:
@@ -91,8 +106,9 @@ def run(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | None =
         metrics.close()
     train_seconds = time.perf_counter() - started
 
-    targets = torch.cat([y for _, y in eval_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size,
-                                                    cfg.eval.batches)])
+    targets = torch.cat(
+        [y for _, y in eval_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)]
+    )
     final = [r.final_eval_loss for r in results]
     steps_done = stop_after if stop_after is not None else cfg.steps
     tokens = cfg.workers * (steps_done - resume_step) * cfg.data.batch_size * cfg.data.seq_len
@@ -128,8 +144,10 @@ def format_summary(s: dict) -> str:
         f"{'worker':>8} {'held-out loss':>14} {'MB sent':>10} {'MB received':>12}",
     ]
     for rank, loss in enumerate(s["final_eval_loss_per_worker"]):
-        lines.append(f"{rank:>8} {loss:>14.4f} {s['bytes_sent_by_worker'][rank] / 1e6:>10.2f} "
-                     f"{s['bytes_received_by_worker'][rank] / 1e6:>12.2f}")
+        lines.append(
+            f"{rank:>8} {loss:>14.4f} {s['bytes_sent_by_worker'][rank] / 1e6:>10.2f} "
+            f"{s['bytes_received_by_worker'][rank] / 1e6:>12.2f}"
+        )
     lines += [
         f"{'mean':>8} {s['final_eval_loss']:>14.4f} {s['bytes_sent_per_worker'] / 1e6:>10.2f}",
         "",

@@ -1,0 +1,30 @@
+import pytest
+
+from noloco.train.config import load_config
+
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "data.vocab_size=512",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "eval.batches=2",
+    "log.progress=false",
+    "inner.warmup=5",
+]
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture
+def tiny_config(data_cache, tmp_path):
+    """A seconds-long run on the real default corpus, writing under tmp_path."""
+
+    def make(*overrides: str):
+        return load_config([*TINY, f"data.cache_dir={data_cache}", f"run.dir={tmp_path}", *overrides])
+
+    return make
