@@ -25,17 +25,18 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from noloco.collectives import allreduce
-from noloco.comm.base import Transport
-from noloco.gossip import GroupSchedule
+from noloco.comm.base import ByteCounter, CommError, Transport
+from noloco.gossip import GroupSource, ScheduledGroups
 from noloco.optim import AveragingRule, DiLoCoRule, NoLoCoRule, OuterRule
 
 
 @dataclass
 class OuterRoundInfo:
-    """What one outer round did, for logging."""
+    """What one outer round did, for logging. ``skipped`` names why the update was not applied."""
 
     round: int
     group: list[int]
+    skipped: str | None = None
 
 
 def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -63,7 +64,7 @@ class Algorithm:
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        transport: Transport,
+        transport: Transport | None,
         codec: str = "fp32",
         timeout: float = 60.0,
     ):
@@ -86,6 +87,11 @@ class Algorithm:
 
     def _after_inner_step(self) -> OuterRoundInfo | None:
         return None
+
+    @property
+    def counter(self) -> ByteCounter:
+        """Bytes this worker has sent and received for the algorithm's exchanges."""
+        return self.transport.counter
 
     def slow_weights(self) -> torch.Tensor:
         """The weights workers agree on (the slow weights for outer algorithms), flat fp32."""
@@ -121,24 +127,34 @@ class DDP(Algorithm):
 
 
 class OuterAlgorithm(Algorithm):
-    """Inner steps locally; every ``every`` steps an outer step over a group from ``schedule``."""
+    """Inner steps locally; every ``every`` steps an outer step over the group ``groups`` forms.
+
+    ``skip_failed_rounds``: when the group cannot be formed or a member fails mid-exchange (an open
+    swarm), leave φ and θ as they are and go on training; the next round's pseudo-gradient then
+    covers the missed steps. When false (a fixed world), the failure is raised.
+    """
 
     def __init__(
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        transport: Transport,
+        groups: GroupSource,
         rule: OuterRule,
         every: int,
-        schedule: GroupSchedule,
         codec: str = "fp32",
         timeout: float = 60.0,
+        skip_failed_rounds: bool = False,
     ):
-        super().__init__(model, inner_opt, transport, codec=codec, timeout=timeout)
+        super().__init__(model, inner_opt, getattr(groups, "transport", None), codec=codec, timeout=timeout)
         if every < 1:
             raise ValueError(f"outer.every must be >= 1, got {every}")
-        self.rule, self.every, self.schedule = rule, int(every), schedule
+        self.rule, self.every, self.groups = rule, int(every), groups
+        self.skip_failed_rounds = bool(skip_failed_rounds)
         self.slow = parameters_to_vector(self.params).detach().float().clone()
+
+    @property
+    def counter(self) -> ByteCounter:
+        return self.groups.counter
 
     def _after_inner_step(self) -> OuterRoundInfo | None:
         if self.inner_step % self.every:
@@ -148,21 +164,44 @@ class OuterAlgorithm(Algorithm):
     @torch.no_grad()
     def outer_step(self, round_index: int) -> OuterRoundInfo:
         """Exchange with this round's group and apply the outer rule; loads φ into the model."""
-        group = self.schedule.group_of(self.transport.rank, round_index)
-        fast = parameters_to_vector(self.params).detach().float()
-        tag = f"outer/r{round_index}"
-        reduce = lambda x, what: allreduce(  # noqa: E731
-            x, self.transport, group, codec=self.codec, op="mean", timeout=self.timeout, tag=f"{tag}/{what}"
-        )
-        if self._fused_exchange():
-            mean_fast = reduce(fast, "fast")
-            mean_delta, mean_slow = mean_fast - self.slow, self.slow.clone()
-        else:
-            mean_delta = reduce(fast - self.slow, "delta")
-            mean_slow = reduce(self.slow, "slow") if self.rule.needs_slow_mean else None
+        group = self.groups.form(round_index, self.timeout)
+        if group is None:
+            if not self.skip_failed_rounds:
+                raise CommError(f"round {round_index}: no group could be formed")
+            return OuterRoundInfo(round=round_index, group=[], skipped="no partner")
+        try:
+            mean_delta, mean_slow = self._exchange(group)
+        except (CommError, ValueError) as exc:
+            if not self.skip_failed_rounds:
+                raise
+            return OuterRoundInfo(round_index, group.members, skipped=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.groups.release(group)
         self.rule.step(self.slow, mean_delta, mean_slow)
         copy_flat_into(self.slow, self.params)
-        return OuterRoundInfo(round=round_index, group=group)
+        return OuterRoundInfo(round=round_index, group=group.peer_ids or group.members)
+
+    def _exchange(self, group) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Group means of the pseudo-gradient and (if the rule needs it) the slow weights."""
+        fast = parameters_to_vector(self.params).detach().float()
+        tag = f"outer/r{group.round}"
+
+        def reduce(x: torch.Tensor, what: str) -> torch.Tensor:
+            return allreduce(
+                x,
+                group.transport,
+                group.members,
+                codec=self.codec,
+                op="mean",
+                timeout=self.timeout,
+                tag=f"{tag}/{what}",
+            )
+
+        if self._fused_exchange():
+            return reduce(fast, "fast") - self.slow, self.slow.clone()
+        mean_delta = reduce(fast - self.slow, "delta")
+        mean_slow = reduce(self.slow, "slow") if self.rule.needs_slow_mean else None
+        return mean_delta, mean_slow
 
     def _fused_exchange(self) -> bool:
         return False
@@ -183,8 +222,19 @@ class OuterAlgorithm(Algorithm):
         self.rule.load_state_dict(state["rule"])
 
 
+def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:
+    if isinstance(transport, GroupSource):
+        return transport
+    size = None if group_size is None else min(group_size, transport.world_size)
+    return ScheduledGroups(transport, size, seed)
+
+
 class NoLoCo(OuterAlgorithm):
-    """NoLoCo: outer momentum with a pull toward the mean of a random subgroup (DESIGN §3.1)."""
+    """NoLoCo: outer momentum with a pull toward the mean of a random subgroup (DESIGN §3.1).
+
+    ``transport`` is either a fixed world's transport (groups drawn from a seeded schedule of
+    ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking).
+    """
 
     name = "noloco"
 
@@ -192,7 +242,7 @@ class NoLoCo(OuterAlgorithm):
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        transport: Transport,
+        transport: Transport | GroupSource,
         every: int = 50,
         lr: float = 0.7,
         pull: float = 0.7,
@@ -201,9 +251,18 @@ class NoLoCo(OuterAlgorithm):
         seed: int = 0,
         codec: str = "fp32",
         timeout: float = 60.0,
+        skip_failed_rounds: bool = False,
     ):
-        schedule = GroupSchedule(transport.world_size, min(group_size, transport.world_size), seed)
-        super().__init__(model, inner_opt, transport, NoLoCoRule(lr, pull, momentum), every, schedule, codec, timeout)
+        super().__init__(
+            model,
+            inner_opt,
+            _group_source(transport, group_size, seed),
+            NoLoCoRule(lr, pull, momentum),
+            every,
+            codec,
+            timeout,
+            skip_failed_rounds,
+        )
 
     def _fused_exchange(self) -> bool:
         return self.rule.lr == self.rule.pull
@@ -218,17 +277,24 @@ class DiLoCo(OuterAlgorithm):
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        transport: Transport,
+        transport: Transport | GroupSource,
         every: int = 50,
         lr: float = 0.7,
         momentum: float = 0.9,
         nesterov: bool = True,
         codec: str = "fp32",
         timeout: float = 60.0,
+        skip_failed_rounds: bool = False,
     ):
-        schedule = GroupSchedule(transport.world_size, None, seed=0)
         super().__init__(
-            model, inner_opt, transport, DiLoCoRule(lr, momentum, nesterov), every, schedule, codec, timeout
+            model,
+            inner_opt,
+            _group_source(transport, None, 0),
+            DiLoCoRule(lr, momentum, nesterov),
+            every,
+            codec,
+            timeout,
+            skip_failed_rounds,
         )
 
 
@@ -241,13 +307,22 @@ class PeriodicAveraging(OuterAlgorithm):
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        transport: Transport,
+        transport: Transport | GroupSource,
         every: int = 50,
         codec: str = "fp32",
         timeout: float = 60.0,
+        skip_failed_rounds: bool = False,
     ):
-        schedule = GroupSchedule(transport.world_size, None, seed=0)
-        super().__init__(model, inner_opt, transport, AveragingRule(), every, schedule, codec, timeout)
+        super().__init__(
+            model,
+            inner_opt,
+            _group_source(transport, None, 0),
+            AveragingRule(),
+            every,
+            codec,
+            timeout,
+            skip_failed_rounds,
+        )
 
 
 ALGORITHMS = {cls.name: cls for cls in (NoLoCo, DiLoCo, PeriodicAveraging, DDP)}

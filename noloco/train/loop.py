@@ -137,7 +137,7 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
         opt.load_state_dict(state["inner_opt"])
         schedule.load_state_dict(state["schedule"])
         algo.load_state_dict(state["algorithm"])
-        transport.counter.load_state_dict(state["counter"])
+        algo.counter.load_state_dict(state["counter"])
         start, wall_offset, history = state["step"], state["wall_seconds"], state["eval_history"]
     started = time.perf_counter()
     wall = lambda: wall_offset + time.perf_counter() - started  # noqa: E731
@@ -174,12 +174,14 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
             "loss": loss.item(),
             "lr": lr,
             "tokens": step * tokens_per_step,
-            "bytes_sent": transport.counter.bytes_sent,
-            "bytes_received": transport.counter.bytes_received,
+            "bytes_sent": algo.counter.bytes_sent,
+            "bytes_received": algo.counter.bytes_received,
             "wall": round(wall(), 4),
         }
         if outer_round is not None:
             record["outer_round"], record["group"] = outer_round.round, outer_round.group
+            if outer_round.skipped:
+                record["outer_skipped"] = outer_round.skipped
         if step % cfg.eval.every == 0 or step == cfg.steps:
             eval_loss = evaluate(model, held_out)
             history.append((step, eval_loss))
@@ -195,7 +197,7 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
                 "inner_opt": opt.state_dict(),
                 "schedule": schedule.state_dict(),
                 "algorithm": algo.state_dict(),
-                "counter": transport.counter.state_dict(),
+                "counter": algo.counter.state_dict(),
                 "wall_seconds": wall(),
                 "eval_history": history,
             }
@@ -211,8 +213,8 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
         rank=rank,
         final_eval_loss=eval_loss,
         slow_weights=algo.slow_weights(),
-        bytes_sent=transport.counter.bytes_sent,
-        bytes_received=transport.counter.bytes_received,
+        bytes_sent=algo.counter.bytes_sent,
+        bytes_received=algo.counter.bytes_received,
         eval_history=history,
     )
 
