@@ -73,12 +73,21 @@ class Algorithm:
         self.codec, self.timeout = codec, float(timeout)
         self.inner_step = 0
         self.last_round: OuterRoundInfo | None = None
+        self.nonfinite_events = 0  # gradients or fast weights found non-finite and neutralised
 
     def sync_gradients(self) -> None:
         """Called after ``backward()``; averages gradients where the algorithm does so."""
 
     def step(self) -> OuterRoundInfo | None:
-        """Inner optimizer step, then whatever the algorithm does after it. Returns outer-round info."""
+        """Inner optimizer step, then whatever the algorithm does after it. Returns outer-round info.
+
+        Non-finite gradients are dropped (no inner update this step), so one bad batch cannot
+        poison the weights or the optimizer moments.
+        """
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and not all(torch.isfinite(g).all() for g in grads):
+            self.nonfinite_events += 1
+            self.inner_opt.zero_grad(set_to_none=True)
         self.inner_opt.step()
         self.inner_opt.zero_grad(set_to_none=True)
         self.inner_step += 1
@@ -112,6 +121,9 @@ class DDP(Algorithm):
     def sync_gradients(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = parameters_to_vector(grads)
+        if not torch.isfinite(flat).all():  # contribute nothing rather than spread NaN/Inf
+            self.nonfinite_events += 1
+            flat = torch.zeros_like(flat)
         mean = allreduce(
             flat,
             self.transport,
@@ -182,8 +194,17 @@ class OuterAlgorithm(Algorithm):
         return OuterRoundInfo(round=round_index, group=group.peer_ids or group.members)
 
     def _exchange(self, group) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Group means of the pseudo-gradient and (if the rule needs it) the slow weights."""
+        """Group means of the pseudo-gradient and (if the rule needs it) the slow weights.
+
+        Fast weights that went non-finite are replaced by the slow weights before anything is sent:
+        this worker contributes a zero pseudo-gradient, its partners are not poisoned, and its own
+        model restarts from φ.
+        """
         fast = parameters_to_vector(self.params).detach().float()
+        if not torch.isfinite(fast).all():
+            self.nonfinite_events += 1
+            fast = self.slow.clone()
+            self.inner_opt.state.clear()  # moments may hold NaN/Inf too
         tag = f"outer/r{group.round}"
 
         def reduce(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -210,7 +231,12 @@ class OuterAlgorithm(Algorithm):
         return self.slow.clone()
 
     def state_dict(self) -> dict:
-        return {"inner_step": self.inner_step, "slow": self.slow.clone(), "rule": self.rule.state_dict()}
+        return {
+            "inner_step": self.inner_step,
+            "slow": self.slow.clone(),
+            "rule": self.rule.state_dict(),
+            "nonfinite_events": self.nonfinite_events,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])
@@ -220,6 +246,7 @@ class OuterAlgorithm(Algorithm):
             )
         self.slow = state["slow"].float().clone()
         self.rule.load_state_dict(state["rule"])
+        self.nonfinite_events = int(state.get("nonfinite_events", 0))
 
 
 def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:

@@ -182,6 +182,8 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
             record["outer_round"], record["group"] = outer_round.round, outer_round.group
             if outer_round.skipped:
                 record["outer_skipped"] = outer_round.skipped
+        if algo.nonfinite_events:
+            record["nonfinite_events"] = algo.nonfinite_events
         if step % cfg.eval.every == 0 or step == cfg.steps:
             eval_loss = evaluate(model, held_out)
             history.append((step, eval_loss))

@@ -99,3 +99,48 @@ def test_noloco_with_full_group_and_no_pull_matches_diloco_averaging():
     diloco = _train_replicas(lambda m, o, t: DiLoCo(m, o, t, every=3, lr=0.7, momentum=0.0))
     for a, b in zip(noloco, diloco):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_worker_with_non_finite_weights_never_poisons_its_partner():
+    cfg = model_config("tiny", dim=32, n_layers=1, n_heads=2, vocab_size=64)
+
+    def fn(transport):
+        model = LLaMA(cfg, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        algo = NoLoCo(model, opt, transport, every=2, group_size=2)
+        gen = torch.Generator().manual_seed(transport.rank)
+        for step in range(4):
+            x = torch.randint(0, 64, (2, 8), generator=gen)
+            model(x, x)[1].backward()
+            if transport.rank == 1 and step == 1:
+                with torch.no_grad():
+                    model.embed.weight[0, 0] = float("nan")  # a corrupted replica right before the outer step
+            algo.sync_gradients()
+            algo.step()
+        return algo.slow_weights(), algo.nonfinite_events
+
+    (slow0, events0), (slow1, events1) = LocalFabric(2).run(fn)
+    assert torch.isfinite(slow0).all() and torch.isfinite(slow1).all()
+    assert events0 == 0 and events1 >= 1
+
+
+def test_non_finite_gradients_skip_the_inner_update_and_ddp_sends_zeros():
+    cfg = model_config("tiny", dim=32, n_layers=1, n_heads=2, vocab_size=64)
+
+    def fn(transport):
+        from noloco.train.algorithms import DDP
+
+        model = LLaMA(cfg, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        algo = DDP(model, opt, transport)
+        x = torch.randint(0, 64, (2, 8))
+        model(x, x)[1].backward()
+        if transport.rank == 0:
+            model.embed.weight.grad[0, 0] = float("inf")
+        algo.sync_gradients()
+        algo.step()
+        return algo.slow_weights(), algo.nonfinite_events
+
+    (w0, e0), (w1, e1) = LocalFabric(2).run(fn)
+    assert torch.isfinite(w0).all() and torch.equal(w0, w1)
+    assert e0 == 1 and e1 == 0
