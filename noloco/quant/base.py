@@ -1,0 +1,255 @@
+"""The interface of the quantization layer: what a format is (:class:`QuantSpec`), what an encoded
+tensor is (:class:`Packed`) and how a malformed one fails (:class:`PayloadError`).
+
+Formats (DESIGN §3.3; MX formats from the OCP Microscaling Formats (MX) v1.0 specification):
+
+- ``int4`` / ``int8``: group-wise (g = 128 by default) zero-aware asymmetric integer quantization.
+  Options after ``:`` -- ``g64`` (group size, a power of two in 16..4096), ``sym`` (symmetric),
+  ``naive`` (min/max asymmetric, zero not on the grid), ``stochastic`` (unbiased stochastic rounding).
+- ``mxfp4`` (E2M1), ``mxfp6`` (E3M2), ``mxfp8`` (E4M3): blocks of 32 sharing one E8M0 scale.
+- ``bf16``, ``fp16``, ``fp32``: plain casts (the uncompressed baselines).
+- any of them + ``+hadamard`` (optionally ``+hadamard:b64:s7`` for block size and seed): a randomized
+  block Hadamard rotation before quantizing, undone after decoding.
+
+A spec's canonical string (``str(spec)``) round-trips through :meth:`QuantSpec.parse` and is what the
+wire header carries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PayloadError", "QuantSpec", "Packed", "MX_ELEMENTS", "FLOAT_DTYPES"]
+
+
+class PayloadError(ValueError):
+    """A byte string is not a well-formed :class:`Packed` payload (truncated, corrupted, forged,
+    or larger than the caller allows). Nothing is allocated beyond the declared, bounded size."""
+
+
+#: element formats of the MX family: name -> (exponent bits, mantissa bits)
+MX_ELEMENTS: dict[str, tuple[int, int]] = {"mxfp4": (2, 1), "mxfp6": (3, 2), "mxfp8": (4, 3)}
+#: plain cast formats: name -> torch dtype
+FLOAT_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+_MODES = ("zero", "sym", "naive")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One encoding format. Build it with :meth:`parse`; ``str(spec)`` gives the canonical name.
+
+    Attributes:
+        kind: ``"int"``, ``"mx"`` or ``"float"``.
+        name: the base name, e.g. ``"int4"``, ``"mxfp8"``, ``"bf16"``.
+        bits: bits per element code (4 or 8 for int, 4/6/8 for MX, 16/32 for float).
+        group: elements sharing one scale (int: 128 by default; MX: 32; float: 0).
+        mode: int only -- ``"zero"`` (zero-aware, default), ``"sym"`` or ``"naive"``.
+        stochastic: int only -- unbiased stochastic rounding instead of round-half-to-even.
+        hadamard: rotate blocks of ``hadamard_block`` elements with a randomized Hadamard transform.
+        hadamard_block: rotation block size, a power of two (default 128).
+        hadamard_seed: seed of the random signs; both ends must use the same one (it travels in the spec).
+    """
+
+    kind: str
+    name: str
+    bits: int
+    group: int = 0
+    mode: str = "zero"
+    stochastic: bool = False
+    hadamard: bool = False
+    hadamard_block: int = 128
+    hadamard_seed: int = 0
+    _canonical: str = field(default="", compare=False, repr=False)
+
+    @staticmethod
+    def parse(text: str | QuantSpec) -> QuantSpec:
+        """Parse a spec string such as ``"int4"``, ``"int8:g64:sym"``, ``"mxfp4+hadamard"``.
+
+        Raises:
+            ValueError: unknown name or option, or an out-of-range group/block size.
+        """
+        if isinstance(text, QuantSpec):
+            return text
+        if not isinstance(text, str) or not text or len(text) > 64:
+            raise ValueError(f"a quantization spec is a non-empty string of at most 64 chars, got {text!r}")
+        base, plus, rot = text.strip().lower().partition("+")
+        hadamard, hblock, hseed = False, 128, 0
+        if plus:
+            parts = rot.split(":")
+            if parts[0] != "hadamard":
+                raise ValueError(f"unknown spec suffix '+{parts[0]}' in {text!r} (only '+hadamard')")
+            hadamard = True
+            for opt in parts[1:]:
+                if opt.startswith("b") and opt[1:].isdigit():
+                    hblock = int(opt[1:])
+                elif opt.startswith("s") and opt[1:].isdigit():
+                    hseed = int(opt[1:])
+                else:
+                    raise ValueError(f"unknown hadamard option {opt!r} in {text!r} (use bN or sN)")
+            if not (2 <= hblock <= 4096 and hblock & (hblock - 1) == 0):
+                raise ValueError(f"hadamard block must be a power of two in 2..4096, got {hblock}")
+            if hseed >= 2**31:
+                raise ValueError(f"hadamard seed must be < 2**31, got {hseed}")
+        name, *opts = base.split(":")
+        if name in ("int4", "int8"):
+            bits, group, mode, stochastic = int(name[3:]), 128, "zero", False
+            for opt in opts:
+                if opt.startswith("g") and opt[1:].isdigit():
+                    group = int(opt[1:])
+                elif opt in _MODES:
+                    mode = opt
+                elif opt == "stochastic":
+                    stochastic = True
+                elif opt == "nearest":
+                    stochastic = False
+                else:
+                    raise ValueError(f"unknown int option {opt!r} in {text!r}")
+            if not (16 <= group <= 4096 and group & (group - 1) == 0):
+                raise ValueError(f"group size must be a power of two in 16..4096, got {group}")
+            spec = QuantSpec("int", name, bits, group, mode, stochastic, hadamard, hblock, hseed)
+        elif name in MX_ELEMENTS:
+            if opts:
+                raise ValueError(f"MX formats take no options, got {text!r}")
+            e, m = MX_ELEMENTS[name]
+            spec = QuantSpec("mx", name, 1 + e + m, 32, "zero", False, hadamard, hblock, hseed)
+        elif name in FLOAT_DTYPES:
+            if opts:
+                raise ValueError(f"float formats take no options, got {text!r}")
+            bits = torch.finfo(FLOAT_DTYPES[name]).bits
+            spec = QuantSpec("float", name, bits, 0, "zero", False, hadamard, hblock, hseed)
+        else:
+            raise ValueError(
+                f"unknown quantization spec {text!r}; expected int4, int8, mxfp4, mxfp6, mxfp8, bf16, fp16 "
+                "or fp32, optionally with :options and +hadamard"
+            )
+        return spec
+
+    def __str__(self) -> str:
+        s = self.name
+        if self.kind == "int":
+            if self.group != 128:
+                s += f":g{self.group}"
+            if self.mode != "zero":
+                s += f":{self.mode}"
+            if self.stochastic:
+                s += ":stochastic"
+        if self.hadamard:
+            s += "+hadamard"
+            if self.hadamard_block != 128:
+                s += f":b{self.hadamard_block}"
+            if self.hadamard_seed:
+                s += f":s{self.hadamard_seed}"
+        return s
+
+    @property
+    def levels(self) -> int:
+        """Largest integer code, 2**bits - 1 (int formats)."""
+        return (1 << self.bits) - 1
+
+    def padded_numel(self, numel: int) -> int:
+        """Number of elements actually encoded: ``numel`` rounded up to the Hadamard block if rotated."""
+        if self.hadamard and numel:
+            return -(-numel // self.hadamard_block) * self.hadamard_block
+        return numel
+
+    def layout(self, numel: int) -> list[tuple[str, torch.dtype, int]]:
+        """The payload sections for ``numel`` elements: ``[(name, dtype, count), ...]`` in wire order.
+
+        Sections: ``codes`` (uint8, packed codes), ``scales`` (int: bf16 bit patterns as int16;
+        MX: E8M0 uint8), ``zero_points`` (int zero-aware: uint8) or ``mins`` (int naive: bf16 as int16).
+        """
+        n = self.padded_numel(numel)
+        if self.kind == "float":
+            return [("codes", torch.uint8, n * self.bits // 8)]
+        groups = -(-n // self.group)
+        if self.kind == "mx":
+            code_bytes = {4: -(-n // 2), 6: -(-n // 4) * 3, 8: n}[self.bits]
+            return [("codes", torch.uint8, code_bytes), ("scales", torch.uint8, groups)]
+        code_bytes = -(-n // 2) if self.bits == 4 else n
+        out = [("codes", torch.uint8, code_bytes), ("scales", torch.int16, groups)]
+        if self.mode == "zero":
+            out.append(("zero_points", torch.uint8, groups))
+        elif self.mode == "naive":
+            out.append(("mins", torch.int16, groups))
+        return out
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Bytes of the payload sections (header and checksum excluded) for ``numel`` elements."""
+        return sum(count * torch.empty(0, dtype=dt).element_size() for _, dt, count in self.layout(numel))
+
+    def bits_per_element(self, numel: int = 1 << 20) -> float:
+        """Payload bits per input element for a tensor of ``numel`` elements (no header)."""
+        return 8.0 * self.payload_nbytes(numel) / max(numel, 1)
+
+
+@dataclass
+class Packed:
+    """An encoded tensor: the spec, the original shape and dtype, and the payload sections.
+
+    ``codes`` is always uint8 (packed as documented in docs/quant.md: int4/mxfp4 put element 2i in the
+    low nibble and 2i+1 in the high nibble of byte i; mxfp6 packs 4 elements little-endian into 3 bytes).
+    ``scales`` holds bf16 bit patterns (int16) for int formats, E8M0 bytes (uint8) for MX, and is
+    ``None`` for float formats. ``zero_points`` (uint8) exists for zero-aware int, ``mins`` (bf16 bits
+    as int16) for naive int. All tensors live on the device of the input.
+    """
+
+    spec: QuantSpec
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    codes: torch.Tensor
+    scales: torch.Tensor | None = None
+    zero_points: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the original tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this tensor takes on the wire, header and checksum included."""
+        from .wire import header_nbytes
+
+        return header_nbytes(self) + self.spec.payload_nbytes(self.numel)
+
+    def sections(self) -> list[torch.Tensor]:
+        """Payload tensors in wire order (matching :meth:`QuantSpec.layout`)."""
+        return [getattr(self, name) for name, _, _ in self.spec.layout(self.numel)]
+
+    def to(self, device: torch.device | str) -> Packed:
+        """A copy with every payload tensor on ``device``."""
+        move = lambda t: None if t is None else t.to(device)
+        return Packed(self.spec, self.shape, self.dtype, move(self.codes), move(self.scales),
+                      move(self.zero_points), move(self.mins))
+
+    def to_bytes(self) -> bytes:
+        """Serialize to the versioned wire format (docs/quant.md)."""
+        from .wire import to_bytes
+
+        return to_bytes(self)
+
+    @staticmethod
+    def from_bytes(data: bytes | bytearray | memoryview, *, max_numel: int | None = None,
+                   device: torch.device | str = "cpu") -> Packed:
+        """Parse and validate a payload made by :meth:`to_bytes`.
+
+        Args:
+            data: the bytes received.
+            max_numel: reject payloads that declare more elements than this (default: 2**36).
+            device: where to put the decoded tensors.
+
+        Raises:
+            PayloadError: truncated, corrupted (checksum), forged/inconsistent, or too large.
+        """
+        from .wire import from_bytes
+
+        return from_bytes(data, max_numel=max_numel, device=device)
