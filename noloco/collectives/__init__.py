@@ -1,16 +1,37 @@
-"""Reductions inside a group over any transport (DESIGN §3.4)."""
+"""Reductions inside a group over any transport (DESIGN §3.4, §3.5).
 
-from noloco.collectives.base import ALGORITHMS, allreduce
-from noloco.collectives.codec import Codec, Fp32Codec, PayloadMismatch, get_codec, known_codecs
+``allreduce`` (two-phase, ring, naive ring; fp32 and every :mod:`noloco.quant` codec; error feedback),
+the message protocol that makes disagreements and dead peers fail fast, and a quantized DDP comm hook
+(:mod:`noloco.collectives.ddp_hook`).
+"""
+
+from noloco.collectives.base import ALGORITHMS, SMALL_MESSAGE_NUMEL, allreduce
+from noloco.collectives.codec import (
+    Codec,
+    Fp32Codec,
+    PayloadMismatch,
+    QuantCodec,
+    get_codec,
+    known_codecs,
+)
+from noloco.collectives.feedback import ReductionErrorFeedback
+from noloco.collectives.protocol import HEADER_BYTES, RemoteFailure
+from noloco.collectives.ring import partial_sum_codec
 from noloco.collectives.two_phase import segment_bounds
 
 __all__ = [
     "ALGORITHMS",
+    "HEADER_BYTES",
+    "SMALL_MESSAGE_NUMEL",
     "Codec",
     "Fp32Codec",
     "PayloadMismatch",
+    "QuantCodec",
+    "ReductionErrorFeedback",
+    "RemoteFailure",
     "allreduce",
     "get_codec",
     "known_codecs",
+    "partial_sum_codec",
     "segment_bounds",
 ]

@@ -1,23 +1,44 @@
 """``allreduce``: one entry point for every reduction inside a group, over any transport.
 
+Algorithms: ``two_phase`` (reduce-scatter to owners, one encoding of the reduced segment; the Echo
+two-phase scheme, DESIGN §3.4), ``ring`` (multi-hop partial sums in a widening format, after DynamiQ,
+arXiv 2602.08923) and ``naive_ring`` (re-encode every hop; the ablation). Codecs: ``fp32`` (exact) and
+every :mod:`noloco.quant` spec (``int4``, ``int8``, ``mxfp4``, ``bf16``, ``int4:g64``, ...).
+
 A reduction is identified on the wire by a tag; members that call collectives with the same group
 in the same order get matching tags automatically, and callers that know their round (the outer
 optimizers) pass an explicit ``tag`` so that a payload from another round can never be mistaken for
-this one. Shapes are checked before any byte is sent; a malformed or mis-sized peer payload raises
-:class:`~noloco.collectives.codec.PayloadMismatch`, and a silent peer raises
-:class:`~noloco.comm.base.CommTimeout` after ``timeout`` seconds.
+this one. Arguments are checked before any byte is sent. Every message carries a 32-byte header
+(:mod:`noloco.collectives.protocol`) that the receiver checks, so members that disagree on numel,
+dtype, codec or op fail on every member with :class:`~noloco.collectives.codec.PayloadMismatch`; a
+silent or dead peer makes every member raise :class:`~noloco.comm.base.CommTimeout` within about
+``timeout`` seconds.
+
+Small messages go uncompressed: when a segment (``numel / n`` elements) is shorter than
+``min_compress_numel`` (default :data:`SMALL_MESSAGE_NUMEL`, measured in docs/results/collectives.md)
+the call runs in fp32 whatever the codec; every member makes the same choice from the same numbers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from noloco.collectives.codec import Codec, get_codec
+from noloco.collectives.codec import Codec, Fp32Codec, get_codec
+from noloco.collectives.feedback import ReductionErrorFeedback
+from noloco.collectives.protocol import DTYPE_CODES, CallInfo, Exchange
+from noloco.collectives.ring import ring_allreduce
 from noloco.collectives.two_phase import two_phase_allreduce
 from noloco.comm.base import Transport
 
-ALGORITHMS = ("two_phase",)
+ALGORITHMS = ("two_phase", "ring", "naive_ring")
 OPS = ("mean", "sum")
+
+#: Segments shorter than this many elements are sent in fp32 whatever the codec. Measured on a 2-core
+#: CPU (benchmarks/collectives.py --threshold): encoding + decoding one quantized message costs a fixed
+#: 0.35 ms (quiet machine) to ~1.3 ms (loaded), so at 4096 elements compression only pays on links slower
+#: than ~10-35 MB/s (80-280 Mbit/s, the slow links noloco targets); at 64k elements below ~100-200 MB/s.
+#: See docs/results/collectives.md; pass ``min_compress_numel`` to override (e.g. on GPU).
+SMALL_MESSAGE_NUMEL = 4096
 
 
 def _next_auto_tag(transport: Transport, group: tuple[int, ...]) -> str:
@@ -37,37 +58,72 @@ def allreduce(
     op: str = "mean",
     timeout: float = 30.0,
     tag: str | None = None,
+    *,
+    error_feedback: ReductionErrorFeedback | None = None,
+    min_compress_numel: int | None = None,
 ) -> torch.Tensor:
     """Reduce ``x`` over the ranks in ``group`` (default: all ranks) and return the result.
 
     Args:
-        x: any-shape float tensor; not modified.
+        x: any-shape float tensor (fp32/bf16/fp16/fp64); not modified. Every member must pass the
+            same numel and dtype.
         transport: this rank's transport; ``transport.rank`` must be in ``group``.
         group: ranks taking part, in the same order on every member.
-        codec: wire format of the exchanged segments (``"fp32"`` is exact).
-        algorithm: ``"two_phase"``.
+        codec: wire format (``"fp32"`` is exact; any :mod:`noloco.quant` spec string, or a Codec).
+        algorithm: ``"two_phase"``, ``"ring"`` or ``"naive_ring"``.
         op: ``"mean"`` or ``"sum"``.
         timeout: seconds to wait for any one peer message.
         tag: unique name of this call within the run (e.g. ``"outer/r7/delta"``).
+        error_feedback: state kept by the caller across calls at this call site (one per buffer);
+            updated only if the call succeeds. See :mod:`noloco.collectives.feedback`.
+        min_compress_numel: segments shorter than this go in fp32 (default :data:`SMALL_MESSAGE_NUMEL`).
 
     Returns:
         float32 tensor of ``x``'s shape on ``x``'s device, bit-identical on every member.
+
+    Raises:
+        ValueError / TypeError: bad arguments (before anything is sent).
+        PayloadMismatch: members disagree (numel, dtype, codec, op, group size), a payload is
+            malformed, from the wrong member or round, or a peer failed and said so.
+        CommTimeout: a peer stayed silent for ``timeout`` seconds (on every surviving member).
     """
     group = list(range(transport.world_size)) if group is None else [int(r) for r in group]
     if transport.rank not in group:
         raise ValueError(f"rank {transport.rank} is not a member of group {group}")
     if len(set(group)) != len(group):
         raise ValueError(f"group {group} lists a rank twice")
+    if len(group) > 65535:
+        raise ValueError(f"group of {len(group)} ranks is larger than the protocol allows (65535)")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; known: {ALGORITHMS}")
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {OPS}")
     if not torch.is_floating_point(x):
         raise TypeError(f"allreduce needs a floating-point tensor, got {x.dtype}")
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(f"allreduce supports fp32/bf16/fp16/fp64 tensors, got {x.dtype}")
+    if error_feedback is not None and not isinstance(error_feedback, ReductionErrorFeedback):
+        raise TypeError(f"error_feedback must be a ReductionErrorFeedback, got {type(error_feedback).__name__}")
+    requested = get_codec(codec)
+    threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
     flat = x.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    residuals = None if error_feedback is None else error_feedback.residuals_for(flat.numel())
     if len(group) == 1:
         out = flat.clone()
+        if error_feedback is not None:  # nothing was encoded: pay back the contribution residual exactly
+            out += residuals[0] + residuals[1]
+            error_feedback.commit(torch.zeros_like(residuals[0]), torch.zeros_like(residuals[1]))
+        return out.reshape(x.shape).to(x.device)
+    n = len(group)
+    wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
+    tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
+    info = CallInfo(algorithm, op, x.dtype, tuple(group), group.index(transport.rank), flat.numel(),
+                    f"{requested.name}|{wire.name}", tag)
+    ex = Exchange(transport, info, timeout)
+    if algorithm == "two_phase":
+        out = two_phase_allreduce(flat, ex, wire, op, residuals)
     else:
-        tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
-        out = two_phase_allreduce(flat, transport, group, get_codec(codec), op, tag, timeout)
+        out = ring_allreduce(flat, ex, wire, op, residuals, naive=algorithm == "naive_ring")
+    if error_feedback is not None:
+        error_feedback.commit(*residuals)
     return out.reshape(x.shape).to(x.device)

@@ -1,11 +1,13 @@
 """Codecs: how one segment of a reduction is turned into bytes and back.
 
 A codec is the only place a collective touches number formats. ``fp32`` sends raw little-endian
-float32 and is exact. Quantized codecs (``int4``, ``int8``, ``mxfp4``, …) come from
-:mod:`noloco.quant` and are added to this registry by the kernels layer.
+float32 and is exact. Every :mod:`noloco.quant` spec string (``int4``, ``int8:g64``, ``mxfp4``,
+``mxfp8+hadamard``, ``bf16``, ...) is a codec too: its wire bytes are ``Packed.to_bytes()`` (the
+versioned, checksummed format of docs/quant.md) and decoding is bounded by the expected element count.
 
 ``decode`` always receives the number of elements the receiver expects, and rejects a payload of
-any other size before allocating anything from it.
+any other size, spec or shape before allocating anything from it (:class:`PayloadMismatch`, a
+:class:`~noloco.quant.PayloadError` and so a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from noloco.quant import Packed, PayloadError, QuantSpec, dequantize, quantize
 
-class PayloadMismatch(ValueError):
+#: Names listed by :func:`known_codecs`; any other spec :meth:`QuantSpec.parse` accepts works too.
+BASE_CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8")
+
+
+class PayloadMismatch(PayloadError):
     """A peer's payload does not have the size, format or values this member expects."""
 
 
@@ -31,6 +38,19 @@ class Codec(ABC):
     @abstractmethod
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         """Return a 1-D float32 CPU tensor of ``numel`` elements; raise :class:`PayloadMismatch`."""
+
+    def encode_with_value(self, segment: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """Wire bytes of ``segment`` and the fp32 value a receiver will decode from them.
+
+        Used by error feedback (the residual is ``segment - value``). The default decodes the bytes.
+        """
+        payload = self.encode(segment)
+        return payload, self.decode(payload, segment.numel())
+
+    @property
+    def exact(self) -> bool:
+        """True when decode(encode(x)) == x for every finite fp32 x."""
+        return False
 
 
 class Fp32Codec(Codec):
@@ -48,18 +68,93 @@ class Fp32Codec(Codec):
             return torch.empty(0, dtype=torch.float32)
         return torch.frombuffer(bytearray(payload), dtype=torch.float32)
 
+    def encode_with_value(self, segment: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        value = segment.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        return value.numpy().tobytes(), value
 
-_CODECS: dict[str, type[Codec]] = {"fp32": Fp32Codec}
+    @property
+    def exact(self) -> bool:
+        return True
+
+
+class QuantCodec(Codec):
+    """A :mod:`noloco.quant` format as a codec: ``quantize`` → ``Packed.to_bytes()`` and back.
+
+    Decoding checks, besides everything ``Packed.from_bytes`` checks (magic, version, CRC-32,
+    canonical spec, lengths, value ranges), that the payload carries this codec's spec and exactly
+    ``numel`` elements as a 1-D tensor; ``max_numel`` is bounded by ``numel`` so a forged header can
+    never make the receiver allocate more than it expects.
+    """
+
+    def __init__(self, spec: QuantSpec | str):
+        self.spec = QuantSpec.parse(spec)
+        self.name = str(self.spec)
+
+    def quantize(self, segment: torch.Tensor, generator: torch.Generator | None = None) -> Packed:
+        """``segment`` (1-D float) → :class:`Packed` (raises ``ValueError`` on NaN/Inf)."""
+        return quantize(segment.detach().reshape(-1).float(), self.spec, generator=generator)
+
+    def encode(self, segment: torch.Tensor) -> bytes:
+        return self.quantize(segment).to_bytes()
+
+    def encode_with_value(self, segment: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        packed = self.quantize(segment)
+        return packed.to_bytes(), dequantize(packed).reshape(-1)
+
+    def unpack(self, payload: bytes, numel: int, spec: QuantSpec | None = None) -> Packed:
+        """Parse ``payload`` into a :class:`Packed` of ``numel`` elements in ``spec`` (default: ours)."""
+        spec = self.spec if spec is None else spec
+        try:
+            packed = Packed.from_bytes(payload, max_numel=max(numel, 0))
+        except PayloadError as err:
+            raise PayloadMismatch(f"{spec} payload rejected: {err}") from err
+        if packed.spec != spec:
+            raise PayloadMismatch(f"payload is encoded as {packed.spec}, this member expects {spec}")
+        if packed.shape != (numel,):
+            raise PayloadMismatch(f"payload holds shape {packed.shape}, expected ({numel},)")
+        return packed
+
+    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        return dequantize(self.unpack(payload, numel)).reshape(-1)
 
 
 def get_codec(name: str | Codec) -> Codec:
-    """Return the codec called ``name`` (``fp32``, or a :mod:`noloco.quant` spec string)."""
+    """Return the codec called ``name``: ``fp32`` or any :meth:`noloco.quant.QuantSpec.parse` string.
+
+    Raises:
+        ValueError: ``name`` is not a known codec nor a parseable spec.
+    """
     if isinstance(name, Codec):
         return name
-    if name in _CODECS:
-        return _CODECS[name]()
-    raise ValueError(f"unknown codec {name!r}; known: {sorted(_CODECS)}")
+    if not isinstance(name, str):
+        raise ValueError(f"codec must be a name or a Codec, got {type(name).__name__}")
+    if name.strip().lower() == "fp32":
+        return Fp32Codec()
+    try:
+        spec = QuantSpec.parse(name)
+    except ValueError as err:
+        raise ValueError(f"unknown codec {name!r}; known: {known_codecs()} (and their :options): {err}") from None
+    if spec.kind == "float" and spec.name == "fp32" and not spec.hadamard:
+        return Fp32Codec()
+    return QuantCodec(spec)
 
 
-def known_codecs() -> list[str]:
-    return sorted(_CODECS)
+class CodecNames(list):
+    """A sorted list of the base codec names whose ``in`` also accepts every parseable variant.
+
+    ``"int4:g64" in known_codecs()`` is True (config validation uses ``in``); iterating lists the bases.
+    """
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        try:
+            get_codec(name)
+        except ValueError:
+            return False
+        return True
+
+
+def known_codecs() -> CodecNames:
+    """The base codec names; membership (``in``) accepts every option variant as well."""
+    return CodecNames(sorted(BASE_CODECS))

@@ -1,13 +1,19 @@
 """Two-phase all-reduce over any transport: reduce-scatter to owners, then all-gather.
 
-Implements the reduction of DESIGN §3.4 (the scheme of the Echo paper): the vector is cut into
-``n`` contiguous segments and member ``k`` owns segment ``k``. Each member encodes the segments it
-does not own and sends each to its owner; the owner decodes them, adds its own segment
+Implements the reduction of DESIGN §3.4 (the two-phase scheme of the Echo paper): the vector is cut
+into ``n`` contiguous segments and member ``k`` owns segment ``k``. Each member encodes the segments
+it does not own and sends each to its owner; the owner decodes them, adds its own segment
 *unencoded*, and sums in fp32 in member order. The owner then encodes the reduced segment once and
 sends those same bytes to every member; every member, the owner included, decodes those bytes, so
-all members return bit-identical results. Each value is encoded at most twice, whatever ``n`` is.
+all members return bit-identical results. Each value is encoded at most twice, whatever ``n`` is, so
+the error of the result does not grow with the group size.
 
-Bytes sent per member: ``2 (n-1)/n`` times the encoded size of the vector.
+Error feedback (:class:`~noloco.collectives.feedback.ReductionErrorFeedback`) applies to exactly
+what this member encodes: its non-owned segments in phase 1 (residual ``contribution``) and, as
+owner, the reduced segment in phase 2 (residual ``result``).
+
+Bytes sent per member: ``2 (n-1)/n`` times the encoded size of the vector, plus one 32-byte header
+per message (:mod:`noloco.collectives.protocol`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from noloco.collectives.codec import Codec
-from noloco.comm.base import Transport
+from noloco.collectives.protocol import PHASE_GATHER, PHASE_REDUCE, Exchange
 
 
 def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -29,45 +35,67 @@ def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _encode(codec: Codec, value: torch.Tensor, residual: torch.Tensor | None, start: int, end: int) -> bytes:
+    """Encode ``value``; with error feedback, store ``value - decoded`` into ``residual[start:end]``."""
+    if residual is None:
+        return codec.encode(value)
+    payload, decoded = codec.encode_with_value(value)
+    residual[start:end] = value - decoded
+    return payload
+
+
 def two_phase_allreduce(
     flat: torch.Tensor,
-    transport: Transport,
-    group: list[int],
+    ex: Exchange,
     codec: Codec,
     op: str,
-    tag: str,
-    timeout: float,
+    residuals: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Reduce the 1-D fp32 ``flat`` over ``group``; returns a new fp32 tensor (``flat`` untouched)."""
+    """Reduce the 1-D fp32 ``flat`` over the exchange's group; returns a new fp32 tensor.
+
+    Args:
+        flat: this member's input, 1-D fp32 CPU; not modified.
+        ex: the call's :class:`Exchange` (group, my index, headers, timeout).
+        codec: wire format of both phases.
+        op: ``"mean"`` or ``"sum"``.
+        residuals: ``(contribution, result)`` error-feedback residuals (flat, ``flat.numel()``), updated
+            in place, or None for no error feedback.
+    """
+    group, me = ex.info.group, ex.info.me
     n = len(group)
-    me = group.index(transport.rank)
     bounds = segment_bounds(flat.numel(), n)
+    contribution, result = residuals if residuals is not None else (None, None)
+    ex.expect_sends([(k, PHASE_REDUCE, k, 0) for k in range(n) if k != me]
+                    + [(j, PHASE_GATHER, me, 0) for j in range(n) if j != me])
 
-    # Phase 1: reduce-scatter. Send every segment we do not own to its owner.
-    for k, (start, end) in enumerate(bounds):
-        if k != me:
-            transport.send(group[k], f"{tag}/rs{k}", codec.encode(flat[start:end]))
-    start, end = bounds[me]
-    numel = end - start
-    contributions = []
-    for j in range(n):
-        if j == me:
-            contributions.append(flat[start:end].to(torch.float32))
-        else:
-            contributions.append(codec.decode(transport.recv(group[j], f"{tag}/rs{me}", timeout), numel))
-    reduced = torch.zeros(numel, dtype=torch.float32)
-    for part in contributions:  # fixed member order: the sum does not depend on arrival order
-        reduced += part
-    if op == "mean":
-        reduced /= n
+    with ex:
+        # Phase 1: reduce-scatter. Send every segment we do not own to its owner.
+        for k, (start, end) in enumerate(bounds):
+            if k == me:
+                continue
+            value = flat[start:end] if contribution is None else flat[start:end] + contribution[start:end]
+            ex.send(k, PHASE_REDUCE, k, 0, _encode(codec, value, contribution, start, end))
+        start, end = bounds[me]
+        numel = end - start
+        own = flat[start:end]
+        if contribution is not None:
+            own = own + contribution[start:end]  # sent exactly: the residual is paid back in full
+            contribution[start:end] = 0.0
+        reduced = torch.zeros(numel, dtype=torch.float32)
+        for j in range(n):  # fixed member order: the sum does not depend on arrival order
+            reduced += own if j == me else codec.decode(ex.recv(j, PHASE_REDUCE, me), numel)
+        if op == "mean":
+            reduced /= n
 
-    # Phase 2: all-gather. Encode the reduced segment once; everyone decodes the same bytes.
-    codes = codec.encode(reduced)
-    for j in range(n):
-        if j != me:
-            transport.send(group[j], f"{tag}/ag{me}", codes)
-    out = torch.empty(flat.numel(), dtype=torch.float32)
-    for k, (start, end) in enumerate(bounds):
-        payload = codes if k == me else transport.recv(group[k], f"{tag}/ag{k}", timeout)
-        out[start:end] = codec.decode(payload, end - start)
+        # Phase 2: all-gather. Encode the reduced segment once; everyone decodes the same bytes.
+        if result is not None:
+            reduced = reduced + result[start:end]
+        codes = _encode(codec, reduced, result, start, end)
+        for j in range(n):
+            if j != me:
+                ex.send(j, PHASE_GATHER, me, 0, codes)
+        out = torch.empty(flat.numel(), dtype=torch.float32)
+        for k, (start, end) in enumerate(bounds):
+            payload = codes if k == me else ex.recv(k, PHASE_GATHER, k)
+            out[start:end] = codec.decode(payload, end - start)
     return out

@@ -2,5 +2,14 @@
 
 from noloco.comm.base import ByteCounter, CommError, CommTimeout, Transport
 from noloco.comm.local import LocalFabric, LocalTransport
+from noloco.comm.torchdist import TorchDistTransport
 
-__all__ = ["ByteCounter", "CommError", "CommTimeout", "LocalFabric", "LocalTransport", "Transport"]
+__all__ = [
+    "ByteCounter",
+    "CommError",
+    "CommTimeout",
+    "LocalFabric",
+    "LocalTransport",
+    "TorchDistTransport",
+    "Transport",
+]

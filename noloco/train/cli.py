@@ -45,6 +45,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(OmegaConf.to_yaml(cfg))
             return 0
+        if cfg.backend == "hivemind":  # one peer of an open swarm per process (docs/swarm.md)
+            from noloco.train.swarm import run_peer
+
+            run_peer(cfg)
+            return 0
+        if cfg.backend == "torch":  # one process per worker over torch.distributed (torchrun or local launch)
+            from noloco.train.distributed import run_distributed
+
+            run_distributed(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)
+            return 0
         from noloco.train.runner import run
 
         run(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)

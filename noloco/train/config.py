@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from noloco.collectives import known_codecs
 
 ALGOS = ("noloco", "diloco", "avg", "ddp")
-BACKENDS = ("local",)
+BACKENDS = ("local", "torch", "hivemind")
 
 
 class ConfigError(ValueError):

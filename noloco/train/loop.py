@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from noloco.collectives import allreduce
 from noloco.comm.base import Transport
+from noloco.gossip.base import GroupSource
 from noloco.train import checkpoint
 from noloco.train.algorithms import DDP, Algorithm, DiLoCo, NoLoCo, PeriodicAveraging
 from noloco.train.data import BatchSampler, TokenizedCorpus, eval_batches
@@ -66,9 +68,14 @@ def build_inner_optimizer(
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def build_algorithm(cfg: DictConfig, model, opt, transport: Transport) -> Algorithm:
+def build_algorithm(
+    cfg: DictConfig, model, opt, transport: Transport | GroupSource, skip_failed_rounds: bool = False
+) -> Algorithm:
+    """``transport`` is a fixed world's transport or, in an open swarm, a group source (then rounds may be skipped)."""
     outer, comm = cfg.outer, cfg.comm
     common = dict(codec=comm.codec, timeout=comm.timeout)
+    if skip_failed_rounds:
+        common["skip_failed_rounds"] = True
     if outer.algo == "noloco":
         return NoLoCo(
             model,
@@ -119,13 +126,25 @@ class RunContext:
     resume_step: int = 0
     progress: object | None = None
     stop_after: int | None = None  # testing hook: return after this step, as if killed
+    # Open swarm (backend=hivemind): no world transport. ``groups`` forms each round's group (failed
+    # rounds are skipped), ``rank`` picks the data stream, checkpoints need no barrier, and ``join``
+    # may load a live peer's state before the first inner step (returns the step to start from).
+    groups: GroupSource | None = None
+    rank: int = 0
+    join: Callable[[Algorithm, torch.nn.Module], int] | None = None
+    after_step: Callable[[int, Algorithm], None] | None = None
 
 
-def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
-    cfg, rank = ctx.cfg, transport.rank
+def train_worker(ctx: RunContext, transport: Transport | None) -> WorkerResult:
+    """One worker's whole run. ``transport`` is the world's, or ``None`` in an open swarm (``ctx.groups``)."""
+    cfg = ctx.cfg
+    rank = transport.rank if transport is not None else ctx.rank
     model = build_model(cfg, ctx.corpus.vocab_size)
     opt, schedule = build_inner_optimizer(cfg, model)
-    algo = build_algorithm(cfg, model, opt, transport)
+    if ctx.groups is not None:
+        algo = build_algorithm(cfg, model, opt, ctx.groups, skip_failed_rounds=True)
+    else:
+        algo = build_algorithm(cfg, model, opt, transport)
     sampler = BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed)
     held_out = eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -139,17 +158,21 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
         algo.load_state_dict(state["algorithm"])
         algo.counter.load_state_dict(state["counter"])
         start, wall_offset, history = state["step"], state["wall_seconds"], state["eval_history"]
+    elif ctx.join is not None:
+        start = ctx.join(algo, model)
+        for _ in range(start):  # the LR schedule continues where the live peers are
+            schedule.step()
     started = time.perf_counter()
     wall = lambda: wall_offset + time.perf_counter() - started  # noqa: E731
 
-    if ctx.resume_from is None:  # the curve starts at the initial loss
+    if ctx.resume_from is None:  # the curve starts at the initial loss (a late joiner's: the live weights)
         eval_loss = evaluate(model, held_out)
-        history.append((0, eval_loss))
+        history.append((start, eval_loss))
         ctx.metrics.log(
             {
                 "worker": rank,
-                "step": 0,
-                "tokens": 0,
+                "step": start,
+                "tokens": start * tokens_per_step,
                 "bytes_sent": 0,
                 "bytes_received": 0,
                 "wall": round(wall(), 4),
@@ -191,6 +214,8 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
         ctx.metrics.log(record)
         if ctx.progress is not None:
             ctx.progress.advance(rank, loss.item())
+        if ctx.after_step is not None:
+            ctx.after_step(step, algo)
 
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
             state = {
@@ -205,8 +230,10 @@ def train_worker(ctx: RunContext, transport: Transport) -> WorkerResult:
             }
             checkpoint.save_worker(ctx.run_dir, step, rank, state)
             # Barrier: the checkpoint is complete only when every worker has saved. Not counted as traffic.
-            _barrier(transport, f"ckpt/{step}", cfg.comm.timeout)
-            if rank == 0:
+            # A swarm peer checkpoints on its own (its run folder is its own).
+            if transport is not None:
+                _barrier(transport, f"ckpt/{step}", cfg.comm.timeout)
+            if transport is None or rank == 0:
                 checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(cfg), cfg.checkpoint.keep)
         if ctx.stop_after is not None and step >= ctx.stop_after:
             break

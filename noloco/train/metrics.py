@@ -13,8 +13,13 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
-        self.path = Path(run_dir) / "metrics.jsonl"
+    """``filename``: ``metrics.jsonl`` for one process; ``metrics.rank<r>.jsonl`` per process of a
+    multi-process run (all ``metrics*.jsonl`` of a run folder are read together)."""
+
+    def __init__(
+        self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None, filename: str = "metrics.jsonl"
+    ):
+        self.path = Path(run_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         if resume_step is not None and self.path.exists():
@@ -28,7 +33,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = None if resume_step is None else resume_step + 1
-            self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)
+            folder = Path(run_dir) / "tensorboard"
+            if filename != "metrics.jsonl":
+                folder = folder / Path(filename).stem.removeprefix("metrics.")
+            self._writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
 
     def log(self, record: dict) -> None:
         """``record`` must hold ``worker`` and ``step``; numeric fields also go to TensorBoard."""
@@ -48,5 +56,8 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every record of a run folder (all ``metrics*.jsonl`` files), ordered by step then worker."""
+    records = []
+    for path in sorted(Path(run_dir).glob("metrics*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(records, key=lambda r: (r["step"], r["worker"]))

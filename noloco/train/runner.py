@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm import LocalFabric
 from noloco.train.data import eval_batches, prepare_corpus
@@ -68,6 +68,75 @@ def default_run_name(cfg: DictConfig) -> str:
     return f"{cfg.outer.algo}-{cfg.comm.codec}-w{cfg.workers}-{stamp}"
 
 
+def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False):
+    """Create the run folder, load or build the tokenized corpus, set torch threads, announce the run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    corpus = prepare_corpus(
+        cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction, cfg.data.cache_dir
+    )
+    # threads share the cores: local workers are threads of this process; torch workers are processes,
+    # LOCAL_WORLD_SIZE of them on this host (set by torchrun and by the local launcher)
+    per_process = cfg.workers if cfg.backend == "local" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // per_process))
+    params = build_model(cfg, corpus.vocab_size).num_parameters()
+    if not quiet:
+        print(
+            f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers ({cfg.backend}) · "
+            f"{params / 1e6:.2f}M params · {cfg.steps} steps · data {cfg.data.source}: {corpus.train.size:,} train / "
+            f"{corpus.val.size:,} held-out tokens · {run_dir}",
+            flush=True,
+        )
+    return corpus, params
+
+
+def finish(
+    cfg: DictConfig,
+    run_dir: Path,
+    corpus,
+    params: int,
+    final_losses: list[float],
+    consensus: float,
+    bytes_sent: list[int],
+    bytes_received: list[int],
+    seconds: float,
+    resume_step: int = 0,
+    stop_after: int | None = None,
+    quiet: bool = False,
+) -> dict:
+    """Write ``summary.json`` and ``curves.png``, print the table; returns the summary."""
+    targets = torch.cat(
+        [y for _, y in eval_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)]
+    )
+    steps_done = stop_after if stop_after is not None else cfg.steps
+    tokens = cfg.workers * (steps_done - resume_step) * cfg.data.batch_size * cfg.data.seq_len
+    summary = {
+        "algo": cfg.outer.algo,
+        "codec": cfg.comm.codec,
+        "backend": cfg.backend,
+        "workers": cfg.workers,
+        "steps": steps_done,
+        "outer_every": cfg.outer.every,
+        "group_size": cfg.outer.group_size if cfg.outer.algo == "noloco" else cfg.workers,
+        "params": params,
+        "final_eval_loss": sum(final_losses) / len(final_losses),
+        "final_eval_loss_per_worker": list(final_losses),
+        "unigram_eval_loss": corpus.unigram_loss(targets),
+        "consensus_distance": consensus,
+        "bytes_sent_per_worker": sum(bytes_sent) / len(bytes_sent),
+        "bytes_sent_by_worker": list(bytes_sent),
+        "bytes_received_by_worker": list(bytes_received),
+        "wall_seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if cfg.log.plot:
+        plot_runs([run_dir], run_dir / "curves.png", title=run_dir.name)
+    if not quiet:
+        print(format_summary(summary), flush=True)
+    return summary
+
+
 def run(
     cfg: DictConfig,
     run_dir: Path | None = None,
@@ -76,24 +145,11 @@ def run(
     stop_after: int | None = None,
     quiet: bool = False,
 ) -> dict:
-    """Run (or resume) the job described by ``cfg``; returns the summary dict."""
+    """Run (or resume) the job described by ``cfg`` on the local backend; returns the summary dict."""
     started = time.perf_counter()
     run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-
-    corpus = prepare_corpus(
-        cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction, cfg.data.cache_dir
-    )
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers)
-    torch.set_num_threads(threads)
-    params = build_model(cfg, corpus.vocab_size).num_parameters()
-    say(
-        f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers · {params / 1e6:.2f}M params · "
-        f"{cfg.steps} steps · data {cfg.data.source}: {corpus.train.size:,} train / {corpus.val.size:,} "
-        f"held-out tokens · {run_dir}"
-    )
-    (run_dir / "config.yaml").write_text(__import__("omegaconf").OmegaConf.to_yaml(cfg))
+    corpus, params = prepare(cfg, run_dir, quiet)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
     metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, resume_step=resume_step if resume_from else None)
     progress = Progress(cfg.steps * cfg.workers, resume_step * cfg.workers, cfg.workers, cfg.log.progress and not quiet)
@@ -104,38 +160,20 @@ def run(
     finally:
         progress.close()
         metrics.close()
-    train_seconds = time.perf_counter() - started
-
-    targets = torch.cat(
-        [y for _, y in eval_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)]
+    return finish(
+        cfg,
+        run_dir,
+        corpus,
+        params,
+        final_losses=[r.final_eval_loss for r in results],
+        consensus=consensus_distance([r.slow_weights for r in results]),
+        bytes_sent=[r.bytes_sent for r in results],
+        bytes_received=[r.bytes_received for r in results],
+        seconds=time.perf_counter() - started,
+        resume_step=resume_step,
+        stop_after=stop_after,
+        quiet=quiet,
     )
-    final = [r.final_eval_loss for r in results]
-    steps_done = stop_after if stop_after is not None else cfg.steps
-    tokens = cfg.workers * (steps_done - resume_step) * cfg.data.batch_size * cfg.data.seq_len
-    summary = {
-        "algo": cfg.outer.algo,
-        "codec": cfg.comm.codec,
-        "workers": cfg.workers,
-        "steps": steps_done,
-        "outer_every": cfg.outer.every,
-        "group_size": cfg.outer.group_size if cfg.outer.algo == "noloco" else cfg.workers,
-        "params": params,
-        "final_eval_loss": sum(final) / len(final),
-        "final_eval_loss_per_worker": final,
-        "unigram_eval_loss": corpus.unigram_loss(targets),
-        "consensus_distance": consensus_distance([r.slow_weights for r in results]),
-        "bytes_sent_per_worker": sum(r.bytes_sent for r in results) / len(results),
-        "bytes_sent_by_worker": [r.bytes_sent for r in results],
-        "bytes_received_by_worker": [r.bytes_received for r in results],
-        "wall_seconds": train_seconds,
-        "tokens_per_second": tokens / train_seconds,
-        "run_dir": str(run_dir),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if cfg.log.plot:
-        plot_runs([run_dir], run_dir / "curves.png", title=run_dir.name)
-    say(format_summary(summary))
-    return summary
 
 
 def format_summary(s: dict) -> str:

@@ -1,0 +1,202 @@
+"""The message protocol every reduction speaks: a fixed header per payload, checked on receipt,
+and error markers so that a failure on one member fails every member quickly instead of hanging.
+
+Each payload a collective sends is ``header (32 bytes) + body``. The header says what the sender
+believes this call is::
+
+    offset size field
+    0      2    magic b"NC"
+    2      1    version (1)
+    3      1    status: 0 ok; 1 mismatch, 2 timeout, 3 other error (body = UTF-8 reason)
+    4      1    algorithm code        5  1  op code
+    6      1    input dtype code      7  1  phase (0 reduce-scatter / ring reduce, 1 all-gather)
+    8      2    group size n          10 2  sender's index in the group
+    12     2    segment index         14 2  step (ring hop; 0 for two-phase)
+    16     8    numel of the whole vector
+    24     4    CRC-32 of "requested codec|codec on the wire"
+    28     4    CRC-32 of the call tag (names the call and its round, e.g. "outer/r7/delta")
+
+A receiver builds the header it expects for each message and compares field by field, so members
+that disagree on numel, dtype, codec, op, algorithm or group size get an error that names the field
+and both values, and a payload from the wrong member, phase, segment or round is rejected even if a
+transport delivered it under the right address.
+
+Failure protocol (:class:`Exchange`): a member that fails (mismatch, undecodable payload, its own
+input cannot be encoded, a timeout) sends an *error marker* in place of every message it still owes
+in this call, then raises. A member that receives a marker does the same. Every algorithm here makes
+every member wait on a chain of messages that reaches every other member, so one failure fails all
+members within about one ``timeout`` (a dead member: every survivor raises
+:class:`~noloco.comm.base.CommTimeout`; a mismatch: every member raises :class:`PayloadMismatch`).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+
+from noloco.collectives.codec import PayloadMismatch
+from noloco.comm.base import CommError, CommTimeout, Transport
+
+MAGIC = b"NC"
+VERSION = 1
+_FORMAT = "<2sBBBBBBHHHHQII"
+HEADER_BYTES = struct.calcsize(_FORMAT)  # 32
+
+ALGORITHM_CODES = {"two_phase": 0, "ring": 1, "naive_ring": 2}
+OP_CODES = {"mean": 0, "sum": 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+STATUS_OK, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2, 3
+PHASE_REDUCE, PHASE_GATHER = 0, 1
+
+_FIELD_NAMES = {
+    "algorithm": ("algorithm", {v: k for k, v in ALGORITHM_CODES.items()}),
+    "op": ("op", {v: k for k, v in OP_CODES.items()}),
+    "dtype": ("dtype", {v: str(k).replace("torch.", "") for k, v in DTYPE_CODES.items()}),
+    "group_size": ("group size", None),
+    "numel": ("numel", None),
+    "codec": ("codec", None),
+    "call": ("call tag (round)", None),
+    "sender": ("sender index", None),
+    "phase": ("phase", None),
+    "segment": ("segment", None),
+    "step": ("step", None),
+}
+
+
+def crc(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8"))
+
+
+@dataclass(frozen=True)
+class Header:
+    """One message's header (see the module docstring for the layout)."""
+
+    status: int
+    algorithm: int
+    op: int
+    dtype: int
+    phase: int
+    group_size: int
+    sender: int
+    segment: int
+    step: int
+    numel: int
+    codec: int
+    call: int
+
+    def pack(self) -> bytes:
+        return struct.pack(_FORMAT, MAGIC, VERSION, self.status, self.algorithm, self.op, self.dtype, self.phase,
+                           self.group_size, self.sender, self.segment, self.step, self.numel, self.codec, self.call)
+
+    @staticmethod
+    def unpack(payload: bytes) -> Header:
+        if len(payload) < HEADER_BYTES:
+            raise PayloadMismatch(f"message of {len(payload)} bytes is shorter than the {HEADER_BYTES}-byte header")
+        magic, version, *fields = struct.unpack_from(_FORMAT, payload, 0)
+        if magic != MAGIC:
+            raise PayloadMismatch(f"bad collective magic {magic!r} (not a noloco.collectives message)")
+        if version != VERSION:
+            raise PayloadMismatch(f"collective protocol version {version}, this member speaks {VERSION}")
+        return Header(*fields)
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """What this member believes the call is; the basis of every header it sends and expects."""
+
+    algorithm: str
+    op: str
+    dtype: torch.dtype
+    group: tuple[int, ...]
+    me: int  # my index in group
+    numel: int
+    codec_id: str  # "requested|on the wire"
+    tag: str
+
+    def header(self, phase: int, sender: int, segment: int, step: int = 0, status: int = STATUS_OK) -> Header:
+        return Header(status, ALGORITHM_CODES[self.algorithm], OP_CODES[self.op], DTYPE_CODES.get(self.dtype, 255),
+                      phase, len(self.group), sender, segment, step, self.numel, crc(self.codec_id), crc(self.tag))
+
+
+class RemoteFailure(PayloadMismatch):
+    """A peer reported (by an error marker) that this call failed on its side."""
+
+
+class Exchange:
+    """Sends and receives the messages of one collective call, with headers and failure propagation.
+
+    The algorithm declares up front every message it will send (:meth:`expect_sends`); each
+    :meth:`send` ticks one off. :meth:`fail` sends an error marker for each message still owed.
+    Use as ``with Exchange(...) as ex:`` so that any exception inside triggers :meth:`fail`.
+    """
+
+    def __init__(self, transport: Transport, info: CallInfo, timeout: float):
+        self.transport, self.info, self.timeout = transport, info, float(timeout)
+        self._owed: dict[tuple[int, str], tuple[int, int, int]] = {}
+
+    def tag_of(self, phase: int, segment: int, step: int) -> str:
+        return f"{self.info.tag}/{self.info.algorithm}/p{phase}/s{segment}/h{step}"
+
+    def expect_sends(self, sends: list[tuple[int, int, int, int]]) -> None:
+        """Declare messages this member owes: ``(dst index, phase, segment, step)``."""
+        for dst, phase, segment, step in sends:
+            self._owed[(dst, self.tag_of(phase, segment, step))] = (phase, segment, step)
+
+    def send(self, dst: int, phase: int, segment: int, step: int, body: bytes) -> None:
+        """Send ``body`` to group member ``dst`` (an index into the group)."""
+        tag = self.tag_of(phase, segment, step)
+        header = self.info.header(phase, self.info.me, segment, step).pack()
+        self.transport.send(self.info.group[dst], tag, header + body)
+        self._owed.pop((dst, tag), None)
+
+    def recv(self, src: int, phase: int, segment: int, step: int = 0) -> bytes:
+        """Receive the body member ``src`` sends for ``(phase, segment, step)``, after checking its header."""
+        tag = self.tag_of(phase, segment, step)
+        payload = self.transport.recv(self.info.group[src], tag, self.timeout)
+        got = Header.unpack(payload)
+        body = bytes(payload[HEADER_BYTES:])
+        who = f"member {src} (rank {self.info.group[src]})"
+        if got.status != STATUS_OK:
+            reason = body[:2000].decode("utf-8", errors="replace")
+            kind = CommTimeout if got.status == STATUS_TIMEOUT else RemoteFailure
+            raise kind(f"{self.info.tag}: {who} failed: {reason}")
+        want = self.info.header(phase, src, segment, step)
+        for field, (label, names) in _FIELD_NAMES.items():
+            a, b = getattr(got, field), getattr(want, field)
+            if a != b:
+                if names is not None:
+                    a, b = names.get(a, a), names.get(b, b)
+                if field == "codec":
+                    a, b = f"crc {a:#010x}", f"{self.info.codec_id!r} (crc {b:#010x})"
+                raise PayloadMismatch(
+                    f"{self.info.tag}: {who} disagrees on {label}: it sent {a}, this member (rank "
+                    f"{self.transport.rank}) expects {b}"
+                )
+        return body
+
+    def fail(self, exc: BaseException) -> None:
+        """Send an error marker for every message still owed (best effort), so peers fail fast."""
+        if isinstance(exc, CommTimeout):
+            status = STATUS_TIMEOUT
+        elif isinstance(exc, ValueError):
+            status = STATUS_MISMATCH
+        else:
+            status = STATUS_ERROR
+        reason = f"rank {self.transport.rank}: {type(exc).__name__}: {exc}".encode()[:2000]
+        owed, self._owed = self._owed, {}
+        for (dst, tag), (phase, segment, step) in owed.items():
+            header = replace(self.info.header(phase, self.info.me, segment, step), status=status)
+            try:
+                self.transport.send(self.info.group[dst], tag, header.pack() + reason)
+            except CommError:
+                pass  # the fabric is already torn down, or that peer is gone
+
+    def __enter__(self) -> Exchange:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self.fail(exc)

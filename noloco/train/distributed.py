@@ -1,0 +1,173 @@
+"""The ``torch`` backend: one process per worker over torch.distributed (gloo on CPU).
+
+Two ways in:
+
+* under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set), each process is
+  the rank it was given — the way a Docker fleet or a multi-host job runs it;
+* ``python train.py backend=torch workers=N`` with no such variables launches N local processes
+  joined over gloo on loopback.
+
+Every rank runs the same :func:`~noloco.train.loop.train_worker` as the local backend, over a
+:class:`~noloco.comm.torchdist.TorchDistTransport` on its own gloo group; so with the same config and
+``threads`` the trajectory matches the local backend's. Each rank writes ``metrics.rank<r>.jsonl``;
+rank 0 gathers the final numbers (through torch.distributed collectives, not counted as traffic)
+and writes ``summary.json`` and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from noloco.comm.torchdist import TorchDistTransport, free_port
+from noloco.train.loop import RunContext, train_worker
+from noloco.train.metrics import MetricsLogger
+from noloco.train.runner import Progress, default_run_name, finish, prepare
+
+
+def _under_launcher() -> bool:
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_distributed(
+    cfg: DictConfig,
+    run_dir: Path | None = None,
+    resume_from: Path | None = None,
+    resume_step: int = 0,
+    stop_after: int | None = None,
+    quiet: bool = False,
+) -> dict | None:
+    """Run ``cfg`` with ``backend=torch``; returns the summary on rank 0 (and in the launching process)."""
+    if _under_launcher():
+        return run_rank(
+            OmegaConf.to_yaml(cfg),
+            str(run_dir) if run_dir else None,
+            str(resume_from) if resume_from else None,
+            resume_step,
+            stop_after,
+            quiet,
+        )
+    run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
+    prepare(cfg, run_dir, quiet=True)  # build the data cache once, before the workers start
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(cfg.workers):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(cfg.workers),
+            "LOCAL_WORLD_SIZE": str(cfg.workers),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        args = (
+            env,
+            OmegaConf.to_yaml(cfg),
+            str(run_dir),
+            str(resume_from) if resume_from else None,
+            resume_step,
+            stop_after,
+            quiet,
+        )
+        procs.append(ctx.Process(target=_spawned_rank, args=args, name=f"noloco-rank{rank}"))
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"backend=torch: worker processes failed (rank, exit code): {failed}")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _spawned_rank(env: dict, *args) -> None:
+    os.environ.update(env)
+    run_rank(*args)
+
+
+def run_rank(
+    cfg_yaml: str,
+    run_dir: str | None,
+    resume_from: str | None,
+    resume_step: int,
+    stop_after: int | None,
+    quiet: bool,
+) -> dict | None:
+    """One rank of a ``backend=torch`` run (environment as set by torchrun)."""
+    cfg = OmegaConf.create(cfg_yaml)
+    started = time.perf_counter()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg.workers = world
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.comm.timeout))
+    transport = None
+    try:
+        # Rank 0 names the run, so every rank writes into the same folder.
+        name = [run_dir or str(Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))]
+        dist.broadcast_object_list(name, src=0)
+        folder = Path(name[0])
+        corpus, params = prepare(cfg, folder, quiet=quiet or rank != 0)
+        if rank == 0:
+            (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        transport = TorchDistTransport(dist.new_group(backend="gloo"))
+        metrics = MetricsLogger(
+            folder,
+            tensorboard=cfg.log.tensorboard,
+            filename=f"metrics.rank{rank}.jsonl",
+            resume_step=resume_step if resume_from else None,
+        )
+        progress = Progress(cfg.steps, resume_step, world, cfg.log.progress and not quiet and rank == 0)
+        ctx = RunContext(
+            cfg, corpus, folder, metrics, Path(resume_from) if resume_from else None, resume_step, progress, stop_after
+        )
+        try:
+            result = train_worker(ctx, transport)
+        finally:
+            progress.close()
+            metrics.close()
+
+        # Final numbers from every rank (plain torch.distributed collectives, not counted as traffic).
+        finals: list = [None] * world
+        dist.all_gather_object(finals, (result.final_eval_loss, result.bytes_sent, result.bytes_received))
+        slow = result.slow_weights.double()
+        mean = slow.clone()
+        dist.all_reduce(mean)
+        mean /= world
+        spread = (slow - mean).pow(2).sum().reshape(1)
+        dist.all_reduce(spread)
+        consensus = float((spread / world).sqrt() / mean.norm().clamp_min(1e-30))
+        summary = None
+        if rank == 0:
+            summary = finish(
+                cfg,
+                folder,
+                corpus,
+                params,
+                final_losses=[f[0] for f in finals],
+                consensus=consensus,
+                bytes_sent=[f[1] for f in finals],
+                bytes_received=[f[2] for f in finals],
+                seconds=time.perf_counter() - started,
+                resume_step=resume_step,
+                stop_after=stop_after,
+                quiet=quiet,
+            )
+        dist.barrier()
+        return summary
+    finally:
+        if transport is not None:
+            transport.close()
+        dist.destroy_process_group()

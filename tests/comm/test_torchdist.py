@@ -1,0 +1,109 @@
+"""TorchDistTransport over real processes (gloo on loopback), running the same allreduce code path."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from noloco.collectives import PayloadMismatch, allreduce
+from noloco.comm import CommError, CommTimeout
+from noloco.comm.base import Transport
+from noloco.comm.torchdist import launch_local
+
+
+def _inputs(world, numel, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen) for _ in range(world)]
+
+
+def _reductions(t):
+    """Several reductions over one set of processes: exactness, codecs, algorithms, tags, bytes."""
+    world = t.world_size
+    out = {}
+    # raw transport: out-of-order tags, variable sizes incl. empty payloads
+    peer = (t.rank + 1) % world
+    t.send(peer, "b", bytes([t.rank]) * 3)
+    t.send(peer, "a", b"")
+    src = (t.rank - 1) % world
+    out["raw"] = (t.recv(src, "a", 10.0), t.recv(src, "b", 10.0))
+    xs = _inputs(world, 5000, seed=world)
+    out["fp32"] = allreduce(xs[t.rank], t, codec="fp32", op="sum")
+    for algorithm in ("two_phase", "ring", "naive_ring"):
+        out[algorithm] = allreduce(xs[t.rank], t, codec="int4", algorithm=algorithm, min_compress_numel=0)
+    start = time.monotonic()
+    try:
+        t.recv(src, "never", timeout=0.3)
+    except CommTimeout:
+        out["timeout_s"] = time.monotonic() - start
+    # disagreement: the last rank reduces a shorter vector
+    x = xs[t.rank][:4000] if t.rank == world - 1 else xs[t.rank]
+    try:
+        allreduce(x, t, codec="int8", min_compress_numel=0, timeout=30, tag="mismatch")
+    except PayloadMismatch as exc:
+        out["mismatch"] = str(exc)
+    out["counter"] = t.counter.state_dict()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_allreduce_over_gloo_processes(world):
+    results = launch_local(_reductions, world, timeout=240)
+    xs = _inputs(world, 5000, seed=world)
+    exact_sum = torch.stack([x.double() for x in xs]).sum(0)
+    for rank, res in enumerate(results):
+        assert res["raw"] == (b"", bytes([(rank - 1) % world]) * 3)
+        assert torch.allclose(res["fp32"].double(), exact_sum, atol=1e-4)
+        assert torch.equal(res["fp32"], results[0]["fp32"])
+        for algorithm in ("two_phase", "ring", "naive_ring"):
+            assert torch.equal(res[algorithm], results[0][algorithm])  # bit-identical across processes
+            err = (res[algorithm].double() - exact_sum / world).norm() / (exact_sum / world).norm()
+            assert err < 0.3
+        assert 0.25 < res["timeout_s"] < 2.0
+        assert "numel" in res["mismatch"]
+        assert res["counter"]["bytes_sent"] > 0 and res["counter"]["messages_received"] > 0
+    # same algorithm, same inputs, same code path as the in-process fabric: identical bits
+    from noloco.comm import LocalFabric
+
+    local = LocalFabric(world).run(lambda t: (
+        t.send((t.rank + 1) % world, "b", b"x" * 3), t.send((t.rank + 1) % world, "a", b""),
+        t.recv((t.rank - 1) % world, "a", 5), t.recv((t.rank - 1) % world, "b", 5),
+        allreduce(xs[t.rank], t, codec="fp32", op="sum"),
+        allreduce(xs[t.rank], t, codec="int4", algorithm="two_phase", min_compress_numel=0))[-1])
+    assert torch.equal(local[0], results[0]["two_phase"])
+
+
+class _DiesAfterOneSend(Transport):
+    def __init__(self, inner):
+        self.inner, self.rank, self.world_size, self.counter = inner, inner.rank, inner.world_size, inner.counter
+        self.sent = 0
+
+    def send(self, dst, tag, payload):
+        if self.sent >= 1:
+            os._exit(3)  # the process dies mid-reduction: no error marker, sockets close
+        self.sent += 1
+        self.inner.send(dst, tag, payload)
+
+    def recv(self, src, tag, timeout):
+        return self.inner.recv(src, tag, timeout)
+
+
+def _dead_member(t, timeout):
+    x = torch.randn(3000)
+    if t.rank == 1:
+        allreduce(x, _DiesAfterOneSend(t), codec="int8", min_compress_numel=0, timeout=timeout)
+    start = time.monotonic()
+    try:
+        allreduce(x, t, codec="int8", min_compress_numel=0, timeout=timeout)
+    except CommError as exc:  # CommTimeout on recv, or CommError when a send finds the link already gone
+        return (type(exc).__name__, time.monotonic() - start, str(exc))
+    return ("finished", time.monotonic() - start, "")
+
+
+def test_dead_process_makes_survivors_raise_comm_timeout_within_timeout():
+    timeout = 5.0
+    results = launch_local(_dead_member, 3, timeout, timeout=240, missing_ok=True)
+    assert results[1] is None
+    for rank in (0, 2):
+        kind, elapsed, _ = results[rank]
+        assert kind in ("CommTimeout", "CommError") and elapsed < timeout + 2.0
