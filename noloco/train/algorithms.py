@@ -14,6 +14,12 @@ steps they reduce the pseudo-gradients (and, for NoLoCo, the slow weights) over 
 ``φ`` back into the model. NoLoCo with β = γ and one codec for both terms exchanges the fast weights
 once instead (``β·mean_Δ + γ·(mean_φ − φ_i) = β·(mean_θ − φ_i)``), which halves its bytes.
 
+Compression (DESIGN §3.2): the pseudo-gradient goes through ``codec`` (default int4) with error
+feedback. The slow-weight term goes through ``slow_codec`` as the difference from the initial
+weights, which every worker holds (same seed), so the codec sees accumulated training updates, not
+raw weights; it has its own error feedback. The fused single exchange is used only when both
+codecs are exact (fp32).
+
 A round with a dead peer raises :class:`~noloco.comm.base.CommTimeout` after ``timeout`` seconds.
 """
 
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from noloco.collectives import allreduce
+from noloco.collectives import ReductionErrorFeedback, allreduce
 from noloco.comm.base import ByteCounter, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
 from noloco.optim import AveragingRule, DiLoCoRule, NoLoCoRule, OuterRule
@@ -41,6 +47,15 @@ class OuterRoundInfo:
 
 def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def _ef_state(feedback: ReductionErrorFeedback | None) -> dict | None:
+    return None if feedback is None else feedback.state_dict()
+
+
+def _ef_load(feedback: ReductionErrorFeedback | None, state: dict | None) -> None:
+    if feedback is not None and state is not None:
+        feedback.load_state_dict(state)
 
 
 @torch.no_grad()
@@ -67,10 +82,14 @@ class Algorithm:
         transport: Transport | None,
         codec: str = "fp32",
         timeout: float = 60.0,
+        error_feedback: bool = True,
+        algorithm: str = "two_phase",
     ):
         self.model, self.inner_opt, self.transport = model, inner_opt, transport
         self.params = _unique_params(model)
-        self.codec, self.timeout = codec, float(timeout)
+        self.codec, self.timeout, self.algorithm = codec, float(timeout), algorithm
+        # error feedback only means something for a lossy codec
+        self.feedback = ReductionErrorFeedback() if error_feedback and codec != "fp32" else None
         self.inner_step = 0
         self.last_round: OuterRoundInfo | None = None
         self.nonfinite_events = 0  # gradients or fast weights found non-finite and neutralised
@@ -107,10 +126,11 @@ class Algorithm:
         return parameters_to_vector(self.params).detach().float().clone()
 
     def state_dict(self) -> dict:
-        return {"inner_step": self.inner_step}
+        return {"inner_step": self.inner_step, "feedback": _ef_state(self.feedback)}
 
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])
+        _ef_load(self.feedback, state.get("feedback"))
 
 
 class DDP(Algorithm):
@@ -128,9 +148,11 @@ class DDP(Algorithm):
             flat,
             self.transport,
             codec=self.codec,
+            algorithm=self.algorithm,
             op="mean",
             timeout=self.timeout,
             tag=f"ddp/s{self.inner_step + 1}",
+            error_feedback=self.feedback,
         )
         for p, g in zip(self.params, grads):
             if p.grad is None:
@@ -156,13 +178,28 @@ class OuterAlgorithm(Algorithm):
         codec: str = "fp32",
         timeout: float = 60.0,
         skip_failed_rounds: bool = False,
+        slow_codec: str | None = None,
+        error_feedback: bool = True,
+        algorithm: str = "two_phase",
     ):
-        super().__init__(model, inner_opt, getattr(groups, "transport", None), codec=codec, timeout=timeout)
+        super().__init__(
+            model,
+            inner_opt,
+            getattr(groups, "transport", None),
+            codec=codec,
+            timeout=timeout,
+            error_feedback=error_feedback,
+            algorithm=algorithm,
+        )
         if every < 1:
             raise ValueError(f"outer.every must be >= 1, got {every}")
         self.rule, self.every, self.groups = rule, int(every), groups
         self.skip_failed_rounds = bool(skip_failed_rounds)
         self.slow = parameters_to_vector(self.params).detach().float().clone()
+        # The slow-weight term travels as φ − reference; every worker starts from the same weights.
+        self.slow_codec = slow_codec or codec
+        self.reference = self.slow.clone()
+        self.slow_feedback = ReductionErrorFeedback() if error_feedback and self.slow_codec != "fp32" else None
 
     @property
     def counter(self) -> ByteCounter:
@@ -207,24 +244,29 @@ class OuterAlgorithm(Algorithm):
             self.inner_opt.state.clear()  # moments may hold NaN/Inf too
         tag = f"outer/r{group.round}"
 
-        def reduce(x: torch.Tensor, what: str) -> torch.Tensor:
+        def reduce(x: torch.Tensor, what: str, codec: str, feedback) -> torch.Tensor:
             return allreduce(
                 x,
                 group.transport,
                 group.members,
-                codec=self.codec,
+                codec=codec,
+                algorithm=self.algorithm,
                 op="mean",
                 timeout=self.timeout,
                 tag=f"{tag}/{what}",
+                error_feedback=feedback,
             )
 
         if self._fused_exchange():
-            return reduce(fast, "fast") - self.slow, self.slow.clone()
-        mean_delta = reduce(fast - self.slow, "delta")
-        mean_slow = reduce(self.slow, "slow") if self.rule.needs_slow_mean else None
+            return reduce(fast, "fast", "fp32", None) - self.slow, self.slow.clone()
+        mean_delta = reduce(fast - self.slow, "delta", self.codec, self.feedback)
+        mean_slow = None
+        if self.rule.needs_slow_mean:
+            mean_slow = self.reference + reduce(self.slow - self.reference, "slow", self.slow_codec, self.slow_feedback)
         return mean_delta, mean_slow
 
     def _fused_exchange(self) -> bool:
+        """One exchange of θ instead of Δ and φ: exact only for rules with β = γ and lossless codecs."""
         return False
 
     def slow_weights(self) -> torch.Tensor:
@@ -236,6 +278,9 @@ class OuterAlgorithm(Algorithm):
             "slow": self.slow.clone(),
             "rule": self.rule.state_dict(),
             "nonfinite_events": self.nonfinite_events,
+            "reference": self.reference.clone(),
+            "feedback": _ef_state(self.feedback),
+            "slow_feedback": _ef_state(self.slow_feedback),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -247,6 +292,10 @@ class OuterAlgorithm(Algorithm):
         self.slow = state["slow"].float().clone()
         self.rule.load_state_dict(state["rule"])
         self.nonfinite_events = int(state.get("nonfinite_events", 0))
+        if "reference" in state:
+            self.reference = state["reference"].float().clone()
+        _ef_load(self.feedback, state.get("feedback"))
+        _ef_load(self.slow_feedback, state.get("slow_feedback"))
 
 
 def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:
@@ -260,7 +309,9 @@ class NoLoCo(OuterAlgorithm):
     """NoLoCo: outer momentum with a pull toward the mean of a random subgroup (DESIGN §3.1).
 
     ``transport`` is either a fixed world's transport (groups drawn from a seeded schedule of
-    ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking).
+    ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking). ``exchange``
+    takes the keyword arguments of :class:`OuterAlgorithm` that shape the exchange: ``codec``,
+    ``slow_codec``, ``error_feedback``, ``algorithm``, ``timeout``, ``skip_failed_rounds``.
     """
 
     name = "noloco"
@@ -276,23 +327,13 @@ class NoLoCo(OuterAlgorithm):
         momentum: float = 0.5,
         group_size: int = 2,
         seed: int = 0,
-        codec: str = "fp32",
-        timeout: float = 60.0,
-        skip_failed_rounds: bool = False,
+        **exchange,
     ):
-        super().__init__(
-            model,
-            inner_opt,
-            _group_source(transport, group_size, seed),
-            NoLoCoRule(lr, pull, momentum),
-            every,
-            codec,
-            timeout,
-            skip_failed_rounds,
-        )
+        groups = _group_source(transport, group_size, seed)
+        super().__init__(model, inner_opt, groups, NoLoCoRule(lr, pull, momentum), every, **exchange)
 
     def _fused_exchange(self) -> bool:
-        return self.rule.lr == self.rule.pull
+        return self.rule.lr == self.rule.pull and self.codec == "fp32" and self.slow_codec == "fp32"
 
 
 class DiLoCo(OuterAlgorithm):
@@ -309,20 +350,10 @@ class DiLoCo(OuterAlgorithm):
         lr: float = 0.7,
         momentum: float = 0.9,
         nesterov: bool = True,
-        codec: str = "fp32",
-        timeout: float = 60.0,
-        skip_failed_rounds: bool = False,
+        **exchange,
     ):
-        super().__init__(
-            model,
-            inner_opt,
-            _group_source(transport, None, 0),
-            DiLoCoRule(lr, momentum, nesterov),
-            every,
-            codec,
-            timeout,
-            skip_failed_rounds,
-        )
+        groups = _group_source(transport, None, 0)
+        super().__init__(model, inner_opt, groups, DiLoCoRule(lr, momentum, nesterov), every, **exchange)
 
 
 class PeriodicAveraging(OuterAlgorithm):
@@ -336,20 +367,9 @@ class PeriodicAveraging(OuterAlgorithm):
         inner_opt: torch.optim.Optimizer,
         transport: Transport | GroupSource,
         every: int = 50,
-        codec: str = "fp32",
-        timeout: float = 60.0,
-        skip_failed_rounds: bool = False,
+        **exchange,
     ):
-        super().__init__(
-            model,
-            inner_opt,
-            _group_source(transport, None, 0),
-            AveragingRule(),
-            every,
-            codec,
-            timeout,
-            skip_failed_rounds,
-        )
+        super().__init__(model, inner_opt, _group_source(transport, None, 0), AveragingRule(), every, **exchange)
 
 
 ALGORITHMS = {cls.name: cls for cls in (NoLoCo, DiLoCo, PeriodicAveraging, DDP)}

@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from noloco.collectives import known_codecs
+from noloco.collectives import ALGORITHMS, known_codecs
 
 ALGOS = ("noloco", "diloco", "avg", "ddp")
 BACKENDS = ("local", "torch", "hivemind")
@@ -89,7 +89,11 @@ def validate(cfg: DictConfig) -> None:
         outer.momentum = 0.9 if outer.algo == "diloco" else 0.5
     _require(0 <= outer.momentum < 1, f"outer.momentum must be in [0, 1), got {outer.momentum}")
     _require(outer.lr > 0 and outer.pull >= 0, "outer.lr must be > 0 and outer.pull >= 0")
-    _require(cfg.comm.codec in known_codecs(), f"comm.codec={cfg.comm.codec!r} is not one of {known_codecs()}")
+    for key in ("codec", "slow_codec"):
+        value = cfg.comm[key]
+        if value is not None:
+            _require(value in known_codecs(), f"comm.{key}={value!r} is not a codec ({', '.join(known_codecs())}, ...)")
+    _require(cfg.comm.algorithm in ALGORITHMS, f"comm.algorithm={cfg.comm.algorithm!r} is not one of {ALGORITHMS}")
     _require(cfg.comm.timeout > 0, "comm.timeout must be > 0 seconds")
     inner = cfg.inner
     _require(inner.lr > 0 and 0 <= inner.min_lr <= inner.lr, "inner.lr must be > 0 and 0 <= inner.min_lr <= inner.lr")

@@ -73,7 +73,10 @@ def build_algorithm(
 ) -> Algorithm:
     """``transport`` is a fixed world's transport or, in an open swarm, a group source (then rounds may be skipped)."""
     outer, comm = cfg.outer, cfg.comm
-    common = dict(codec=comm.codec, timeout=comm.timeout)
+    common = dict(codec=comm.codec, timeout=comm.timeout, error_feedback=comm.error_feedback, algorithm=comm.algorithm)
+    if outer.algo == "ddp":
+        return DDP(model, opt, transport, **common)
+    common["slow_codec"] = comm.slow_codec
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
     if outer.algo == "noloco":
@@ -102,7 +105,7 @@ def build_algorithm(
         )
     if outer.algo == "avg":
         return PeriodicAveraging(model, opt, transport, every=outer.every, **common)
-    return DDP(model, opt, transport, **common)
+    raise ValueError(f"unknown outer.algo {outer.algo!r}")
 
 
 @torch.no_grad()

@@ -112,6 +112,7 @@ def finish(
     summary = {
         "algo": cfg.outer.algo,
         "codec": cfg.comm.codec,
+        "slow_codec": cfg.comm.slow_codec or cfg.comm.codec,
         "backend": cfg.backend,
         "workers": cfg.workers,
         "steps": steps_done,
