@@ -104,3 +104,94 @@ def test_gpu_payload_round_trips_through_bytes():
     p = quantize(x, "int4")
     q = Packed.from_bytes(p.to_bytes(), device="cuda")
     assert torch.equal(dequantize(q), dequantize(p))
+
+
+# ------------------------------------------------- paired tiles, word views, in-kernel non-finite flag
+# int4/MXFP4 kernels read fp32 as 64-bit and 16-bit input as 32-bit words, handle an odd last element
+# separately and copy misaligned views; these pin each of those paths against the reference.
+
+PAIRED_SPECS = ["int4", "int4:sym", "int4:naive", "int4:g16", "mxfp4", "int8"]
+
+
+@pytest.mark.parametrize("spec", PAIRED_SPECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 2, 3, 255, 2049])
+def test_paired_kernels_match_reference_for_odd_sizes_and_every_dtype(spec, dtype, n):
+    x = awkward("student", n, seed=n).to(dtype)
+    ref = quantize(x, spec, backend="torch")
+    tri = quantize(x, spec, backend="triton")
+    assert _same(ref, tri)
+    assert torch.equal(dequantize(tri, backend="triton"), dequantize(ref, backend="torch"))
+
+
+@pytest.mark.parametrize("spec", ["int4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_misaligned_views_are_read_and_accumulated_correctly(spec, dtype):
+    base = awkward("gauss", 1000, seed=4).to(dtype)
+    x = base[1:]  # one element past an aligned start: not readable as whole words
+    assert _same(quantize(x, spec, backend="torch"), quantize(x, spec, backend="triton"))
+    ef_t, ef_r = ErrorFeedback(spec, backend="triton"), ErrorFeedback(spec, backend="torch")
+    for _ in range(2):
+        assert _same(ef_t.quantize(x), ef_r.quantize(x))
+    assert torch.equal(ef_t.residual(), ef_r.residual())
+    p = quantize(x, spec)
+    buf_t, buf_r = torch.ones(1000), torch.ones(1000)
+    dequantize_accumulate(buf_t[1:], [p, p], backend="triton")
+    dequantize_accumulate(buf_r[1:], [p, p], backend="torch")
+    assert torch.equal(buf_t, buf_r)
+
+
+@pytest.mark.parametrize("spec", ["int4", "int8", "int4:sym", "int4:naive", "int8:naive", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 130, 1000])
+def test_non_finite_input_is_flagged_in_every_mode_and_position(spec, bad, where):
+    x = torch.randn(1001)
+    x[where] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(x, spec, backend="triton")
+    ef = ErrorFeedback(spec, backend="triton")
+    ef.quantize(torch.ones(1001))
+    before = ef.residual().clone()
+    with pytest.raises(ValueError, match="non-finite"):
+        ef.quantize(x)
+    assert torch.equal(ef.residual(), before)  # residual untouched by a refused call
+
+
+@pytest.mark.parametrize("in_spec,out_spec", [("int8", "int4"), ("int4", "int8"), ("int4", "int4"),
+                                              ("mxfp4", "mxfp4"), ("int4:naive", "int4:naive")])
+@pytest.mark.parametrize("n", [2001, 2048])
+def test_requantize_kernel_matches_reference_across_code_widths(in_spec, out_spec, n):
+    from noloco.quant import dequantize_accumulate_requantize
+
+    ps = [quantize(awkward("gauss", n, seed=i), in_spec) for i in range(2)]
+    acc = awkward("student", n, seed=7)
+    got = dequantize_accumulate_requantize(acc, ps, out_spec, backend="triton")
+    want = dequantize_accumulate_requantize(acc, ps, out_spec, backend="torch")
+    assert _same(got, want)
+    bad = acc.clone()
+    bad[n - 1] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        dequantize_accumulate_requantize(bad, ps, out_spec, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["int4", "int8", "mxfp4", "mxfp8"])
+def test_gpu_flag_views_and_requantize(spec):
+    from noloco.quant import dequantize_accumulate_requantize
+
+    x = torch.randn((1 << 21) + 1, device="cuda")
+    v = x[1:]  # misaligned for word reads
+    assert _same(quantize(v, spec, backend="torch"), quantize(v, spec, backend="triton"))
+    bf = x.to(torch.bfloat16)
+    assert _same(quantize(bf, spec, backend="torch"), quantize(bf, spec, backend="triton"))
+    ps = [quantize(torch.randn(x.numel(), device="cuda"), spec) for _ in range(2)]
+    assert _same(dequantize_accumulate_requantize(x, ps, spec, backend="triton"),
+                 dequantize_accumulate_requantize(x, ps, spec, backend="torch"))
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[12345] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            quantize(y, spec, backend="triton")
+        with pytest.raises(ValueError, match="non-finite"):
+            ErrorFeedback(spec, backend="triton").quantize(y)
+    assert _same(quantize(x, spec, backend="triton"), quantize(x, spec, backend="torch"))  # flag is per call
