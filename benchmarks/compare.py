@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--name", default="compare", help="output name: docs/results/<name>.md/.png/.json")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--runs", type=Path, default=Path("runs/compare"))
+    parser.add_argument("--note", default="", help="a sentence added under the table (e.g. about the machine)")
     parser.add_argument(
         "--from-runs",
         nargs="+",
@@ -94,6 +95,8 @@ def main() -> None:
             f"| {s['algo']} | {s['codec']} / {s.get('slow_codec') or s['codec']} | {s['final_eval_loss']:.4f} | "
             f"{s['consensus_distance']:.2e} | {s['bytes_sent_per_worker'] / 1e6:.1f} | {s['wall_seconds']:.0f} |"
         )
+    if args.note:
+        lines += ["", args.note]
     lines += ["", f"![held-out loss vs steps, wall-clock and bytes]({args.name}.png)", ""]
     (args.out / f"{args.name}.md").write_text("\n".join(lines))
     (args.out / f"{args.name}.json").write_text(json.dumps(summaries, indent=1))
