@@ -2,6 +2,7 @@
 
 from noloco.comm.base import ByteCounter, CommError, CommTimeout, Transport
 from noloco.comm.local import LocalFabric, LocalTransport
+from noloco.comm.swarm import SwarmEndpoint
 from noloco.comm.torchdist import TorchDistTransport
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "CommTimeout",
     "LocalFabric",
     "LocalTransport",
+    "SwarmEndpoint",
     "TorchDistTransport",
     "Transport",
 ]

@@ -34,6 +34,7 @@ from noloco.collectives import ReductionErrorFeedback, allreduce
 from noloco.comm.base import ByteCounter, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
 from noloco.optim import AveragingRule, DiLoCoRule, NoLoCoRule, OuterRule
+from noloco.train import faults
 
 
 @dataclass
@@ -213,6 +214,7 @@ class OuterAlgorithm(Algorithm):
     @torch.no_grad()
     def outer_step(self, round_index: int) -> OuterRoundInfo:
         """Exchange with this round's group and apply the outer rule; loads φ into the model."""
+        faults.fire("outer.exchange", self.inner_step, getattr(self.transport, "rank", None))
         group = self.groups.form(round_index, self.timeout)
         if group is None:
             if not self.skip_failed_rounds:

@@ -27,7 +27,7 @@ class MetricsLogger:
             self.path.write_text("".join(line + "\n" for line in kept))
         elif self.path.exists():
             self.path.unlink()
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = self.path.open("a", encoding="utf-8", buffering=1)  # line-buffered: a crash loses no step
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -28,3 +28,9 @@ def tiny_config(data_cache, tmp_path):
         return load_config([*TINY, f"data.cache_dir={data_cache}", f"run.dir={tmp_path}", *overrides])
 
     return make
+
+
+@pytest.fixture
+def tiny_overrides(data_cache, tmp_path):
+    """The tiny run's overrides as command-line arguments (for `python train.py ...` subprocesses)."""
+    return [*TINY, f"data.cache_dir={data_cache}", f"run.dir={tmp_path}"]

@@ -1,0 +1,347 @@
+"""Swarm matchmaking: groups form among the peers that are ready for a round, found over the hivemind DHT.
+
+Implements the open-swarm group formation of NoLoCo (arXiv 2506.10911, DESIGN §3.1; issue 5): a
+peer ready for outer round ``r`` never waits for a slow one beyond a bounded time, and a peer that
+finds no partner in time gets ``None`` and keeps training. Design (details and failure modes in
+docs/swarm.md):
+
+1. *Announce*: store ``(t, name)`` under DHT key ``<run>/ready/<r>``, subkey = peer id, with an
+   expiry, and an HMAC of (run, r, peer, t, name) under the run key. Entries without a valid MAC
+   (another key, forged) are ignored and counted as ``unauthenticated``.
+2. *Windows*: the valid announcements of round ``r`` are cut, by their announce times, into
+   windows of ``window`` seconds: the first starts at the earliest announcement, each next one at
+   the first announcement after the previous window closed. Every peer computes the same windows
+   from the same entries; a late peer lands in a later window instead of delaying the early ones.
+   A peer reads its window when it has closed (plus ``slack`` for DHT propagation) or, earlier, as
+   soon as every peer it *expects* (live in the registry, at most one round behind) has announced
+   in it: so peers in step pay almost no waiting, and a peer ahead of the others waits for them (up
+   to ``window``), which pulls clusters of peers back into one.
+   A peer alone in its window re-announces (moving its entry to now, which changes no other
+   peer's window) and tries the next window, until ``timeout``; this also re-synchronises a peer
+   that runs ahead of the others, since all members of a window leave matchmaking together.
+3. *Draw*: the peer orders its window's peers by a hash of (seed, r, window start, peer id); consecutive
+   slices of ``group_size`` form the groups (a single leftover joins the last group;
+   ``group_size=None`` means one group of everyone: the DiLoCo mode).
+4. *Confirm*: each member opens the group on its :class:`~noloco.comm.swarm.SwarmEndpoint` (so data
+   for it is accepted from then on), sends an authenticated ``join`` to every other member over
+   libp2p and waits up to ``confirm_timeout`` for theirs. The group id hashes (run, r, window,
+   members), so members whose views of the DHT differ compute different ids: when a member's
+   ``join`` names another group, the draw is redone once from the closed window (which all members
+   see alike). Any other failure gives ``None`` for that round (the round is skipped, nothing is
+   half-applied).
+
+:class:`PeerRegistry` is the list of live peers (name, inner step) that late joiners read to find a
+peer to download the current slow weights from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from noloco.comm.base import ByteCounter
+from noloco.comm.swarm import RunKey, SwarmEndpoint
+from noloco.gossip.base import Group, GroupSource
+
+logger = logging.getLogger(__name__)
+
+
+def get_dht_time() -> float:
+    """hivemind's DHT clock (wall-clock seconds), imported lazily so this module imports without hivemind."""
+    from hivemind.utils.timed_storage import get_dht_time as dht_time
+
+    return dht_time()
+
+
+def _digest(*parts: object, size: int = 16) -> str:
+    return hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=size).hexdigest()
+
+
+@dataclass(frozen=True)
+class Announcement:
+    peer: str
+    time: float
+    name: str
+
+
+def windows(times: list[float], width: float) -> list[tuple[float, float]]:
+    """Cut sorted-or-not announce ``times`` into chained windows ``[start, start + width]``."""
+    out: list[tuple[float, float]] = []
+    for t in sorted(times):
+        if not out or t > out[-1][1]:
+            out.append((t, t + width))
+    return out
+
+
+def draw_groups(peers: list[str], group_size: int | None, seed: int, round_index: int, salt: str) -> list[list[str]]:
+    """Deterministic groups of ``peers`` (peer ids) for one window; identical on every member.
+
+    Members of each group are sorted; a single leftover peer joins the last group.
+    """
+    order = sorted(peers, key=lambda p: _digest("group-order", seed, round_index, salt, p))
+    if group_size is None or group_size >= len(order):
+        return [sorted(order)] if order else []
+    groups = [order[i : i + group_size] for i in range(0, len(order), group_size)]
+    if len(groups) > 1 and len(groups[-1]) == 1:
+        groups[-2].extend(groups.pop())
+    return [sorted(g) for g in groups]
+
+
+class _Mismatch(RuntimeError):
+    """Members computed different groups (their views of the round's announcements differed)."""
+
+
+@dataclass
+class RoundRecord:
+    """What matchmaking did for one round (for the per-peer summary)."""
+
+    round: int
+    ready: int = 0
+    partners: list[str] = field(default_factory=list)
+    outcome: str = ""
+    matchmaking_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class SwarmMatchmaking(GroupSource):
+    """A :class:`~noloco.gossip.base.GroupSource` for an open swarm (see the module docstring).
+
+    Args:
+        dht: a running ``hivemind.DHT`` (its ``get``/``store`` are called from the training thread only).
+        endpoint: this peer's :class:`SwarmEndpoint` (same run id and key).
+        name: human-readable peer name used in logs and metrics.
+        group_size: target group size (>= 2), or ``None`` for one group of all ready peers.
+        window: seconds during which ready peers are gathered into one draw.
+        slack: extra seconds after a window closes before reading it (DHT propagation).
+        confirm_timeout: seconds to wait for every member's ``join``.
+        timeout: most seconds one round's matchmaking may take before giving up (``None`` for the round).
+        seed: run seed mixed into the draw.
+        expected: ``expected(r)`` → peer ids expected in round ``r`` (live and at most one round behind);
+            once all of them have announced in this peer's window, the window is read without waiting
+            for it to close.
+        front: ``front()`` → the next swarm round of the most advanced live peers (see :meth:`form`).
+        poll: seconds between reads of the round's announcements while waiting.
+    """
+
+    def __init__(
+        self,
+        dht,
+        endpoint: SwarmEndpoint,
+        name: str,
+        group_size: int | None = 2,
+        window: float = 2.0,
+        slack: float = 1.0,
+        confirm_timeout: float = 5.0,
+        timeout: float = 10.0,
+        seed: int = 0,
+        expected: Callable[[int], set[str]] | None = None,
+        front: Callable[[], int] | None = None,
+        poll: float = 0.25,
+    ):
+        if group_size is not None and group_size < 2:
+            raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
+        self.dht, self.endpoint, self.name = dht, endpoint, name
+        self.key: RunKey = endpoint.key
+        self.run_id, self.peer_id = endpoint.run_id, endpoint.peer_id
+        self.group_size, self.window, self.slack = group_size, float(window), float(slack)
+        self.confirm_timeout, self.timeout, self.seed = float(confirm_timeout), float(timeout), int(seed)
+        self.expected, self.front, self.poll = expected, front, float(poll)
+        self.next_round = 0
+        self.counter: ByteCounter = endpoint.counter
+        self.rounds: list[RoundRecord] = []
+        self._open: dict[str, tuple[RoundRecord, float, dict[str, int]]] = {}
+        self._bad_entries: set[tuple[str, float]] = set()
+
+    # ------------------------------------------------------------------ DHT entries
+    def _mac(self, *parts: object) -> str:
+        return self.key.mac("|".join(map(str, parts)).encode()).hex()
+
+    def _announce(self, round_index: int) -> float:
+        now = get_dht_time()
+        value = {"t": now, "name": self.name, "mac": self._mac("ready", self.run_id, round_index, self.peer_id, now,
+                                                               self.name)}  # fmt: skip
+        expiry = now + max(60.0, 10 * (self.window + self.slack + self.confirm_timeout))
+        self.dht.store(f"{self.run_id}/ready/{round_index}", value, expiry, subkey=self.peer_id)
+        return now
+
+    def _ready(self, round_index: int) -> list[Announcement]:
+        found = self.dht.get(f"{self.run_id}/ready/{round_index}", latest=True)
+        entries = []
+        if found is None or not isinstance(found.value, dict):
+            return entries
+        for peer, item in found.value.items():
+            value = getattr(item, "value", None)
+            try:
+                t, name, mac = float(value["t"]), str(value["name"]), str(value["mac"])
+                ok = mac == self._mac("ready", self.run_id, round_index, peer, value["t"], name)
+            except (TypeError, KeyError, ValueError):
+                ok, t, name = False, 0.0, ""
+            if ok:
+                entries.append(Announcement(str(peer), t, name))
+            elif (str(peer), t) not in self._bad_entries:  # count each bad announcement once
+                self._bad_entries.add((str(peer), t))
+                self.endpoint.count_rejection("unauthenticated", "DHT announcement with a bad MAC", str(peer))
+        return entries
+
+    # ------------------------------------------------------------------ GroupSource
+    def form(self, round_index: int, timeout: float) -> Group | None:
+        """The group of this peer's outer round ``round_index``.
+
+        Groups form in *swarm rounds*: normally the local round, but a peer that has fallen behind
+        matches in the round the most advanced live peers do next (``front``), so it rejoins them
+        instead of waiting in rounds nobody else is in. ``Group.round`` is the swarm round.
+        """
+        started = time.monotonic()
+        target = max(round_index, self.next_round)
+        if self.front is not None:
+            try:
+                target = max(target, self.front())
+            except Exception:  # noqa: BLE001 - the registry is a hint
+                pass
+        record = RoundRecord(target)
+        self.rounds.append(record)
+        self.next_round = target + 1
+        try:
+            group = self._form(target, record, started + timeout)
+        except Exception as exc:  # noqa: BLE001 - the DHT or a peer failed: skip the round, keep training
+            logger.warning("swarm: matchmaking for round %d failed: %s: %s", round_index, type(exc).__name__, exc)
+            record.outcome, group = f"error: {type(exc).__name__}", None
+        record.matchmaking_seconds = time.monotonic() - started
+        if group is not None:
+            self._open[group.transport.group_id] = (record, time.monotonic(), self.counter.state_dict())
+        return group
+
+    def _form(self, round_index: int, record: RoundRecord, deadline: float) -> Group | None:
+        deadline = min(deadline, time.monotonic() + self.timeout)
+        expected = self.expected(round_index) if self.expected is not None else set()
+        mine = self._announce(round_index)
+        for attempt in range(2):
+            # Attempt 0 may read the window early (all expected peers in); if members then disagree on
+            # the group, attempt 1 reads the closed window, which every member sees alike.
+            gathered = self._gather(round_index, record, deadline, mine, expected if attempt == 0 else set())
+            if gathered is None:
+                return None
+            in_window, start, mine = gathered
+            names = {e.peer: e.name for e in in_window}
+            record.ready = len(in_window)
+            members = next(g for g in draw_groups(list(names), self.group_size, self.seed, round_index, repr(start))
+                           if self.peer_id in g)  # fmt: skip
+            group_id = _digest("group", self.run_id, round_index, repr(start), *members)
+            record.partners = [names[m] for m in members if m != self.peer_id]
+            transport = self.endpoint.open_group(group_id, round_index, members)
+            try:
+                self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0)
+            except _Mismatch as exc:
+                self.endpoint.close_group(group_id)
+                record.outcome = f"confirm failed: {exc}"
+                continue
+            except Exception as exc:  # noqa: BLE001 - unreachable, refused or silent member: skip the round
+                self.endpoint.close_group(group_id)
+                record.outcome = f"confirm failed: {exc}"
+                return None
+            record.outcome = "joined"
+            return Group(transport, list(range(len(members))), round_index, [names[m] for m in members])
+        return None
+
+    def _gather(self, round_index: int, record: RoundRecord, deadline: float, mine: float, expected: set[str]):
+        """Wait for this peer's window to be readable; ``(announcements in it, window start, my time)`` or None."""
+        while True:
+            entries = self._ready(round_index)
+            if not any(e.peer == self.peer_id for e in entries):
+                entries.append(Announcement(self.peer_id, mine, self.name))
+            start, end = next(w for w in windows([e.time for e in entries], self.window) if w[0] <= mine <= w[1])
+            in_window = [e for e in entries if start <= e.time <= end]
+            present = {e.peer for e in in_window}
+            now = get_dht_time()
+            everyone = bool(expected) and expected <= present
+            if now < end + self.slack and not everyone:
+                if time.monotonic() > deadline:
+                    record.outcome = "timeout"
+                    return None
+                time.sleep(max(0.0, min(self.poll, end + self.slack - now)))
+                continue
+            if len(in_window) > 1:
+                return in_window, start, mine
+            # Alone in the window: move this peer's announcement to now and wait for the next window of
+            # the round (nobody else was in the old window, so no other peer's draw changes).
+            if time.monotonic() + self.slack > deadline:
+                record.outcome = "no partner"
+                return None
+            mine = self._announce(round_index)
+            expected = set()
+
+    def _confirm(self, round_index, group_id, members, names, deadline, fast_mismatch: bool) -> None:
+        """Send ``join/<group id>`` to every other member and wait for theirs; raise on failure."""
+        channel = f"r{round_index}"
+        confirm_by = min(deadline, time.monotonic() + self.confirm_timeout)
+        others = [m for m in members if m != self.peer_id]
+        for member in others:
+            self.endpoint.send_control(channel, round_index, member, f"join/{group_id}", b"",
+                                       max(0.1, confirm_by - time.monotonic()))  # fmt: skip
+        waiting = set(others)
+        while waiting:
+            for member in list(waiting):
+                if self.endpoint.take_control(channel, member, f"join/{group_id}", 0.0) is not None:
+                    waiting.discard(member)
+                elif fast_mismatch and self.endpoint.control_tags(channel, member):
+                    raise _Mismatch(f"{names[member]} formed a different group")
+            if waiting and time.monotonic() > confirm_by:
+                raise TimeoutError(", ".join(sorted(names[m] for m in waiting)) + " did not confirm")
+            if waiting:
+                time.sleep(0.02)
+
+    def release(self, group: Group) -> None:
+        group_id = group.transport.group_id
+        group.transport.close()
+        if group_id in self._open:
+            record, since, before = self._open.pop(group_id)
+            after = self.counter.state_dict()
+            record.exchange_seconds = time.monotonic() - since
+            record.bytes_sent = after["bytes_sent"] - before["bytes_sent"]
+            record.bytes_received = after["bytes_received"] - before["bytes_received"]
+
+
+class PeerRegistry:
+    """Live peers of a run under DHT key ``<run>/peers`` (subkey = peer id), each entry MAC'd.
+
+    ``publish`` is called after every outer round with this peer's inner step; entries expire after
+    ``ttl`` seconds, so a dead peer drops out.
+    """
+
+    def __init__(self, dht, endpoint: SwarmEndpoint, name: str, ttl: float = 120.0):
+        self.dht, self.endpoint, self.name, self.ttl = dht, endpoint, name, float(ttl)
+
+    def _mac(self, peer: str, step: int, next_round: int, t: float, name: str) -> str:
+        text = f"alive|{self.endpoint.run_id}|{peer}|{step}|{next_round}|{t}|{name}"
+        return self.endpoint.key.mac(text.encode()).hex()
+
+    def publish(self, step: int, next_round: int) -> None:
+        """List this peer as live at inner ``step``, next matching in swarm round ``next_round``."""
+        now = get_dht_time()
+        value = {"step": int(step), "round": int(next_round), "t": now, "name": self.name,
+                 "mac": self._mac(self.endpoint.peer_id, int(step), int(next_round), now, self.name)}  # fmt: skip
+        self.dht.store(f"{self.endpoint.run_id}/peers", value, now + self.ttl, subkey=self.endpoint.peer_id)
+
+    def live(self) -> list[dict]:
+        """Valid entries of other peers, most advanced first: ``{"peer", "name", "step", "round", "t"}``."""
+        found = self.dht.get(f"{self.endpoint.run_id}/peers", latest=True)
+        out = []
+        if found is None or not isinstance(found.value, dict):
+            return out
+        for peer, item in found.value.items():
+            value = getattr(item, "value", None)
+            try:
+                ok = value["mac"] == self._mac(
+                    str(peer), int(value["step"]), int(value["round"]), value["t"], str(value["name"])
+                )
+            except (TypeError, KeyError, ValueError):
+                ok = False
+            if ok and peer != self.endpoint.peer_id:
+                out.append({"peer": str(peer), "name": str(value["name"]), "step": int(value["step"]),
+                            "round": int(value["round"]), "t": float(value["t"])})  # fmt: skip
+        return sorted(out, key=lambda e: (-e["step"], -e["t"]))

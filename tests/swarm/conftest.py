@@ -1,0 +1,137 @@
+"""Helpers for swarm tests: real peer processes (``python train.py backend=hivemind``) on loopback.
+
+Every process is started in its own session; the fixture's teardown kills each of those process
+groups (the peer, its forked DHT process and its p2pd daemon), whatever the test did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from noloco.train.config import load_config
+from noloco.train.data import prepare_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "swarm-test-key-0123"
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "data.vocab_size=512",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "eval.batches=2",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "inner.warmup=5",
+    "threads=1",
+    "comm.timeout=15",
+    'peer.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+    "peer.window=3.0",
+    "peer.slack=0.5",
+    "peer.live_timeout=15",
+    "peer.confirm_timeout=4",
+    "peer.matchmaking_timeout=8",
+]
+
+
+@pytest.fixture(scope="session")
+def swarm_cache(tmp_path_factory) -> Path:
+    """The tokenized corpus, prepared once so that peer processes do not race to build it."""
+    cache = tmp_path_factory.mktemp("swarm-data")
+    cfg = load_config([*TINY, f"data.cache_dir={cache}"])
+    prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction, cfg.data.cache_dir)
+    return cache
+
+
+class Swarm:
+    """Starts peers and a hivemind-dht bootstrap; ``close`` kills whatever is still running."""
+
+    def __init__(self, run_dir: Path, cache: Path):
+        self.run_dir, self.cache = run_dir, cache
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def peer(self, name: str, *overrides: str, key: str | None = KEY) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != "NOLOCO_RUN_KEY"}
+        if key is not None:
+            env["NOLOCO_RUN_KEY"] = key
+        args = [sys.executable, str(ROOT / "train.py"), "backend=hivemind", *TINY, f"data.cache_dir={self.cache}",
+                f"run.dir={self.run_dir}", "run.name=swarm", f"peer.name={name}", *overrides]  # fmt: skip
+        log = (self.run_dir / f"{name}.log").open("w")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def peer_dir(self, name: str) -> Path:
+        return self.run_dir / "swarm" / f"peer-{name}"
+
+    def maddrs(self, name: str, timeout: float = 60) -> list[str]:
+        path = self.peer_dir(name) / "maddrs.json"
+        self.wait(lambda: path.exists(), timeout, f"peer {name} did not start")
+        return json.loads(path.read_text())["maddrs"]
+
+    def bootstrap_dht(self, timeout: float = 60) -> str:
+        """Start hivemind's own `hivemind-dht` and return a multiaddr peers can use as initial peer."""
+        log_path = self.run_dir / "hivemind-dht.log"
+        command = ["hivemind-dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
+        log = log_path.open("w")
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs["hivemind-dht"] = proc
+        found: list[str] = []
+
+        def ready() -> bool:
+            found[:] = re.findall(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", log_path.read_text())
+            return bool(found)
+
+        self.wait(ready, timeout, "hivemind-dht did not print its multiaddrs")
+        return found[0]
+
+    def wait(self, condition, timeout: float, message: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{message} within {timeout}s; logs: {self.logs()}")
+            time.sleep(0.2)
+
+    def finish(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"peer {name} did not finish within {timeout}s; logs: {self.logs()}") from None
+
+    def summary(self, name: str) -> dict:
+        return json.loads((self.peer_dir(name) / "summary.json").read_text())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.run_dir.glob("*.log")))
+
+    def close(self) -> None:
+        """Kill every started process *group* (a peer, its DHT process and its p2pd daemon)."""
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # each process leads its own session
+            except ProcessLookupError:
+                pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def swarm(tmp_path, swarm_cache):
+    swarm = Swarm(tmp_path, swarm_cache)
+    try:
+        yield swarm
+    finally:
+        swarm.close()

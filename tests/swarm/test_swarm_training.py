@@ -1,0 +1,88 @@
+"""End-to-end swarm runs: real peer processes, a real DHT and real p2pd daemons on loopback."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _initial_loss(summary: dict) -> float:
+    return summary["eval_history"][0][1]
+
+
+def test_four_peers_from_a_hivemind_dht_bootstrap_train_in_varying_pairs_and_a_wrong_key_peer_is_shut_out(swarm):
+    bootstrap = swarm.bootstrap_dht()
+    common = ("steps=60", "outer.every=10", f'peer.initial_peers=["{bootstrap}"]')
+    good = [str(rank) for rank in range(4)]
+    for rank in good:
+        swarm.peer(rank, *common, f"peer.rank={rank}", "peer.wait_for_peers=3")
+    swarm.peer("intruder", *common, "steps=30", "peer.rank=9", "peer.join=never", key="not-the-run-key")
+    for name in [*good, "intruder"]:
+        assert swarm.finish(name, timeout=200) == 0, swarm.logs()
+
+    summaries = {name: swarm.summary(name) for name in good}
+    partner_sets = set()
+    for name, s in summaries.items():
+        assert s["final_eval_loss"] < _initial_loss(s) - 0.5, (name, s["eval_history"])
+        assert s["slow_weights_finite"]
+        assert s["rounds"] == 6 and s["rounds_joined"] >= 4, (name, s["round_outcomes"])
+        assert all(b > 0 for b in s["bytes_sent_per_round"])
+        assert "intruder" not in {p for partners in s["partners"] for p in partners}
+        partner_sets.update(tuple(sorted([name, *partners])) for partners in s["partners"])
+    assert len(partner_sets) >= 3, partner_sets  # groups change from round to round
+    # The intruder's DHT announcements failed authentication on the real peers and were counted.
+    assert sum(s["rejected_messages"].get("unauthenticated", 0) for s in summaries.values()) > 0
+    intruder = swarm.summary("intruder")
+    assert intruder["rounds_joined"] == 0 and intruder["bytes_sent"] == 0
+    # The key never reaches the run folder.
+    for path in swarm.run_dir.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".yaml", ".log"):
+            assert "swarm-test-key" not in path.read_text(errors="ignore"), path
+
+
+def _outer_rounds_done(swarm, name: str) -> int:
+    path = swarm.peer_dir(name) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return sum("outer_round" in line for line in path.read_text().splitlines())
+
+
+def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_live_weights(swarm):
+    common = ("steps=100", "outer.every=10")
+    swarm.peer("0", *common, "peer.rank=0", "peer.wait_for_peers=2")
+    bootstrap = swarm.maddrs("0")[0]
+    join = f'peer.initial_peers=["{bootstrap}"]'
+    swarm.peer("1", *common, join, "peer.rank=1", "peer.wait_for_peers=2")
+    victim = swarm.peer("2", *common, join, "peer.rank=2", "peer.wait_for_peers=2")
+    swarm.wait(lambda: _outer_rounds_done(swarm, "2") >= 1, 150, "peer 2 did not reach round 1")
+    os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT process and its p2pd die at once
+    swarm.peer("late", *common, join, "peer.rank=3")
+    for name in ("0", "1", "late"):
+        assert swarm.finish(name, timeout=200) == 0, swarm.logs()
+
+    # Peer 0 started the swarm from the seed; a peer that joined later starts from live (trained)
+    # weights, so the swarm's progress is measured against peer 0's first loss.
+    swarm_initial = _initial_loss(swarm.summary("0"))
+    for name in ("0", "1"):
+        s = swarm.summary(name)
+        assert s["slow_weights_finite"] and math.isfinite(s["final_eval_loss"])
+        assert s["final_eval_loss"] < swarm_initial - 0.5, (name, s["eval_history"])
+        assert s["rounds"] == 10 and s["rounds_joined"] >= 5, s["round_outcomes"]
+    late = swarm.summary("late")
+    source = late["joined_from"]
+    assert source is not None and source["step"] >= 10, late
+    # The late peer started from the live slow weights: its first held-out loss equals the loss the
+    # source peer measured on its own slow weights at that step (same weights, same batches).
+    first_step, first_loss = late["eval_history"][0]
+    assert first_step == source["step"]
+    source_history = dict(map(tuple, swarm.summary(source["peer"])["eval_history"]))
+    assert first_loss == pytest.approx(source_history[first_step], abs=1e-5)
+    assert late["rounds"] == (100 - first_step) // 10 and late["rounds_joined"] >= 1, late["round_outcomes"]
+    records = [json.loads(line) for line in (swarm.peer_dir("late") / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == first_step
