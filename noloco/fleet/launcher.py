@@ -1,0 +1,329 @@
+"""``noloco-fleet``: run one worker per network namespace behind rate-limited links (DESIGN §5).
+
+    noloco-fleet --hosts 4 --rate 50mbit -- python train.py backend=torch workers=4 outer.algo=noloco
+
+As root, :func:`launch` builds a :class:`~noloco.fleet.netns.Fleet` (N namespaces on one bridge,
+each host's egress and ingress shaped with ``tc tbf``), starts the command once per namespace with
+the torch.distributed environment of that rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` = host 0,
+``MASTER_PORT``, ``LOCAL_WORLD_SIZE``, ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME`` = ``veth0``),
+streams every worker's output with an ``[h<i>]`` prefix, waits, and tears everything down.
+
+For a ``train.py``/``noloco-train`` command it adds ``run.dir``/``run.name`` (unless given), so the
+run folder is known; after the run it writes ``fleet.json`` there (hosts, rate, the link-layer bytes
+each host's shapers passed, wall time) and one ``fleet.h<i>.log`` per worker.
+
+Failure: a worker that exits non-zero fails the launch; the others get ``--grace`` seconds to exit
+on their own (gloo notices the lost peer) and are then killed; the exit status is the first
+failing worker's. SIGINT/SIGTERM/SIGHUP stop the workers (SIGTERM to their process groups, SIGKILL
+after a grace period) and delete the namespaces; a cleanup by name prefix catches anything left.
+Not root: one line that points to the in-process link model (:mod:`noloco.fleet.linkmodel`).
+Latency (``--latency``) is not implemented yet: the kernel has no netem and the user-space delay
+proxy is still to be written; a non-zero value is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from noloco.fleet.netns import (
+    IFNAME,
+    Fleet,
+    FleetError,
+    cleanup_prefix,
+    is_root,
+    missing_tools,
+    parse_duration,
+    parse_rate,
+    stale_prefixes,
+)
+
+NOT_ROOT = (
+    "noloco-fleet: needs root to build network namespaces and tc shapers; without root, predict the "
+    "throttled run with the in-process link model: python -m noloco.fleet.linkmodel <run_dir> --rate 50mbit "
+    "(see docs/fleet.md)"
+)
+
+
+@dataclass
+class FleetResult:
+    """What a launch returns: exit status, per-worker exit codes, run folder, summary, link stats."""
+
+    returncode: int
+    exit_codes: list[int | None]
+    wall_seconds: float
+    run_dir: Path | None = None
+    summary: dict | None = None
+    link_stats: list[dict] = field(default_factory=list)
+    prefix: str = ""
+
+
+def _is_train_command(command: list[str]) -> bool:
+    return any(Path(arg).name in ("train.py", "noloco-train") for arg in command[:3])
+
+
+def _with_run_folder(command: list[str], run_dir: Path, name: str) -> tuple[list[str], Path | None]:
+    """Add ``run.dir``/``run.name`` to a train command that sets neither; returns (command, folder or None)."""
+    if not _is_train_command(command):
+        return command, None
+    keys = {arg.split("=", 1)[0] for arg in command if "=" in arg}
+    if "run.dir" in keys or "run.name" in keys or "--config" in command or "resume" in keys:
+        given = {arg.split("=", 1)[0]: arg.split("=", 1)[1] for arg in command if "=" in arg}
+        if "run.dir" in given and "run.name" in given:
+            return command, Path(given["run.dir"]) / given["run.name"]
+        return command, None
+    return [*command, f"run.dir={run_dir}", f"run.name={name}"], run_dir / name
+
+
+def _stream(proc: subprocess.Popen, host: int, out: TextIO, log: TextIO | None, lock: threading.Lock) -> None:
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, ""):
+        with lock:
+            out.write(f"[h{host}] {line}" if line.endswith("\n") else f"[h{host}] {line}\n")
+            out.flush()
+        if log is not None:
+            log.write(line)
+            log.flush()
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM each worker's process group, SIGKILL whatever is left after ``grace`` seconds."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+class _Terminated(Exception):
+    """Raised in the main thread by the SIGTERM/SIGHUP handler so ``finally`` tears down."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _raise_on_signal(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+def launch(
+    command: list[str],
+    hosts: int,
+    rate: str | float | None = None,
+    latency: str | float | None = None,
+    port: int = 29500,
+    run_dir: Path | str = Path("runs/fleet"),
+    name: str | None = None,
+    prefix: str | None = None,
+    local_world_size: int | None = None,
+    grace: float = 10.0,
+    queue: str | float = "100ms",
+    out: TextIO | None = None,
+) -> FleetResult:
+    """Build the fleet, run ``command`` on every host, wait, tear down; returns a :class:`FleetResult`.
+
+    ``rate``: per host, each direction, as ``"50mbit"`` or bits/s (``None``: unshaped).
+    ``queue``: tbf's queue bound (packets that would wait longer are dropped), ``"100ms"`` or seconds.
+    ``local_world_size``: ``LOCAL_WORLD_SIZE`` given to every worker (torch threads = cores / it);
+    default ``hosts``, since all hosts share this machine's cores.
+    Raises :class:`~noloco.fleet.netns.FleetError` when not root, tools are missing or setup fails.
+    """
+    out = out or sys.stdout
+    if not is_root():
+        raise FleetError(NOT_ROOT)
+    if missing_tools():
+        raise FleetError(f"noloco-fleet: missing {', '.join(missing_tools())} (install iproute2)")
+    if latency not in (None, 0, 0.0, "", "0", "0ms"):
+        delay = latency if isinstance(latency, (int, float)) else parse_duration(latency)
+        if delay > 0:
+            raise FleetError(
+                "noloco-fleet: --latency is not implemented yet (no netem here; the user-space delay proxy "
+                "is still to be written); model latency with python -m noloco.fleet.linkmodel --latency"
+            )
+    if not command:
+        raise FleetError("noloco-fleet: no command given (put it after --)")
+    if rate in (None, "", "none"):
+        rate_bps = None
+    else:
+        rate_bps = float(rate) if isinstance(rate, (int, float)) else parse_rate(rate)
+    prefix = prefix or f"nlc{os.getpid()}"
+    name = name or time.strftime(f"fleet-{hosts}h-%Y%m%d-%H%M%S")
+    command, folder = _with_run_folder(list(command), Path(run_dir).absolute(), name)
+    queue_s = float(queue) if isinstance(queue, (int, float)) else parse_duration(queue)
+    fleet = Fleet(hosts, rate_bps, prefix=prefix, queue_latency=queue_s)
+    procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
+    logs: list[TextIO] = []
+    codes: list[int | None] = [None] * hosts
+    lock = threading.Lock()
+    started = time.perf_counter()
+    result = FleetResult(returncode=1, exit_codes=codes, wall_seconds=0.0, run_dir=folder, prefix=prefix)
+    try:
+        fleet.up()
+        shaping = f"{rate_bps / 1e6:g} Mbit/s each way (ingress via {fleet.ingress_mode})" if rate_bps else "unshaped"
+        out.write(f"noloco-fleet: {hosts} hosts {fleet.ip(0)}..{fleet.ip(hosts - 1)} ({prefix}-h*), {shaping}\n")
+        out.flush()
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        for host in range(hosts):
+            env = {
+                "RANK": str(host),
+                "WORLD_SIZE": str(hosts),
+                "MASTER_ADDR": fleet.ip(0),
+                "MASTER_PORT": str(port),
+                "LOCAL_WORLD_SIZE": str(local_world_size or hosts),
+                "GLOO_SOCKET_IFNAME": IFNAME,
+                "TP_SOCKET_IFNAME": IFNAME,
+                "PYTHONUNBUFFERED": "1",
+                "NOLOCO_FLEET_HOST": str(host),
+            }
+            log = open(folder / f"fleet.h{host}.log", "w") if folder is not None else None  # noqa: SIM115
+            if log is not None:
+                logs.append(log)
+            proc = fleet.popen(
+                host, command, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                text=True, bufsize=1, errors="replace",
+            )  # fmt: skip
+            procs.append(proc)
+            thread = threading.Thread(target=_stream, args=(proc, host, out, log, lock), daemon=True)
+            thread.start()
+            threads.append(thread)
+        failed_at = None
+        while True:
+            for host, proc in enumerate(procs):
+                codes[host] = proc.poll()
+            if all(code is not None for code in codes):
+                break
+            if failed_at is None and any(code not in (None, 0) for code in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                out.write(f"noloco-fleet: a worker failed; stopping the others after {grace:g} s\n")
+                _stop(procs, 3.0)
+                codes[:] = [proc.poll() for proc in procs]
+                break
+            time.sleep(0.1)
+        for thread in threads:
+            thread.join(5)
+        result.link_stats = [fleet.link_stats(host) for host in range(hosts)]
+        result.wall_seconds = time.perf_counter() - started
+        # the first worker that failed on its own (a positive code), not the ones stopped after it
+        failed = [code for code in codes if code is not None and code > 0]
+        result.returncode = failed[0] if failed else (0 if all(code == 0 for code in codes) else 1)
+        if folder is not None and (folder / "summary.json").exists():
+            result.summary = json.loads((folder / "summary.json").read_text())
+        if folder is not None:
+            record = {
+                "hosts": hosts,
+                "rate_bps": rate_bps,
+                "ingress": fleet.ingress_mode,
+                "queue_seconds": queue_s,
+                "command": command,
+                "exit_codes": codes,
+                "wall_seconds": result.wall_seconds,
+                "link_stats": result.link_stats,
+            }
+            (folder / "fleet.json").write_text(json.dumps(record, indent=1))
+        return result
+    finally:
+        _stop(procs, 3.0)
+        for log in logs:
+            log.close()
+        fleet.down()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="noloco-fleet",
+        description="Run one worker per network namespace behind rate-limited links (root only).",
+        epilog="example: noloco-fleet --hosts 4 --rate 50mbit -- python train.py backend=torch workers=4",
+    )
+    parser.add_argument("--hosts", type=int, help="number of hosts (namespaces), one worker each")
+    parser.add_argument("--rate", default=None, help="per-host link rate, each direction: 50mbit, 500kbit, 1gbit")
+    parser.add_argument("--latency", default=None, help="one-way delay (not implemented yet; refused if > 0)")
+    parser.add_argument("--queue", default="100ms", help="tbf queue bound per link (default 100ms)")
+    parser.add_argument("--port", type=int, default=29500, help="MASTER_PORT on host 0 (default 29500)")
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/fleet"), help="run.dir for train commands")
+    parser.add_argument("--name", default=None, help="run.name for train commands (default fleet-<N>h-<time>)")
+    parser.add_argument("--prefix", default=None, help="namespace name prefix (default nlc<pid>)")
+    parser.add_argument("--local-world-size", type=int, default=None,
+                        help="LOCAL_WORLD_SIZE per worker (torch threads = cores / it; default --hosts)")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds the others get after a worker fails")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="remove the namespaces of launchers that died without cleaning up, then exit")
+    args = parser.parse_args(argv)
+    if not is_root():
+        print(NOT_ROOT, file=sys.stderr)
+        return 2
+    if args.cleanup:
+        for prefix in stale_prefixes():
+            print(f"noloco-fleet: removing {prefix}-*: {' '.join(cleanup_prefix(prefix))}")
+        return 0
+    if not args.hosts or args.hosts < 1:
+        parser.error("--hosts N is required (N >= 1)")
+    if not command:
+        parser.error("no command: put it after --, e.g. -- python train.py backend=torch")
+    old = {sig: signal.signal(sig, _raise_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = launch(
+            command, args.hosts, rate=args.rate, latency=args.latency, port=args.port, run_dir=args.run_dir,
+            name=args.name, prefix=args.prefix, local_world_size=args.local_world_size, grace=args.grace,
+            queue=args.queue,
+        )  # fmt: skip
+    except (FleetError, ValueError) as exc:
+        print(str(exc) if str(exc).startswith("noloco-fleet") else f"noloco-fleet: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("noloco-fleet: interrupted; workers stopped and namespaces removed", file=sys.stderr)
+        return 130
+    except _Terminated as exc:
+        print(f"noloco-fleet: got signal {exc.signum}; workers stopped and namespaces removed", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    line = f"noloco-fleet: exit {result.returncode} (worker exit codes {result.exit_codes})"
+    line += f", {result.wall_seconds:.1f} s"
+    if result.run_dir is not None:
+        line += f", run folder {result.run_dir}"
+    print(line)
+    for host, stats in enumerate(result.link_stats):
+        if stats:
+            sent, received = stats.get("tx_bytes", 0) / 1e6, stats.get("rx_bytes", 0) / 1e6
+            print(
+                f"  h{host}: sent {sent:.2f} MB, received {received:.2f} MB "
+                f"(link layer; dropped {stats.get('tx_dropped', 0)}/{stats.get('rx_dropped', 0)} packets)"
+            )
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""A real throttled fleet: measured link rate, a short training job, teardown after success, failure
+and SIGTERM. Needs root, ``ip`` and ``tc`` (CI runs as root); skipped otherwise."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from noloco.fleet import launcher
+from noloco.fleet.launcher import NOT_ROOT, launch
+from noloco.fleet.netns import Fleet, is_root, list_namespaces, missing_tools
+
+REPO = Path(__file__).resolve().parents[2]
+needs_root = pytest.mark.skipif(
+    not is_root() or bool(missing_tools()),
+    reason="needs root and iproute2 (ip, tc) to build network namespaces",
+)
+_count = itertools.count()
+TINY = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=2", "data.vocab_size=512", "data.seq_len=32",
+    "data.batch_size=4", "eval.batches=2", "eval.every=3", "log.progress=false", "log.tensorboard=false",
+]  # fmt: skip
+
+
+def _prefix() -> str:
+    return f"nlc{os.getpid()}x{next(_count)}"
+
+
+def _leftovers(prefix: str) -> list[str]:
+    """Namespaces, root-namespace links and processes of this prefix that still exist."""
+    left = [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    left += [line for line in links.splitlines() if prefix in line]
+    procs = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    left += [line for line in procs.splitlines() if f"netns exec {prefix}-" in line]
+    return left
+
+
+RECEIVER = """
+import socket, sys, time
+server = socket.socket(); server.bind((sys.argv[1], 5001)); server.listen(1)
+conn, _ = server.accept(); total, start = 0, None
+while True:
+    chunk = conn.recv(1 << 16)
+    if not chunk:
+        break
+    start = start or time.perf_counter()
+    total += len(chunk)
+print(total, time.perf_counter() - start)
+"""
+SENDER = """
+import socket, sys, time
+for attempt in range(100):
+    try:
+        conn = socket.create_connection((sys.argv[1], 5001)); break
+    except OSError:
+        time.sleep(0.05)
+block, left = b"x" * (1 << 16), int(sys.argv[2])
+while left > 0:
+    conn.sendall(block[:left]); left -= len(block)
+conn.close()
+"""
+
+
+@needs_root
+def test_tcp_throughput_through_a_shaped_link_respects_the_rate():
+    rate = 16e6
+    with Fleet(2, rate, prefix=_prefix()) as fleet:
+        receiver = fleet.popen(1, [sys.executable, "-c", RECEIVER, fleet.ip(1)], stdout=subprocess.PIPE, text=True)
+        sender = fleet.popen(0, [sys.executable, "-c", SENDER, fleet.ip(1), str(int(rate / 8 * 3))])  # ~3 s
+        assert sender.wait(60) == 0
+        total, seconds = receiver.communicate(timeout=60)[0].split()
+        goodput = int(total) * 8 / float(seconds)
+        wire = fleet.link_stats(0)["tx_bytes"] * 8 / float(seconds)
+        prefix = fleet.prefix
+    # TCP payload is ~95% of the link-layer rate tbf enforces; the wire rate itself is within 10%
+    assert 0.85 * rate <= goodput <= 1.0 * rate, f"goodput {goodput / 1e6:.2f} Mbit/s at {rate / 1e6:g} Mbit/s"
+    assert 0.9 * rate <= wire <= 1.1 * rate, f"link-layer {wire / 1e6:.2f} Mbit/s at {rate / 1e6:g} Mbit/s"
+    assert _leftovers(prefix) == []
+
+
+@needs_root
+@pytest.mark.slow
+def test_short_training_job_runs_through_the_launcher_and_everything_is_torn_down(tmp_path):
+    prefix, out = _prefix(), io.StringIO()
+    command = [sys.executable, str(REPO / "train.py"), "backend=torch", "workers=2", "steps=6", "outer.every=3", *TINY]
+    result = launch(command, hosts=2, rate="16mbit", run_dir=tmp_path, name="job", prefix=prefix, out=out)
+    assert result.returncode == 0, out.getvalue()[-3000:]
+    assert result.summary is not None and result.summary["workers"] == 2
+    assert (tmp_path / "job" / "fleet.json").exists() and (tmp_path / "job" / "fleet.h1.log").exists()
+    assert "[h0]" in out.getvalue() and "[h1]" in out.getvalue()
+    # every payload byte crossed a shaped link: the shapers saw at least what the workers counted
+    for host, stats in enumerate(result.link_stats):
+        last = json.loads((tmp_path / "job" / f"metrics.rank{host}.jsonl").read_text().splitlines()[-1])
+        assert stats["tx_bytes"] >= last["bytes_sent"] > 0
+    assert _leftovers(prefix) == []
+
+
+@needs_root
+def test_a_failing_worker_fails_the_launch_and_the_others_are_stopped():
+    prefix, out = _prefix(), io.StringIO()
+    command = ["sh", "-c", 'if [ "$RANK" = 1 ]; then echo bad config; exit 3; fi; sleep 120']
+    started = time.monotonic()
+    result = launch(command, hosts=3, rate="8mbit", prefix=prefix, grace=1.0, out=out)
+    assert result.returncode == 3 and result.exit_codes[1] == 3
+    assert time.monotonic() - started < 30
+    assert "[h1] bad config" in out.getvalue()
+    assert _leftovers(prefix) == []
+
+
+@needs_root
+def test_sigterm_to_the_launcher_stops_workers_and_removes_the_namespaces():
+    prefix = _prefix()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "noloco.fleet.launcher", "--hosts", "2", "--rate", "8mbit", "--prefix", prefix,
+         "--", "sleep", "300"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(f"netns exec {prefix}-" in line for line in _leftovers(prefix)) < 2:
+            time.sleep(0.2)
+        assert any(ns.startswith(prefix) for ns in list_namespaces()), "the fleet never came up"
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 128 + signal.SIGTERM, output
+        assert _leftovers(prefix) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        from noloco.fleet.netns import cleanup_prefix
+
+        cleanup_prefix(prefix)
+
+
+def test_without_root_it_refuses_in_one_line_and_points_to_the_link_model(monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "is_root", lambda: False)
+    assert launcher.main(["--hosts", "2", "--rate", "8mbit", "--", "true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == NOT_ROOT and "noloco.fleet.linkmodel" in err and "\n" not in err
+
+
+@needs_root
+def test_latency_is_refused_until_the_delay_proxy_exists(capsys):
+    assert launcher.main(["--hosts", "2", "--rate", "8mbit", "--latency", "20ms", "--", "true"]) == 2
+    assert "not implemented" in capsys.readouterr().err
