@@ -55,7 +55,14 @@ def test_baselines_train_and_keep_replicas_identical(tiny_config, algo):
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_config, tmp_path, codec):
     """Also with a lossy codec: error-feedback residuals are part of the checkpoint."""
-    common = ("steps=20", "outer.every=5", "checkpoint.every=10", f"comm.codec={codec}", "comm.slow_codec=int8")
+    slow_codec = "fp32" if codec == "fp32" else "int8"
+    common = (
+        "steps=20",
+        "outer.every=5",
+        "checkpoint.every=10",
+        f"comm.codec={codec}",
+        f"comm.slow_codec={slow_codec}",
+    )
     run(tiny_config(*common, "run.name=full"), quiet=True)
     run(tiny_config(*common, "run.name=killed"), quiet=True, stop_after=10)
     killed = tmp_path / "killed"
@@ -150,7 +157,7 @@ def test_non_finite_gradients_skip_the_inner_update_and_ddp_sends_zeros():
 
 def test_compressed_exchange_trains_with_a_fraction_of_the_bytes(tiny_config):
     common = ("steps=30", "outer.every=5", "model.dim=128", "model.n_layers=1", "model.n_heads=2")
-    exact = run(tiny_config(*common, "run.name=fp32"), quiet=True)
+    exact = run(tiny_config(*common, "comm.codec=fp32", "comm.slow_codec=fp32", "run.name=fp32"), quiet=True)
     packed = run(tiny_config(*common, "comm.codec=int4", "comm.slow_codec=int8", "run.name=int4"), quiet=True)
     assert packed["bytes_sent_per_worker"] < exact["bytes_sent_per_worker"] / 2.5
     assert abs(packed["final_eval_loss"] - exact["final_eval_loss"]) < 0.05 * exact["final_eval_loss"]
