@@ -196,6 +196,7 @@ class OuterAlgorithm(Algorithm):
             raise ValueError(f"outer.every must be >= 1, got {every}")
         self.rule, self.every, self.groups = rule, int(every), groups
         self.skip_failed_rounds = bool(skip_failed_rounds)
+        self.replicas = None  # set for a worker of several processes (see noloco.train.distributed)
         self.slow = parameters_to_vector(self.params).detach().float().clone()
         # The slow-weight term travels as φ − reference; every worker starts from the same weights.
         self.slow_codec = slow_codec or codec
@@ -213,7 +214,19 @@ class OuterAlgorithm(Algorithm):
 
     @torch.no_grad()
     def outer_step(self, round_index: int) -> OuterRoundInfo:
-        """Exchange with this round's group and apply the outer rule; loads φ into the model."""
+        """Exchange with this round's group and apply the outer rule; loads φ into the model.
+
+        In a worker made of several processes (``self.replicas``), only the leader exchanges; it
+        then broadcasts φ to the other processes of its worker, so they stay bit-identical.
+        """
+        if self.replicas is None:
+            return self._outer_step(round_index)
+        info = self._outer_step(round_index) if self.replicas.leader else OuterRoundInfo(round_index, [])
+        self.replicas.broadcast(self.slow)
+        copy_flat_into(self.slow, self.params)
+        return info
+
+    def _outer_step(self, round_index: int) -> OuterRoundInfo:
         faults.fire("outer.exchange", self.inner_step, getattr(self.transport, "rank", None))
         group = self.groups.form(round_index, self.timeout)
         if group is None:

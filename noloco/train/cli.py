@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.backend == "hivemind":  # one peer of an open swarm per process (docs/swarm.md)
             from noloco.train.swarm import run_peer
 
-            run_peer(cfg)
+            run_peer(cfg, resume_from=resume_from, resume_step=resume_step)
             return 0
         if cfg.backend == "torch":  # one process per worker over torch.distributed (torchrun or local launch)
             from noloco.train.distributed import run_distributed

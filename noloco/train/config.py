@@ -98,6 +98,12 @@ def validate(cfg: DictConfig) -> None:
     inner = cfg.inner
     _require(inner.lr > 0 and 0 <= inner.min_lr <= inner.lr, "inner.lr must be > 0 and 0 <= inner.min_lr <= inner.lr")
     _require(inner.warmup >= 0 and inner.grad_clip >= 0, "inner.warmup and inner.grad_clip must be >= 0")
+    _require(isinstance(inner.processes, int) and inner.processes >= 1, "inner.processes must be an integer >= 1")
+    _require(
+        inner.processes == 1 or cfg.backend == "torch",
+        f"inner.processes={inner.processes} needs backend=torch (a process per device of a worker)",
+    )
+    _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
     data = cfg.data
     _require(data.seq_len >= 2 and data.batch_size >= 1, "data.seq_len must be >= 2 and data.batch_size >= 1")
     if data.source == "files":

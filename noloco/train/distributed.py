@@ -7,6 +7,12 @@ Two ways in:
 * ``python train.py backend=torch workers=N`` with no such variables launches N local processes
   joined over gloo on loopback.
 
+A worker may itself be several processes (``inner.processes = k``, e.g. one per GPU): ranks
+``w·k … w·k+k−1`` form worker ``w``. They train one replica by data parallelism — torch DDP whose
+gradient all-reduce goes through noloco's quantized two-phase hook (``inner.grad_codec``, int8 by
+default; DESIGN §3.5) — and only the worker's first process takes part in the outer exchange, then
+broadcasts the new slow weights to the others.
+
 Every rank runs the same :func:`~noloco.train.loop.train_worker` as the local backend, over a
 :class:`~noloco.comm.torchdist.TorchDistTransport` on its own gloo group; so with the same config and
 ``threads`` the trajectory matches the local backend's. Each rank writes ``metrics.rank<r>.jsonl``;
@@ -22,6 +28,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
@@ -60,11 +67,12 @@ def run_distributed(
     port = free_port()
     ctx = mp.get_context("spawn")
     procs = []
-    for rank in range(cfg.workers):
+    world = cfg.workers * cfg.inner.processes
+    for rank in range(world):
         env = {
             "RANK": str(rank),
-            "WORLD_SIZE": str(cfg.workers),
-            "LOCAL_WORLD_SIZE": str(cfg.workers),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
@@ -99,6 +107,46 @@ def _spawned_rank(env: dict, *args) -> None:
     run_rank(*args)
 
 
+class Replicas:
+    """The processes of one worker: DDP with the quantized gradient hook, and the outer-step relay."""
+
+    def __init__(self, ddp_group, hook_group, leader_rank: int, codec: str, error_feedback: bool, timeout: float):
+        from noloco.collectives.ddp_hook import QuantizedHookState
+
+        self.ddp_group, self.leader_rank = ddp_group, leader_rank
+        self.leader = dist.get_rank() == leader_rank
+        self.hook_state = QuantizedHookState(
+            TorchDistTransport(hook_group), codec=codec, error_feedback=error_feedback, timeout=timeout
+        )
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        from noloco.collectives.ddp_hook import quantized_allreduce_hook
+
+        ddp = DistributedDataParallel(model, process_group=self.ddp_group)
+        ddp.register_comm_hook(self.hook_state, quantized_allreduce_hook)
+        return ddp
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """The leader's ``tensor`` into every process of the worker (in place)."""
+        dist.broadcast(tensor, src=self.leader_rank, group=self.ddp_group)
+
+    def close(self) -> None:
+        self.hook_state.transport.close()
+
+
+def _groups(world: int, k: int):
+    """(outer groups by local index, DDP groups by worker, hook groups by worker); collective calls."""
+    workers = world // k
+    outer = [dist.new_group([w * k + local for w in range(workers)], backend="gloo") for local in range(k)]
+    if k == 1:
+        return outer, None, None
+    ddp = [dist.new_group(list(range(w * k, w * k + k)), backend="gloo") for w in range(workers)]
+    hook = [dist.new_group(list(range(w * k, w * k + k)), backend="gloo") for w in range(workers)]
+    return outer, ddp, hook
+
+
 def run_rank(
     cfg_yaml: str,
     run_dir: str | None,
@@ -111,9 +159,13 @@ def run_rank(
     cfg = OmegaConf.create(cfg_yaml)
     started = time.perf_counter()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg.workers = world
+    k = int(cfg.inner.processes)
+    if world % k:
+        raise ValueError(f"WORLD_SIZE={world} is not a multiple of inner.processes={k}")
+    cfg.workers = world // k
+    worker, local = divmod(rank, k)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.comm.timeout))
-    transport = None
+    transport, replicas = None, None
     try:
         # Rank 0 names the run, so every rank writes into the same folder.
         name = [run_dir or str(Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))]
@@ -122,7 +174,17 @@ def run_rank(
         corpus, params = prepare(cfg, folder, quiet=quiet or rank != 0)
         if rank == 0:
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        transport = TorchDistTransport(dist.new_group(backend="gloo"))
+        outer_groups, ddp_groups, hook_groups = _groups(world, k)
+        transport = TorchDistTransport(outer_groups[local])  # its ranks are the workers
+        if k > 1:
+            replicas = Replicas(
+                ddp_groups[worker],
+                hook_groups[worker],
+                worker * k,
+                cfg.inner.grad_codec,
+                cfg.inner.grad_error_feedback,
+                cfg.comm.timeout,
+            )
         metrics = MetricsLogger(
             folder,
             tensorboard=cfg.log.tensorboard,
@@ -133,6 +195,9 @@ def run_rank(
         ctx = RunContext(
             cfg, corpus, folder, metrics, Path(resume_from) if resume_from else None, resume_step, progress, stop_after
         )
+        ctx.rank, ctx.replicas = rank, replicas
+        if k > 1:
+            ctx.barrier = dist.barrier
         try:
             result = train_worker(ctx, transport)
         finally:
@@ -140,8 +205,9 @@ def run_rank(
             metrics.close()
 
         # Final numbers from every rank (plain torch.distributed collectives, not counted as traffic).
+        inner_bytes = replicas.hook_state.transport.counter.bytes_sent if replicas else 0
         finals: list = [None] * world
-        dist.all_gather_object(finals, (result.final_eval_loss, result.bytes_sent, result.bytes_received))
+        dist.all_gather_object(finals, (result.final_eval_loss, result.bytes_sent, result.bytes_received, inner_bytes))
         slow = result.slow_weights.double()
         mean = slow.clone()
         dist.all_reduce(mean)
@@ -151,23 +217,32 @@ def run_rank(
         consensus = float((spread / world).sqrt() / mean.norm().clamp_min(1e-30))
         summary = None
         if rank == 0:
+            leaders = finals[::k]  # one entry per worker: its first process (the others hold the same replica)
             summary = finish(
                 cfg,
                 folder,
                 corpus,
                 params,
-                final_losses=[f[0] for f in finals],
+                final_losses=[f[0] for f in leaders],
                 consensus=consensus,
-                bytes_sent=[f[1] for f in finals],
-                bytes_received=[f[2] for f in finals],
+                bytes_sent=[f[1] for f in leaders],
+                bytes_received=[f[2] for f in leaders],
                 seconds=time.perf_counter() - started,
                 resume_step=resume_step,
                 stop_after=stop_after,
                 quiet=quiet,
+                extra={
+                    "processes_per_worker": k,
+                    "final_eval_loss_per_process": [f[0] for f in finals],
+                    "inner_grad_codec": cfg.inner.grad_codec if k > 1 else None,
+                    "inner_bytes_sent_per_process": [f[3] for f in finals],
+                },
             )
         dist.barrier()
         return summary
     finally:
+        if replicas is not None:
+            replicas.close()
         if transport is not None:
             transport.close()
         dist.destroy_process_group()

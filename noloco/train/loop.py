@@ -136,18 +136,27 @@ class RunContext:
     rank: int = 0
     join: Callable[[Algorithm, torch.nn.Module], int] | None = None
     after_step: Callable[[int, Algorithm], None] | None = None
+    # A worker of several processes (backend=torch, inner.processes > 1): ``replicas`` wraps the model
+    # in DDP with the quantized gradient hook and relays outer steps; ``rank`` is then the process's
+    # global rank (its data stream and checkpoint file); ``barrier`` waits for every process.
+    replicas: object | None = None
+    barrier: Callable[[], None] | None = None
 
 
 def train_worker(ctx: RunContext, transport: Transport | None) -> WorkerResult:
     """One worker's whole run. ``transport`` is the world's, or ``None`` in an open swarm (``ctx.groups``)."""
     cfg = ctx.cfg
-    rank = transport.rank if transport is not None else ctx.rank
+    rank = transport.rank if transport is not None and ctx.replicas is None else ctx.rank
     model = build_model(cfg, ctx.corpus.vocab_size)
     opt, schedule = build_inner_optimizer(cfg, model)
     if ctx.groups is not None:
         algo = build_algorithm(cfg, model, opt, ctx.groups, skip_failed_rounds=True)
     else:
         algo = build_algorithm(cfg, model, opt, transport)
+    forward = model
+    if ctx.replicas is not None:
+        forward = ctx.replicas.wrap(model)  # DDP over the worker's processes, quantized gradient hook
+        algo.replicas = ctx.replicas
     sampler = BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed)
     held_out = eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -185,7 +194,7 @@ def train_worker(ctx: RunContext, transport: Transport | None) -> WorkerResult:
     eval_loss = history[-1][1]
     for step in range(start + 1, cfg.steps + 1):
         inputs, targets = sampler.batch(rank, step)
-        _, loss = model(inputs, targets)
+        _, loss = forward(inputs, targets)
         loss.backward()
         algo.sync_gradients()
         if cfg.inner.grad_clip > 0:
@@ -234,7 +243,9 @@ def train_worker(ctx: RunContext, transport: Transport | None) -> WorkerResult:
             checkpoint.save_worker(ctx.run_dir, step, rank, state)
             # Barrier: the checkpoint is complete only when every worker has saved. Not counted as traffic.
             # A swarm peer checkpoints on its own (its run folder is its own).
-            if transport is not None:
+            if ctx.barrier is not None:
+                ctx.barrier()
+            elif transport is not None:
                 _barrier(transport, f"ckpt/{step}", cfg.comm.timeout)
             if transport is None or rank == 0:
                 checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(cfg), cfg.checkpoint.keep)

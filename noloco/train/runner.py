@@ -102,6 +102,7 @@ def finish(
     resume_step: int = 0,
     stop_after: int | None = None,
     quiet: bool = False,
+    extra: dict | None = None,
 ) -> dict:
     """Write ``summary.json`` and ``curves.png``, print the table; returns the summary."""
     targets = torch.cat(
@@ -129,6 +130,7 @@ def finish(
         "wall_seconds": seconds,
         "tokens_per_second": tokens / seconds,
         "run_dir": str(run_dir),
+        **(extra or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if cfg.log.plot:

@@ -133,8 +133,13 @@ def _start_dht(cfg: DictConfig, attempts: int = 3):
             time.sleep(2.0)
 
 
-def run_peer(cfg: DictConfig, quiet: bool = False) -> dict:
-    """Run one swarm peer until ``cfg.steps`` inner steps; returns (and writes) its summary."""
+def run_peer(cfg: DictConfig, quiet: bool = False, resume_from: Path | None = None, resume_step: int = 0) -> dict:
+    """Run one swarm peer until ``cfg.steps`` inner steps; returns (and writes) its summary.
+
+    ``resume_from``: this peer's own checkpoint (``runs/<run>/peer-<name>/checkpoints/...``); the peer
+    continues from it (model, optimizer, slow weights, momentum, error feedback) instead of joining
+    from a live peer, and matchmaking catches it up with the swarm's current round.
+    """
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     try:
         key = run_key_from(cfg.peer.run_key)
@@ -221,8 +226,32 @@ def run_peer(cfg: DictConfig, quiet: bool = False) -> dict:
                 except Exception as exc:  # noqa: BLE001 - the DHT is best effort; training goes on
                     say(f"noloco peer {name}: could not publish liveness: {exc}")
 
-        metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard)
-        ctx = RunContext(cfg, corpus, run_dir, metrics, groups=groups, rank=rank, join=join, after_step=after_step)
+        metrics = MetricsLogger(
+            run_dir, tensorboard=cfg.log.tensorboard, resume_step=resume_step if resume_from else None
+        )
+        if resume_from is not None:
+            # the data stream (and checkpoint file) of the run being resumed: its rank, not the new peer id's
+            saved = sorted(Path(resume_from).glob("worker_*.json"))
+            if len(saved) == 1:
+                rank = int(saved[0].stem.removeprefix("worker_"))
+            say(f"noloco peer {name}: resuming from its own checkpoint at step {resume_step} ({resume_from})")
+            groups.next_round = resume_step // cfg.outer.every
+            try:
+                registry.publish(resume_step, groups.next_round)
+            except Exception as exc:  # noqa: BLE001 - the DHT is best effort; training goes on
+                say(f"noloco peer {name}: could not publish liveness: {exc}")
+        ctx = RunContext(
+            cfg,
+            corpus,
+            run_dir,
+            metrics,
+            resume_from=resume_from,
+            resume_step=resume_step,
+            groups=groups,
+            rank=rank,
+            join=join,
+            after_step=after_step,
+        )
         try:
             result = train_worker(ctx, None)
         finally:

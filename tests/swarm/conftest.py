@@ -60,8 +60,10 @@ class Swarm:
         self.run_dir, self.cache = run_dir, cache
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def peer(self, name: str, *overrides: str, key: str | None = KEY) -> subprocess.Popen:
+    def peer(self, name: str, *overrides: str, key: str | None = KEY, env: dict | None = None) -> subprocess.Popen:
+        extra = env or {}
         env = {k: v for k, v in os.environ.items() if k != "NOLOCO_RUN_KEY"}
+        env.update(extra)
         if key is not None:
             env["NOLOCO_RUN_KEY"] = key
         args = [sys.executable, str(ROOT / "train.py"), "backend=hivemind", *TINY, f"data.cache_dir={self.cache}",

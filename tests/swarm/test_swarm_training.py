@@ -86,3 +86,19 @@ def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_
     assert late["rounds"] == (100 - first_step) // 10 and late["rounds_joined"] >= 1, late["round_outcomes"]
     records = [json.loads(line) for line in (swarm.peer_dir("late") / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["step"] == first_step
+
+
+def test_a_killed_peer_resumes_from_its_own_checkpoint(swarm):
+    """SIGKILL while writing step 10's checkpoint; `resume=` continues from step 5 with the peer's own state."""
+    common = ("steps=15", "outer.every=5", "checkpoint.every=5", "peer.matchmaking_timeout=1", "peer.join=never")
+    swarm.peer("solo", *common, env={"NOLOCO_FAULTS": "checkpoint.mid@10=kill"})
+    assert swarm.finish("solo", timeout=200) == -signal.SIGKILL, swarm.logs()
+    latest = swarm.peer_dir("solo") / "checkpoints" / "latest"
+    assert latest.resolve().name == "step_000005"
+    swarm.peer("solo", f"resume={latest}")
+    assert swarm.finish("solo", timeout=200) == 0, swarm.logs()
+    assert "resuming from its own checkpoint at step 5" in (swarm.run_dir / "solo.log").read_text()
+    s = swarm.summary("solo")
+    assert math.isfinite(s["final_eval_loss"]) and s["slow_weights_finite"]
+    steps = [json.loads(line)["step"] for line in (swarm.peer_dir("solo") / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(16))  # no step lost or repeated across the crash
