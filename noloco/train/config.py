@@ -18,6 +18,20 @@ ALGOS = ("noloco", "diloco", "avg", "ddp")
 BACKENDS = ("local", "torch", "hivemind")
 
 
+# A seconds-long run on the real default corpus: for smoke tests of any backend (``train.py *SMOKE``).
+SMOKE = (
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "data.vocab_size=512",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "eval.batches=2",
+    "log.progress=false",
+    "inner.warmup=5",
+)
+
+
 class ConfigError(ValueError):
     """A bad configuration; the message is one line meant for the user."""
 

@@ -17,22 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from noloco.train.config import load_config
+from noloco.train.config import SMOKE, load_config
 from noloco.train.data import prepare_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "swarm-test-key-0123"
 TINY = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "data.vocab_size=512",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "eval.batches=2",
-    "log.progress=false",
+    *SMOKE,
     "log.tensorboard=false",
-    "inner.warmup=5",
     "threads=1",
     "comm.timeout=15",
     'peer.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',

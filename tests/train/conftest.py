@@ -1,18 +1,8 @@
 import pytest
 
-from noloco.train.config import load_config
+from noloco.train.config import SMOKE, load_config
 
-TINY = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "data.vocab_size=512",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "eval.batches=2",
-    "log.progress=false",
-    "inner.warmup=5",
-]
+TINY = list(SMOKE)
 
 
 @pytest.fixture(scope="session")
