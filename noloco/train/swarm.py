@@ -256,6 +256,10 @@ def run_peer(cfg: DictConfig, quiet: bool = False, resume_from: Path | None = No
             result = train_worker(ctx, None)
         finally:
             metrics.close()
+        try:  # finished: round -1 takes this peer out of others' round front and expected sets
+            registry.publish(cfg.steps, -1)
+        except Exception as exc:  # noqa: BLE001 - the DHT is best effort
+            say(f"noloco peer {name}: could not publish that it finished: {exc}")
         with (run_dir / "rounds.jsonl").open("w") as f:
             for record in groups.rounds:
                 f.write(json.dumps(record.__dict__) + "\n")
@@ -283,7 +287,7 @@ def _join(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joined_fro
             break
         time.sleep(0.5)
     deadline = time.monotonic() + cfg.peer.join_timeout
-    ahead = [e for e in live if e["step"] > 0]
+    ahead = [e for e in live if e["step"] > 0 and e["round"] >= 0]  # round -1: the peer has finished
     if ahead:  # download right after the most advanced peer's next round, so this peer starts in step with it
         first = ahead[0]
         while time.monotonic() < deadline:
