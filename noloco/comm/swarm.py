@@ -433,15 +433,7 @@ class SwarmEndpoint:
         header = self._header(kind, round_index, group, dst, tag)
         frame = encode_frame(self.key, header, payload)
         timeout = self.send_timeout if timeout is None else timeout
-        try:
-            status, reply = self._loop.call(self._exchange(dst, frame, max_reply), timeout)
-        except TimeoutError:
-            raise CommTimeout(f"sending {tag!r} to {dst[:12]} took longer than {timeout:.1f}s") from None
-        except Rejected as exc:
-            self.count_rejection(exc.reason, f"reply: {exc}", dst)
-            raise CommError(f"reply from {dst[:12]} refused: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - p2pd errors of every kind mean "peer unreachable"
-            raise CommError(f"sending {tag!r} to {dst[:12]} failed: {type(exc).__name__}: {exc}") from None
+        status, reply = self._call(dst, frame, max_reply, timeout, f"sending {tag!r} to {dst[:12]}")
         if status != 0:
             reason = REASONS[status] if status < len(REASONS) else f"status {status}"
             raise CommError(f"{dst[:12]} refused {kind} {tag!r}: {reason}")
@@ -449,6 +441,18 @@ class SwarmEndpoint:
         if kind == "data":
             self.counter.count_sent(len(payload))
         return reply
+
+    def _call(self, dst: str, frame: bytes, max_reply: int, timeout: float, what: str):
+        """One frame to ``dst`` and its reply ``(status, reply)``; failures become CommTimeout/CommError."""
+        try:
+            return self._loop.call(self._exchange(dst, frame, max_reply), timeout)
+        except TimeoutError:
+            raise CommTimeout(f"{what} took longer than {timeout:.1f}s") from None
+        except Rejected as exc:
+            self.count_rejection(exc.reason, f"reply: {exc}", dst)
+            raise CommError(f"reply from {dst[:12]} refused: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - p2pd errors of every kind mean "peer unreachable"
+            raise CommError(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
     def send_control(self, group: str, round_index: int, dst: str, tag: str, payload: bytes, timeout: float):
         self.send_frame("ctl", round_index, group, dst, tag, payload, timeout)
@@ -463,15 +467,7 @@ class SwarmEndpoint:
         """Call ``dst``'s service ``name``; the reply is authenticated and bound to this request's nonce."""
         header = self._header("rpc", 0, "", dst, name)
         frame = encode_frame(self.key, header, payload)
-        try:
-            status, reply = self._loop.call(self._exchange(dst, frame, max_reply_bytes), timeout)
-        except TimeoutError:
-            raise CommTimeout(f"request {name!r} to {dst[:12]} took longer than {timeout:.1f}s") from None
-        except Rejected as exc:
-            self.count_rejection(exc.reason, f"reply: {exc}", dst)
-            raise CommError(f"reply from {dst[:12]} refused: {exc}") from None
-        except Exception as exc:  # noqa: BLE001
-            raise CommError(f"request {name!r} to {dst[:12]} failed: {type(exc).__name__}: {exc}") from None
+        status, reply = self._call(dst, frame, max_reply_bytes, timeout, f"request {name!r} to {dst[:12]}")
         if status != 0:
             raise CommError(f"{dst[:12]} refused request {name!r}: {REASONS[min(status, len(REASONS) - 1)]}")
         reply_header, body = reply
