@@ -76,15 +76,35 @@ def windows(times: list[float], width: float) -> list[tuple[float, float]]:
     return out
 
 
-def draw_groups(peers: list[str], group_size: int | None, seed: int, round_index: int, salt: str) -> list[list[str]]:
-    """Deterministic groups of ``peers`` (peer ids) for one window; identical on every member.
+def draw_groups(
+    peers: list[str], group_size: int | None, seed: int, round_index: int, salt: str = ""
+) -> list[list[str]]:
+    """Deterministic groups of ``peers`` (peer ids) for round ``round_index``; identical on every member.
 
-    Members of each group are sorted; a single leftover peer joins the last group.
+    A seeded round robin (the circle method): the peers are shuffled by a hash of (seed, epoch, peer
+    id), where an epoch is ``m - 1`` consecutive rounds (``m`` = peer count rounded up to even), and
+    round ``r`` rotates that order by ``r mod (m - 1)``. Within an epoch a stable set of peers meets
+    every other peer exactly once in pairs, where independent random draws repeat themselves (with 4
+    peers the same pairs come back in consecutive rounds a third of the time). The pairs are then cut
+    into groups of ``group_size``; a single leftover peer (the one without a partner when the count is
+    odd) joins the last group. Members of each group are sorted. ``salt`` is accepted for callers that
+    mix in the window and ignored: the draw must not change between the windows of one epoch.
     """
-    order = sorted(peers, key=lambda p: _digest("group-order", seed, round_index, salt, p))
-    if group_size is None or group_size >= len(order):
-        return [sorted(order)] if order else []
-    groups = [order[i : i + group_size] for i in range(0, len(order), group_size)]
+    del salt
+    if group_size is None or group_size >= len(peers):
+        return [sorted(peers)] if peers else []
+    m = len(peers) + len(peers) % 2
+    epoch, turn = divmod(round_index, m - 1)
+    order: list[str | None] = sorted(peers, key=lambda p: _digest("group-order", seed, epoch, p))
+    if len(order) < m:
+        order.append(None)  # the bye
+    rest = order[1:]
+    rest = rest[turn:] + rest[:turn]
+    circle = [order[0], *rest]
+    pairs = [(circle[i], circle[m - 1 - i]) for i in range(m // 2)]
+    pairs.sort(key=lambda pair: None in pair)  # the peer with the bye goes last: it becomes the leftover
+    flat = [p for pair in pairs for p in pair if p is not None]
+    groups = [flat[i : i + group_size] for i in range(0, len(flat), group_size)]
     if len(groups) > 1 and len(groups[-1]) == 1:
         groups[-2].extend(groups.pop())
     return [sorted(g) for g in groups]
@@ -125,6 +145,8 @@ class SwarmMatchmaking(GroupSource):
             once all of them have announced in this peer's window, the window is read without waiting
             for it to close.
         front: ``front()`` → the next swarm round of the most advanced live peers (see :meth:`form`).
+        others: ``others()`` → how many other peers are live and still training; when it is 0 the round
+            is skipped at once (outcome ``no live peers``) instead of waiting ``timeout`` for nobody.
         poll: seconds between reads of the round's announcements while waiting.
     """
 
@@ -141,6 +163,7 @@ class SwarmMatchmaking(GroupSource):
         seed: int = 0,
         expected: Callable[[int], set[str]] | None = None,
         front: Callable[[], int] | None = None,
+        others: Callable[[], int] | None = None,
         poll: float = 0.25,
     ):
         if group_size is not None and group_size < 2:
@@ -150,7 +173,7 @@ class SwarmMatchmaking(GroupSource):
         self.run_id, self.peer_id = endpoint.run_id, endpoint.peer_id
         self.group_size, self.window, self.slack = group_size, float(window), float(slack)
         self.confirm_timeout, self.timeout, self.seed = float(confirm_timeout), float(timeout), int(seed)
-        self.expected, self.front, self.poll = expected, front, float(poll)
+        self.expected, self.front, self.others, self.poll = expected, front, others, float(poll)
         self.next_round = 0
         self.counter: ByteCounter = endpoint.counter
         self.rounds: list[RoundRecord] = []
@@ -218,6 +241,9 @@ class SwarmMatchmaking(GroupSource):
 
     def _form(self, round_index: int, record: RoundRecord, deadline: float) -> Group | None:
         deadline = min(deadline, time.monotonic() + self.timeout)
+        if self.others is not None and self.others() == 0:
+            record.outcome = "no live peers"
+            return None
         expected = self.expected(round_index) if self.expected is not None else set()
         mine = self._announce(round_index)
         for attempt in range(2):
@@ -309,12 +335,14 @@ class SwarmMatchmaking(GroupSource):
 class PeerRegistry:
     """Live peers of a run under DHT key ``<run>/peers`` (subkey = peer id), each entry MAC'd.
 
-    ``publish`` is called after every outer round with this peer's inner step; entries expire after
-    ``ttl`` seconds, so a dead peer drops out.
+    ``publish`` is called after every outer round with this peer's inner step (and as a heartbeat
+    during long rounds); entries expire after ``ttl`` seconds, so a dead peer drops out. Entries
+    whose MAC fails are ignored and counted as ``unauthenticated`` rejections.
     """
 
     def __init__(self, dht, endpoint: SwarmEndpoint, name: str, ttl: float = 120.0):
         self.dht, self.endpoint, self.name, self.ttl = dht, endpoint, name, float(ttl)
+        self._bad_entries: set[tuple[str, object]] = set()
 
     def _mac(self, peer: str, step: int, next_round: int, t: float, name: str) -> str:
         text = f"alive|{self.endpoint.run_id}|{peer}|{step}|{next_round}|{t}|{name}"
@@ -341,7 +369,12 @@ class PeerRegistry:
                 )
             except (TypeError, KeyError, ValueError):
                 ok = False
-            if ok and peer != self.endpoint.peer_id:
+            if not ok:
+                stamp = value.get("t") if isinstance(value, dict) else None
+                if (str(peer), stamp) not in self._bad_entries:  # count each bad entry once
+                    self._bad_entries.add((str(peer), stamp))
+                    self.endpoint.count_rejection("unauthenticated", "registry entry with a bad MAC", str(peer))
+            elif peer != self.endpoint.peer_id:
                 out.append({"peer": str(peer), "name": str(value["name"]), "step": int(value["step"]),
                             "round": int(value["round"]), "t": float(value["t"])})  # fmt: skip
         return sorted(out, key=lambda e: (-e["step"], -e["t"]))

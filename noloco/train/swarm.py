@@ -189,6 +189,9 @@ def run_peer(cfg: DictConfig, quiet: bool = False, resume_from: Path | None = No
         def front() -> int:
             return max((e["round"] for e in fresh()), default=0)
 
+        def others() -> int:  # live peers still training (finished ones publish round -1)
+            return sum(1 for e in fresh() if e["round"] >= 0)
+
         groups = SwarmMatchmaking(
             dht,
             endpoint,
@@ -201,6 +204,7 @@ def run_peer(cfg: DictConfig, quiet: bool = False, resume_from: Path | None = No
             seed=cfg.run.seed,
             expected=expected,
             front=front,
+            others=others,
         )
         state = PeerState()
         endpoint.serve(STATE_SERVICE, state.serve)
@@ -208,11 +212,19 @@ def run_peer(cfg: DictConfig, quiet: bool = False, resume_from: Path | None = No
 
         def join(algo: Algorithm, model: torch.nn.Module) -> int:
             state.update(algo)
+            # listed (at step 0) before waiting, so that peers waiting for each other with
+            # peer.wait_for_peers see each other
+            try:
+                registry.publish(0, groups.next_round)
+            except Exception as exc:  # noqa: BLE001 - the DHT is best effort; _join still waits and retries
+                say(f"noloco peer {name}: could not publish liveness: {exc}")
             start = _join(cfg, endpoint, registry, algo, joined_from, say)
             state.update(algo)
             groups.next_round = start // cfg.outer.every
             registry.publish(start, groups.next_round)
             return start
+
+        heartbeat = {"last": time.monotonic()}
 
         def after_step(step: int, algo: Algorithm) -> None:
             info = algo.last_round
@@ -221,6 +233,10 @@ def run_peer(cfg: DictConfig, quiet: bool = False, resume_from: Path | None = No
                 if info.skipped and last is not None and last.outcome == "joined":  # formed, exchange failed
                     last.outcome = f"exchange failed: {info.skipped}"
                 state.update(algo)
+            # after every outer round, and as a heartbeat while a long round runs (others wait only for
+            # peers that published within peer.live_timeout)
+            if info is not None or time.monotonic() - heartbeat["last"] > cfg.peer.live_timeout / 3:
+                heartbeat["last"] = time.monotonic()
                 try:
                     registry.publish(step, groups.next_round)
                 except Exception as exc:  # noqa: BLE001 - the DHT is best effort; training goes on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import time
 
@@ -163,8 +164,14 @@ def test_windows_chain_and_group_draw_is_deterministic():
     groups = draw_groups(peers, 2, seed=0, round_index=3, salt="w")
     assert groups == draw_groups(list(reversed(peers)), 2, seed=0, round_index=3, salt="w")
     assert sorted(len(g) for g in groups) == [2, 3] and sorted(sum(groups, [])) == peers
-    draws = {tuple(map(tuple, draw_groups(peers[:4], 2, 0, r, "w"))) for r in range(10)}
-    assert len(draws) > 1
+    # a seeded round robin: in one epoch (3 rounds for 4 peers) every peer meets every other once
+    for epoch in range(3):
+        met = [frozenset(g) for r in range(3 * epoch, 3 * epoch + 3) for g in draw_groups(peers[:4], 2, 7, r)]
+        assert sorted(map(sorted, met)) == sorted(sorted(pair) for pair in itertools.combinations(peers[:4], 2))
+    # odd counts: the peer with the bye joins a pair; everyone is placed exactly once
+    for r in range(8):
+        groups = draw_groups(peers, 2, 1, r)
+        assert sorted(len(g) for g in groups) == [2, 3] and sorted(sum(groups, [])) == peers
     assert draw_groups(peers, None, 0, 0, "w") == [peers]
 
 

@@ -18,7 +18,8 @@ def _initial_loss(summary: dict) -> float:
 
 def test_four_peers_from_a_hivemind_dht_bootstrap_train_in_varying_pairs_and_a_wrong_key_peer_is_shut_out(swarm):
     bootstrap = swarm.bootstrap_dht()
-    common = ("steps=60", "outer.every=10", f'peer.initial_peers=["{bootstrap}"]')
+    # all four wait for each other (up to 120 s: starting 5 peers and a DHT on 2 busy cores is slow)
+    common = ("steps=60", "outer.every=10", f'peer.initial_peers=["{bootstrap}"]', "peer.join_timeout=120")
     good = [str(rank) for rank in range(4)]
     for rank in good:
         swarm.peer(rank, *common, f"peer.rank={rank}", "peer.wait_for_peers=3")
@@ -27,12 +28,16 @@ def test_four_peers_from_a_hivemind_dht_bootstrap_train_in_varying_pairs_and_a_w
         assert swarm.finish(name, timeout=200) == 0, swarm.logs()
 
     summaries = {name: swarm.summary(name) for name in good}
+    # the seed's loss: a peer that started late (a slow start on busy cores) began from live weights
+    seed_loss = max(_initial_loss(s) for s in summaries.values())
     partner_sets = set()
     for name, s in summaries.items():
-        assert s["final_eval_loss"] < _initial_loss(s) - 0.5, (name, s["eval_history"])
+        assert s["final_eval_loss"] < seed_loss - 0.5, (name, s["eval_history"])
         assert s["slow_weights_finite"]
-        # a peer slowed down by the busy 2-core machine may miss a round (fast peers never wait for it)
-        assert s["rounds"] == 6 and s["rounds_joined"] >= 3, (name, s["round_outcomes"])
+        # one round per 10 steps from the peer's first step; a peer slowed down by the busy 2-core
+        # machine may miss a round (fast peers never wait for it)
+        first_step = s["eval_history"][0][0]
+        assert s["rounds"] == (60 - first_step) // 10 and s["rounds_joined"] >= 3, (name, s["round_outcomes"])
         assert all(b > 0 for b in s["bytes_sent_per_round"])
         assert "intruder" not in {p for partners in s["partners"] for p in partners}
         partner_sets.update(tuple(sorted([name, *partners])) for partners in s["partners"])
@@ -64,9 +69,8 @@ def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_
     victim = swarm.peer("2", *common, join, "peer.rank=2", "peer.wait_for_peers=2")
     swarm.wait(lambda: _outer_rounds_done(swarm, "2") >= 1, 150, "peer 2 did not reach round 1")
     os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT process and its p2pd die at once
-    # waits until the DHT lists the live peers; once they finish it trains on alone, so keep its solo
-    # rounds short
-    swarm.peer("late", *common, join, "peer.rank=3", "peer.wait_for_peers=2", "peer.matchmaking_timeout=3")
+    # waits until the DHT lists the live peers; once they have finished its rounds are skipped at once
+    swarm.peer("late", *common, join, "peer.rank=3", "peer.wait_for_peers=2")
     for name in ("0", "1", "late"):
         assert swarm.finish(name, timeout=300) == 0, swarm.logs()
 
