@@ -37,14 +37,12 @@ def _vector(rank: int, numel: int) -> torch.Tensor:
 
 
 def _noloco_peer(rank, numel, rounds, codec, boot, queue, barrier):
-    import hivemind
-
     from noloco.collectives import allreduce
-    from noloco.comm.swarm import RunKey, SwarmEndpoint
+    from noloco.comm.swarm import RunKey, SwarmEndpoint, start_dht
     from noloco.gossip.matchmaking import PeerRegistry, SwarmMatchmaking
 
     torch.set_num_threads(1)
-    dht = hivemind.DHT(initial_peers=boot or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dht = start_dht(initial_peers=boot or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     if rank == 0:
         queue.put([str(m) for m in dht.get_visible_maddrs()])
     endpoint = SwarmEndpoint.from_dht(dht, f"bench-{codec}", RunKey(KEY), max_message_bytes=1 << 30)
@@ -80,8 +78,10 @@ def _hivemind_peer(rank, numel, rounds, compression, boot, queue, barrier):
     import hivemind
     from hivemind.compression import Float16Compression, Uniform8BitQuantization
 
+    from noloco.comm.swarm import start_dht
+
     torch.set_num_threads(1)
-    dht = hivemind.DHT(initial_peers=boot or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dht = start_dht(initial_peers=boot or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     if rank == 0:
         queue.put([str(m) for m in dht.get_visible_maddrs()])
     codec = {"FLOAT16": Float16Compression(), "UNIFORM_8BIT": Uniform8BitQuantization()}[compression]

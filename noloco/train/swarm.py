@@ -36,7 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm.base import CommError
-from noloco.comm.swarm import SwarmEndpoint, run_key_from
+from noloco.comm.swarm import SwarmEndpoint, run_key_from, start_dht
 from noloco.gossip.matchmaking import PeerRegistry, SwarmMatchmaking
 from noloco.train.algorithms import Algorithm, OuterAlgorithm, copy_flat_into
 from noloco.train.config import ConfigError
@@ -117,7 +117,6 @@ def _peer_rank(peer_id: str) -> int:
 
 def _start_dht(cfg: DictConfig, attempts: int = 3):
     """Start the DHT (and its p2pd); p2pd sometimes fails to reach a busy bootstrap peer, so retry."""
-    import hivemind
     from hivemind.p2p import P2PDaemonError
 
     peer = cfg.peer
@@ -126,7 +125,7 @@ def _start_dht(cfg: DictConfig, attempts: int = 3):
         kwargs["announce_maddrs"] = list(peer.announce_maddrs)
     for attempt in range(attempts):
         try:
-            return hivemind.DHT(initial_peers=list(peer.initial_peers) or None, **kwargs)
+            return start_dht(initial_peers=list(peer.initial_peers) or None, **kwargs)
         except P2PDaemonError:
             if attempt == attempts - 1:
                 raise

@@ -51,6 +51,7 @@ class Swarm:
     def __init__(self, run_dir: Path, cache: Path):
         self.run_dir, self.cache = run_dir, cache
         self.procs: dict[str, subprocess.Popen] = {}
+        self.started: list[subprocess.Popen] = []  # every process, also those a restart replaced in procs
 
     def peer(self, name: str, *overrides: str, key: str | None = KEY, env: dict | None = None) -> subprocess.Popen:
         extra = env or {}
@@ -63,6 +64,7 @@ class Swarm:
         log = (self.run_dir / f"{name}.log").open("w")
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         self.procs[name] = proc
+        self.started.append(proc)
         return proc
 
     def peer_dir(self, name: str) -> Path:
@@ -80,6 +82,7 @@ class Swarm:
         log = log_path.open("w")
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs["hivemind-dht"] = proc
+        self.started.append(proc)
         found: list[str] = []
 
         def ready() -> bool:
@@ -108,14 +111,28 @@ class Swarm:
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.run_dir.glob("*.log")))
 
+    @staticmethod
+    def group_members(pgid: int) -> list[int]:
+        """Live processes (not zombies) of process group ``pgid``."""
+        out = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2 :].split()  # state, ppid, pgrp, ...
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                out.append(int(entry))
+        return out
+
     def close(self) -> None:
         """Kill every started process *group* (a peer, its DHT process and its p2pd daemon)."""
-        for proc in self.procs.values():
+        for proc in self.started:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # each process leads its own session
             except ProcessLookupError:
                 pass
-        for proc in self.procs.values():
+        for proc in self.started:
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:

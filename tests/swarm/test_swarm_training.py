@@ -99,8 +99,10 @@ def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_
 def test_a_killed_peer_resumes_from_its_own_checkpoint(swarm):
     """SIGKILL while writing step 10's checkpoint; `resume=` continues from step 5 with the peer's own state."""
     common = ("steps=15", "outer.every=5", "checkpoint.every=5", "peer.matchmaking_timeout=1", "peer.join=never")
-    swarm.peer("solo", *common, env={"NOLOCO_FAULTS": "checkpoint.mid@10=kill"})
+    killed = swarm.peer("solo", *common, env={"NOLOCO_FAULTS": "checkpoint.mid@10=kill"})
     assert swarm.finish("solo", timeout=200) == -signal.SIGKILL, swarm.logs()
+    # the dead peer's DHT process and p2pd notice and exit on their own (no orphans left running)
+    swarm.wait(lambda: not swarm.group_members(killed.pid), 20, "the killed peer's DHT process or p2pd lives on")
     latest = swarm.peer_dir("solo") / "checkpoints" / "latest"
     assert latest.resolve().name == "step_000005"
     swarm.peer("solo", f"resume={latest}")
