@@ -19,12 +19,21 @@ used for collectives (e.g. by DDP), so the always-posted receives never interlea
 NCCL: frames are staged through CUDA tensors of ``device``; this path is written but has not been run
 (no GPU was available when it was written).
 
+Latency: with ``latency=D`` (or the ``NOLOCO_LINK_LATENCY`` environment variable, in seconds, which
+``noloco-fleet --latency`` sets) every message leaves ``D`` seconds after ``send`` was called, from a
+per-destination thread that keeps the order of messages; ``send`` still returns at once. This is
+one-way latency per *message*, added in user space because the kernel here has no netem: TCP's own
+round trips (handshake, ACK clocking) are not delayed, so a window-limited transfer over a long
+link is not modelled. A delayed send that fails marks the link to that peer lost.
+
 :func:`launch_local` starts N local processes joined over gloo on loopback (tests, benchmarks).
 """
 
 from __future__ import annotations
 
+import collections
 import io
+import os
 import socket
 import threading
 import time
@@ -51,10 +60,11 @@ class TorchDistTransport(Transport):
         group: the process group (default: the world). Ranks of this transport are ranks *in the group*.
         device: where frames are staged; default ``cuda`` for NCCL, ``cpu`` otherwise.
         max_payload: frames declaring a larger payload are treated as a broken peer (bounds memory).
+        latency: one-way seconds added to every message (default: ``NOLOCO_LINK_LATENCY`` or 0).
     """
 
     def __init__(self, group: Any = None, device: torch.device | str | None = None,
-                 max_payload: int = 1 << 34):
+                 max_payload: int = 1 << 34, latency: float | None = None):
         if not dist.is_initialized():
             raise CommError("torch.distributed is not initialized (call dist.init_process_group first)")
         self.group = group
@@ -73,6 +83,14 @@ class TorchDistTransport(Transport):
         self._send_locks = {peer: threading.Lock() for peer in range(self.world_size)}
         self._pending_sends: list[Any] = []
         self._closed = False
+        if latency is None:
+            latency = float(os.environ.get("NOLOCO_LINK_LATENCY", "0") or 0)
+        if not latency >= 0:
+            raise CommError(f"latency must be >= 0 seconds, got {latency}")
+        self.latency = float(latency)
+        self.wait_seconds = 0.0  # time spent blocked in recv: waiting on the network (or on slower peers)
+        self._delayed: dict[int, collections.deque] = {}
+        self._delay_threads: dict[int, threading.Thread] = {}
         self._threads = [
             threading.Thread(target=self._receive_loop, args=(peer,), name=f"noloco-tdrecv{peer}", daemon=True)
             for peer in range(self.world_size) if peer != self.rank
@@ -118,18 +136,24 @@ class TorchDistTransport(Transport):
 
     def recv(self, src: int, tag: str, timeout: float) -> bytes:
         self._check_peer(src)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         key = (src, tag)
-        with self._cond:
-            while key not in self._mail:
-                if src in self._lost:
-                    raise CommTimeout(f"rank {self.rank}: link to rank {src} lost ({self._lost[src]}) "
-                                      f"while waiting for {tag!r}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommTimeout(f"rank {self.rank}: no message {tag!r} from rank {src} within {timeout:.1f}s")
-                self._cond.wait(left)
-            payload = self._mail.pop(key)
+        try:
+            with self._cond:
+                while key not in self._mail:
+                    if src in self._lost:
+                        raise CommTimeout(f"rank {self.rank}: link to rank {src} lost ({self._lost[src]}) "
+                                          f"while waiting for {tag!r}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CommTimeout(
+                            f"rank {self.rank}: no message {tag!r} from rank {src} within {timeout:.1f}s"
+                        )
+                    self._cond.wait(left)
+                payload = self._mail.pop(key)
+        finally:
+            self.wait_seconds += time.monotonic() - started
         self.counter.count_received(len(payload))
         return payload
 
@@ -151,16 +175,63 @@ class TorchDistTransport(Transport):
             raise CommError(f"tag must be 1..{_MAX_TAG} UTF-8 bytes, got {len(tag_bytes)}")
         frame = torch.tensor([_MAGIC, len(tag_bytes), len(payload)], dtype=torch.int64)
         body = torch.frombuffer(bytearray(tag_bytes + bytes(payload)), dtype=torch.uint8)
-        try:
-            self._post(dst, [frame.to(self.device), body.to(self.device)])
-        except Exception as exc:  # noqa: BLE001 - gloo/NCCL errors become CommError
-            raise CommError(f"rank {self.rank}: send to rank {dst} failed: {exc}") from exc
+        tensors = [frame.to(self.device), body.to(self.device)]
+        if self.latency > 0:
+            self._post_later(dst, tensors)
+        else:
+            try:
+                self._post(dst, tensors)
+            except Exception as exc:  # noqa: BLE001 - gloo/NCCL errors become CommError
+                raise CommError(f"rank {self.rank}: send to rank {dst} failed: {exc}") from exc
         self.counter.count_sent(len(payload))
+
+    def _post_later(self, dst: int, tensors: list[torch.Tensor]) -> None:
+        """Queue ``tensors`` for ``dst``; its delay thread posts them ``latency`` seconds from now, in order."""
+        with self._cond:
+            queue = self._delayed.setdefault(dst, collections.deque())
+            queue.append((time.monotonic() + self.latency, tensors))
+            if dst not in self._delay_threads:
+                thread = threading.Thread(
+                    target=self._delay_loop, args=(dst,), name=f"noloco-tddelay{dst}", daemon=True
+                )
+                self._delay_threads[dst] = thread
+                thread.start()
+            self._cond.notify_all()
+
+    def _delay_loop(self, dst: int) -> None:
+        queue = self._delayed[dst]
+        while True:
+            with self._cond:
+                while not queue and not self._closed:
+                    self._cond.wait()
+                if not queue:
+                    return
+                due, tensors = queue[0]
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                self._post(dst, tensors)
+            except Exception as exc:  # noqa: BLE001 - nobody waits on this send: the link is lost
+                with self._cond:
+                    self._lost.setdefault(dst, f"delayed send failed: {exc}".splitlines()[0][:300])
+                    queue.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                queue.popleft()
+                self._cond.notify_all()
+
+    def _flush_delayed(self, deadline: float) -> None:
+        """Wait (until ``deadline``) for delayed messages to be posted."""
+        with self._cond:
+            while any(self._delayed.values()) and time.monotonic() < deadline:
+                self._cond.wait(max(0.01, deadline - time.monotonic()))
 
     def close(self, timeout: float = 10.0) -> None:
         """Tell every peer we are done, wait (up to ``timeout``) for theirs and for our sends."""
         if self._closed:
             return
+        deadline = time.monotonic() + timeout
+        self._flush_delayed(deadline)
         close = torch.tensor([_MAGIC, _CLOSE, 0], dtype=torch.int64)
         for peer in range(self.world_size):
             if peer != self.rank and peer not in self._lost:
@@ -168,7 +239,6 @@ class TorchDistTransport(Transport):
                     self._post(peer, [close.to(self.device)])
                 except Exception:  # noqa: BLE001 - peer already gone
                     pass
-        deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         for work in self._pending_sends:
@@ -176,7 +246,9 @@ class TorchDistTransport(Transport):
                 work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()  # delay threads exit
 
 
 def free_port() -> int:

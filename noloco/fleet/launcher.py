@@ -17,8 +17,10 @@ on their own (gloo notices the lost peer) and are then killed; the exit status i
 failing worker's. SIGINT/SIGTERM/SIGHUP stop the workers (SIGTERM to their process groups, SIGKILL
 after a grace period) and delete the namespaces; a cleanup by name prefix catches anything left.
 Not root: one line that points to the in-process link model (:mod:`noloco.fleet.linkmodel`).
-Latency (``--latency``) is not implemented yet: the kernel has no netem and the user-space delay
-proxy is still to be written; a non-zero value is refused.
+Latency (``--latency D``): the kernel has no netem, so the delay is added in user space: every
+worker gets ``NOLOCO_LINK_LATENCY=D`` and its :class:`~noloco.comm.torchdist.TorchDistTransport`
+sends each message D seconds after the call (one-way latency per message; TCP's own round trips are
+not delayed). It applies to noloco's exchanges, not to other traffic of the command.
 """
 
 from __future__ import annotations
@@ -157,13 +159,11 @@ def launch(
         raise FleetError(NOT_ROOT)
     if missing_tools():
         raise FleetError(f"noloco-fleet: missing {', '.join(missing_tools())} (install iproute2)")
-    if latency not in (None, 0, 0.0, "", "0", "0ms"):
-        delay = latency if isinstance(latency, (int, float)) else parse_duration(latency)
-        if delay > 0:
-            raise FleetError(
-                "noloco-fleet: --latency is not implemented yet (no netem here; the user-space delay proxy "
-                "is still to be written); model latency with python -m noloco.fleet.linkmodel --latency"
-            )
+    delay = 0.0
+    if latency not in (None, ""):
+        delay = float(latency) if isinstance(latency, (int, float)) else parse_duration(latency)
+        if not delay >= 0:
+            raise FleetError(f"noloco-fleet: latency must be >= 0, got {latency!r}")
     if not command:
         raise FleetError("noloco-fleet: no command given (put it after --)")
     if rate in (None, "", "none"):
@@ -200,6 +200,7 @@ def launch(
                 "TP_SOCKET_IFNAME": IFNAME,
                 "PYTHONUNBUFFERED": "1",
                 "NOLOCO_FLEET_HOST": str(host),
+                "NOLOCO_LINK_LATENCY": repr(delay),
             }
             log = open(folder / f"fleet.h{host}.log", "w") if folder is not None else None  # noqa: SIM115
             if log is not None:
@@ -268,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--hosts", type=int, help="number of hosts (namespaces), one worker each")
     parser.add_argument("--rate", default=None, help="per-host link rate, each direction: 50mbit, 500kbit, 1gbit")
-    parser.add_argument("--latency", default=None, help="one-way delay (not implemented yet; refused if > 0)")
+    parser.add_argument(
+        "--latency", default=None, help="one-way delay per message, e.g. 20ms (user space: NOLOCO_LINK_LATENCY)"
+    )
     parser.add_argument("--queue", default="100ms", help="tbf queue bound per link (default 100ms)")
     parser.add_argument("--port", type=int, default=29500, help="MASTER_PORT on host 0 (default 29500)")
     parser.add_argument("--run-dir", type=Path, default=Path("runs/fleet"), help="run.dir for train commands")

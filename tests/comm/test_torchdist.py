@@ -107,3 +107,35 @@ def test_dead_process_makes_survivors_raise_comm_timeout_within_timeout():
     for rank in (0, 2):
         kind, elapsed, _ = results[rank]
         assert kind in ("CommTimeout", "CommError") and elapsed < timeout + 2.0
+
+
+def _ping_pong(t, rounds: int):
+    """Rank 0 sends, rank 1 answers; returns rank 0's round-trip times and the order rank 1 saw."""
+    rtts, order = [], []
+    for i in range(rounds):
+        if t.rank == 0:
+            start = time.monotonic()
+            t.send(1, f"ping{i}", bytes(1000))
+            t.recv(1, f"pong{i}", 30.0)
+            rtts.append(time.monotonic() - start)
+        else:
+            t.send(0, f"pong{i}", t.recv(0, f"ping{i}", 30.0))
+    if t.rank == 1:  # three messages sent back to back arrive in the order they were sent
+        order = [t.recv(0, f"burst{j}", 30.0) for j in range(3)]
+    else:
+        for j in range(3):
+            t.send(1, f"burst{j}", bytes([j]))
+    t.close()
+    return rtts, order, t.latency
+
+
+def test_link_latency_delays_every_message_by_its_one_way_latency_and_keeps_order():
+    os.environ["NOLOCO_LINK_LATENCY"] = "0.15"  # inherited by the spawned ranks, as noloco-fleet sets it
+    try:
+        results = launch_local(_ping_pong, 2, 3, timeout=120)
+    finally:
+        del os.environ["NOLOCO_LINK_LATENCY"]
+    rtts, _, latency = results[0]
+    assert latency == 0.15
+    assert all(0.3 <= rtt < 1.5 for rtt in rtts), rtts  # two one-way latencies per round trip
+    assert results[1][1] == [b"\x00", b"\x01", b"\x02"]

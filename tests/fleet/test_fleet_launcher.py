@@ -150,7 +150,36 @@ def test_without_root_it_refuses_in_one_line_and_points_to_the_link_model(monkey
     assert err == NOT_ROOT and "noloco.fleet.linkmodel" in err and "\n" not in err
 
 
+PING = """
+import json, sys, time
+import torch.distributed as dist
+from noloco.comm.torchdist import TorchDistTransport
+
+dist.init_process_group("gloo")
+t, rtts = TorchDistTransport(), []
+for i in range(3):  # rank 0 times three round trips of a small message to rank 1
+    if t.rank == 0:
+        start = time.monotonic()
+        t.send(1, f"ping{i}", bytes(100))
+        t.recv(1, f"pong{i}", 30.0)
+        rtts.append(time.monotonic() - start)
+    else:
+        t.send(0, f"pong{i}", t.recv(0, f"ping{i}", 30.0))
+t.close()
+print("RTTS", json.dumps(rtts), t.latency, flush=True)
+"""
+
+
 @needs_root
-def test_latency_is_refused_until_the_delay_proxy_exists(capsys):
-    assert launcher.main(["--hosts", "2", "--rate", "8mbit", "--latency", "20ms", "--", "true"]) == 2
-    assert "not implemented" in capsys.readouterr().err
+def test_latency_reaches_the_workers_and_delays_every_message(tmp_path):
+    prefix, out = _prefix(), io.StringIO()
+    script = tmp_path / "ping.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\n" + PING)
+    result = launch([sys.executable, str(script)], hosts=2, rate="16mbit", latency="100ms", prefix=prefix, out=out,
+                    run_dir=tmp_path)  # fmt: skip
+    assert result.returncode == 0, out.getvalue()[-3000:]
+    line = next(line for line in out.getvalue().splitlines() if "RTTS" in line and line.startswith("[h0]"))
+    rtts, latency = json.loads(line.split("RTTS ")[1].rsplit(" ", 1)[0]), float(line.rsplit(" ", 1)[1])
+    assert latency == 0.1
+    assert all(0.2 <= rtt < 1.0 for rtt in rtts), rtts  # each round trip: two one-way latencies
+    assert _leftovers(prefix) == []
