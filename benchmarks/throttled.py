@@ -11,8 +11,8 @@ namespaces, each host's egress and ingress shaped with ``tc tbf`` at the given r
 
 Per run it reports the final held-out loss (mean over workers), the wall-clock of the training
 loop, bytes sent per worker (encoded payload, as counted by the transport), the time to reach the
-target loss, and the idle fraction: the share of the loop spent waiting on the network (the
-``comm_seconds`` each worker measures around its reductions, over its loop wall time).
+target loss, and the idle fraction: the share of the loop spent waiting on the network (the seconds
+each worker's transport was blocked in ``recv``, ``comm_wait_seconds_per_worker``, over the loop wall).
 
 Targets (issue 6): at the slowest rate, NoLoCo-int4 reaches the target loss (DDP-fp32's final loss
 at the same hosts and rate) ≥ 5× sooner than DDP-fp32 and ≥ 1.5× sooner than DiLoCo-fp32; NoLoCo-int4's
@@ -93,8 +93,8 @@ def measure(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     fleet = json.loads((run_dir / "fleet.json").read_text())
     points = curve(run_dir)
-    wall = summary["wall_seconds"]
-    comm = summary.get("comm_seconds_per_worker")
+    wall = points[-1][1]  # the training loop's wall-clock at the last step, slowest worker (no start-up)
+    waits = summary.get("comm_wait_seconds_per_worker")
     return {
         "run_dir": str(run_dir),
         "algo": summary["algo"],
@@ -106,7 +106,7 @@ def measure(run_dir: Path) -> dict:
         "wall_seconds": wall,
         "launch_seconds": fleet["wall_seconds"],
         "bytes_sent_per_worker": summary["bytes_sent_per_worker"],
-        "idle_fraction": (sum(comm) / len(comm) / wall) if comm and wall else None,
+        "idle_fraction": (sum(waits) / len(waits) / wall) if waits and wall else None,
         "link_tx_bytes": [s.get("tx_bytes") for s in fleet["link_stats"]],
         "curve": points,
     }
@@ -245,6 +245,10 @@ def main() -> int:
         plot_runs([Path(r["run_dir"]) for r in group], png, title=f"{hosts} hosts, {rate_label(rate)} per host")
         pictures.append(f"![{hosts} hosts, {rate_label(rate)}]({png.name})")
     first = json.loads((Path(results[0]["run_dir"]) / "summary.json").read_text())
+    gossip = [r for r in results if r["algo"] == "noloco"]
+    group_size = None
+    if gossip:
+        group_size = json.loads((Path(gossip[0]["run_dir"]) / "summary.json").read_text()).get("group_size")
     command = "sudo python benchmarks/throttled.py " + " ".join(
         [f"--hosts {args.hosts}", f"--rates {args.rates}", "--methods", *args.methods, f"--steps {args.steps}",
          f"--every {args.every}", *(args.overrides or [])]  # fmt: skip
@@ -257,11 +261,12 @@ def main() -> int:
         "share its cores.  ",
         f"Date: {time.strftime('%Y-%m-%d')}  ",
         f"Setting: {first['params'] / 1e6:.2f}M-parameter model, {first['steps']} inner steps per worker, "
-        f"H = {first['outer_every']} for DiLoCo and NoLoCo (groups of {first.get('group_size', 2)}), same data, "
+        f"H = {first['outer_every']} for DiLoCo and NoLoCo (NoLoCo groups of {group_size}), same data, "
         "token budget and seeds for every method. Links: `tc tbf` on each host's egress and ingress.",
         "",
-        "Loop wall = the training loop's wall-clock (the slowest worker). Idle fraction = time inside "
-        "reductions (waiting on the network, encoding included) over loop wall, mean over workers.",
+        "Loop wall = the training loop's wall-clock at its last step (the slowest worker; start-up excluded). "
+        "Idle fraction = seconds a worker's transport was blocked waiting for peers' messages over loop wall, "
+        "mean over workers.",
         *tables,
         "",
         *pictures,

@@ -116,7 +116,7 @@ class Replicas:
         self.ddp_group, self.leader_rank = ddp_group, leader_rank
         self.leader = dist.get_rank() == leader_rank
         self.hook_state = QuantizedHookState(
-            TorchDistTransport(hook_group), codec=codec, error_feedback=error_feedback, timeout=timeout
+            TorchDistTransport(hook_group, latency=0.0), codec=codec, error_feedback=error_feedback, timeout=timeout
         )
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -175,7 +175,8 @@ def run_rank(
         if rank == 0:
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         outer_groups, ddp_groups, hook_groups = _groups(world, k)
-        transport = TorchDistTransport(outer_groups[local])  # its ranks are the workers
+        # its ranks are the workers; NOLOCO_LINK_LATENCY (noloco-fleet --latency) applies to these links only
+        transport = TorchDistTransport(outer_groups[local])
         if k > 1:
             replicas = Replicas(
                 ddp_groups[worker],
@@ -207,7 +208,9 @@ def run_rank(
         # Final numbers from every rank (plain torch.distributed collectives, not counted as traffic).
         inner_bytes = replicas.hook_state.transport.counter.bytes_sent if replicas else 0
         finals: list = [None] * world
-        dist.all_gather_object(finals, (result.final_eval_loss, result.bytes_sent, result.bytes_received, inner_bytes))
+        finals_here = (result.final_eval_loss, result.bytes_sent, result.bytes_received, inner_bytes,
+                       transport.wait_seconds)  # fmt: skip
+        dist.all_gather_object(finals, finals_here)
         slow = result.slow_weights.double()
         mean = slow.clone()
         dist.all_reduce(mean)
@@ -236,6 +239,8 @@ def run_rank(
                     "final_eval_loss_per_process": [f[0] for f in finals],
                     "inner_grad_codec": cfg.inner.grad_codec if k > 1 else None,
                     "inner_bytes_sent_per_process": [f[3] for f in finals],
+                    # seconds each worker spent blocked waiting for peers' messages (the network or slower peers)
+                    "comm_wait_seconds_per_worker": [round(f[4], 3) for f in leaders],
                 },
             )
         dist.barrier()
