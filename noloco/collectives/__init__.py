@@ -1,7 +1,8 @@
 """Reductions inside a group over any transport (DESIGN §3.4, §3.5).
 
-``allreduce`` (two-phase, ring, naive ring; fp32 and every :mod:`noloco.quant` codec; error feedback),
-the message protocol that makes disagreements and dead peers fail fast, and a quantized DDP comm hook
+``allreduce`` (two-phase, ring, naive ring; fp32 and every :mod:`noloco.quant` codec; error feedback; an
+optional norm bound on peers' contributions), the message protocol that makes disagreements and dead
+peers fail fast, and a quantized DDP comm hook
 (:mod:`noloco.collectives.ddp_hook`).
 """
 
@@ -15,16 +16,19 @@ from noloco.collectives.codec import (
     known_codecs,
 )
 from noloco.collectives.feedback import ReductionErrorFeedback
-from noloco.collectives.protocol import HEADER_BYTES, RemoteFailure
+from noloco.collectives.protocol import HEADER_BYTES, NORM_FLOOR_RMS, NormBound, NormRejections, RemoteFailure
 from noloco.collectives.ring import partial_sum_codec
 from noloco.collectives.two_phase import segment_bounds
 
 __all__ = [
     "ALGORITHMS",
     "HEADER_BYTES",
+    "NORM_FLOOR_RMS",
     "SMALL_MESSAGE_NUMEL",
     "Codec",
     "Fp32Codec",
+    "NormBound",
+    "NormRejections",
     "PayloadMismatch",
     "QuantCodec",
     "ReductionErrorFeedback",

@@ -14,6 +14,10 @@ dtype, codec or op fail on every member with :class:`~noloco.collectives.codec.P
 silent or dead peer makes every member raise :class:`~noloco.comm.base.CommTimeout` within about
 ``timeout`` seconds.
 
+Peers' values are checked too: NaN/Inf in a decoded payload fails the call (:class:`PayloadMismatch`),
+and with ``max_norm_ratio`` a peer's contribution far larger than this member's own is dropped, counted
+and logged, never applied (:class:`~noloco.collectives.protocol.NormBound`, docs/reliability.md).
+
 Small messages go uncompressed: when a segment (``numel / n`` elements) is shorter than
 ``min_compress_numel`` (default :data:`SMALL_MESSAGE_NUMEL`, measured in docs/results/collectives.md)
 the call runs in fp32 whatever the codec; every member makes the same choice from the same numbers.
@@ -25,7 +29,7 @@ import torch
 
 from noloco.collectives.codec import Codec, Fp32Codec, get_codec
 from noloco.collectives.feedback import ReductionErrorFeedback
-from noloco.collectives.protocol import DTYPE_CODES, CallInfo, Exchange
+from noloco.collectives.protocol import DTYPE_CODES, NORM_FLOOR_RMS, CallInfo, Exchange, NormBound, NormRejections
 from noloco.collectives.ring import ring_allreduce
 from noloco.collectives.two_phase import two_phase_allreduce
 from noloco.comm.base import Transport
@@ -61,6 +65,10 @@ def allreduce(
     *,
     error_feedback: ReductionErrorFeedback | None = None,
     min_compress_numel: int | None = None,
+    max_norm_ratio: float | None = None,
+    norm_rejections: NormRejections | None = None,
+    norm_floor: float = NORM_FLOOR_RMS,
+    norm_reference: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce ``x`` over the ranks in ``group`` (default: all ranks) and return the result.
 
@@ -77,6 +85,16 @@ def allreduce(
         error_feedback: state kept by the caller across calls at this call site (one per buffer);
             updated only if the call succeeds. See :mod:`noloco.collectives.feedback`.
         min_compress_numel: segments shorter than this go in fp32 (default :data:`SMALL_MESSAGE_NUMEL`).
+        max_norm_ratio: norm bound on peers' contributions (None: no bound). A peer's contribution to a
+            segment whose L2 norm exceeds ``max_norm_ratio`` × this member's own contribution to it
+            (+ ``norm_floor`` × √numel) is dropped, the mean divides by the members admitted, and a
+            reduced segment over the bound is replaced by this member's own contribution; see
+            :class:`~noloco.collectives.protocol.NormBound`. Members may use different ratios.
+        norm_rejections: counts what the bound refused (updated in place, also when the call fails);
+            every refusal is also logged with the sender's rank.
+        norm_floor: absolute floor of the bound, as an RMS per element.
+        norm_reference: what "own" means for the bound, when this member's own contribution is not a good
+            scale (e.g. legitimately zero): a tensor of ``x``'s numel whose segment norms are used instead.
 
     Returns:
         float32 tensor of ``x``'s shape on ``x``'s device, bit-identical on every member.
@@ -84,7 +102,7 @@ def allreduce(
     Raises:
         ValueError / TypeError: bad arguments (before anything is sent).
         PayloadMismatch: members disagree (numel, dtype, codec, op, group size), a payload is
-            malformed, from the wrong member or round, or a peer failed and said so.
+            malformed, holds NaN/Inf, is from the wrong member or round, or a peer failed and said so.
         CommTimeout: a peer stayed silent for ``timeout`` seconds (on every surviving member).
     """
     group = list(range(transport.world_size)) if group is None else [int(r) for r in group]
@@ -104,6 +122,14 @@ def allreduce(
         raise TypeError(f"allreduce supports fp32/bf16/fp16/fp64 tensors, got {x.dtype}")
     if error_feedback is not None and not isinstance(error_feedback, ReductionErrorFeedback):
         raise TypeError(f"error_feedback must be a ReductionErrorFeedback, got {type(error_feedback).__name__}")
+    bound = None
+    if max_norm_ratio is not None:
+        reference = None
+        if norm_reference is not None:
+            reference = norm_reference.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+            if reference.numel() != x.numel():
+                raise ValueError(f"norm_reference has {reference.numel()} elements, x has {x.numel()}")
+        bound = NormBound(max_norm_ratio, norm_floor, norm_rejections, reference)
     requested = get_codec(codec)
     threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
     flat = x.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
@@ -117,9 +143,10 @@ def allreduce(
     n = len(group)
     wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
     tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
-    info = CallInfo(algorithm, op, x.dtype, tuple(group), group.index(transport.rank), flat.numel(),
-                    f"{requested.name}|{wire.name}", tag)
-    ex = Exchange(transport, info, timeout)
+    # A bounded ring puts an input count in front of its reduce-scatter messages: members must agree on it.
+    codec_id = f"{requested.name}|{wire.name}" + ("|counted" if bound is not None and algorithm != "two_phase" else "")
+    info = CallInfo(algorithm, op, x.dtype, tuple(group), group.index(transport.rank), flat.numel(), codec_id, tag)
+    ex = Exchange(transport, info, timeout, bound)
     if algorithm == "two_phase":
         out = two_phase_allreduce(flat, ex, wire, op, residuals)
     else:

@@ -27,18 +27,29 @@ in this call, then raises. A member that receives a marker does the same. Every 
 every member wait on a chain of messages that reaches every other member, so one failure fails all
 members within about one ``timeout`` (a dead member: every survivor raises
 :class:`~noloco.comm.base.CommTimeout`; a mismatch: every member raises :class:`PayloadMismatch`).
+
+Values (issue 8): every decoded float payload is checked for NaN/Inf (:meth:`Exchange.check_finite`;
+quantized payloads are already validated by ``Packed.from_bytes``), and an optional :class:`NormBound`
+drops a peer's contribution whose L2 norm exceeds ``max_ratio`` times this member's own contribution to
+the same segment (plus a small floor): a peer that sends huge values is refused, counted in
+:class:`NormRejections` and logged with its rank, and never applied (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import struct
 import zlib
 from dataclasses import dataclass, replace
+from dataclasses import field as dataclass_field
 
 import torch
 
 from noloco.collectives.codec import PayloadMismatch
 from noloco.comm.base import CommError, CommTimeout, Transport
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"NC"
 VERSION = 1
@@ -125,6 +136,85 @@ class RemoteFailure(PayloadMismatch):
     """A peer reported (by an error marker) that this call failed on its side."""
 
 
+#: Absolute floor of the norm bound, as an RMS per element: a contribution of ``numel`` elements is
+#: always admitted up to ``max_ratio * floor_rms * sqrt(numel)``, so members whose own contribution is
+#: exactly zero (NoLoCo's slow-weight term in round 0) do not refuse each other's zeros. Honest
+#: pseudo-gradients of the default run have an RMS of 6e-4 .. 9e-3 (docs/reliability.md), far above it.
+NORM_FLOOR_RMS = 1e-6
+
+
+def l2_norm(value: torch.Tensor) -> float:
+    """L2 norm accumulated in float64 (an fp32 sum of squares of 1e27-sized values would overflow)."""
+    return float(torch.linalg.vector_norm(value, dtype=torch.float64)) if value.numel() else 0.0
+
+
+@dataclass
+class NormRejections:
+    """What a member's norm bound refused, for the caller to read (keep one per worker or call site).
+
+    ``contributions``: peers' contributions dropped from a sum this member computed (two-phase: a
+    member's segment at its owner; ring: an incoming partial sum at a hop). ``results``: reduced
+    segments from another owner that this member refused and replaced by its own contribution.
+    ``by_rank``: both together, by the sender's rank in the transport. Checkpointable.
+    """
+
+    contributions: int = 0
+    results: int = 0
+    by_rank: dict[int, int] = dataclass_field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.contributions + self.results
+
+    def count(self, rank: int, result: bool) -> None:
+        if result:
+            self.results += 1
+        else:
+            self.contributions += 1
+        self.by_rank[rank] = self.by_rank.get(rank, 0) + 1
+
+    def state_dict(self) -> dict:
+        return {"contributions": self.contributions, "results": self.results,
+                "by_rank": {str(k): v for k, v in self.by_rank.items()}}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.contributions, self.results = int(state.get("contributions", 0)), int(state.get("results", 0))
+        self.by_rank = {int(k): int(v) for k, v in state.get("by_rank", {}).items()}
+
+
+class NormBound:
+    """Admit a peer's contribution only if ``‖value‖ <= contributors · (max_ratio · ‖own‖ + floor_rms · √numel)``.
+
+    ``own`` is this member's own contribution to the same segment (or the segment of ``reference``, when
+    the caller knows a better scale, e.g. for a term that is legitimately zero on this member), so the
+    bound scales with whatever is being reduced (pseudo-gradients, slow weights) without tuning. Honest
+    NoLoCo contributions are within a factor 1.4 of each other (measured, docs/reliability.md); one sent
+    1e30 times too large is refused. ``contributors`` is the number of inputs summed into ``value``
+    (ring partial sums; the all-gather of a sum).
+
+    Raises:
+        ValueError: ``max_ratio`` is not a finite number > 1 or ``floor_rms`` is negative.
+    """
+
+    def __init__(self, max_ratio: float, floor_rms: float = NORM_FLOOR_RMS, rejections: NormRejections | None = None,
+                 reference: torch.Tensor | None = None):  # fmt: skip
+        if isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float)) or not 1 < max_ratio < math.inf:
+            raise ValueError(f"max_norm_ratio must be a finite number > 1 (None disables the bound), got {max_ratio!r}")
+        if not floor_rms >= 0:
+            raise ValueError(f"norm floor must be >= 0, got {floor_rms!r}")
+        self.max_ratio, self.floor_rms = float(max_ratio), float(floor_rms)
+        self.rejections = rejections if rejections is not None else NormRejections()
+        self.reference = reference  # flat fp32; None: this member's own contribution
+
+    def own_norms(self, contributed: torch.Tensor, bounds: list[tuple[int, int]]) -> list[float]:
+        """Per segment, the norm ``own`` the bound scales with: of ``reference`` if set, else ``contributed``."""
+        basis = contributed if self.reference is None else self.reference
+        return [l2_norm(basis[start:end]) for start, end in bounds]
+
+    def limit(self, own_norm: float, numel: int, contributors: int = 1) -> float:
+        return contributors * (self.max_ratio * own_norm + self.floor_rms * math.sqrt(numel))
+
+
 class Exchange:
     """Sends and receives the messages of one collective call, with headers and failure propagation.
 
@@ -133,8 +223,9 @@ class Exchange:
     Use as ``with Exchange(...) as ex:`` so that any exception inside triggers :meth:`fail`.
     """
 
-    def __init__(self, transport: Transport, info: CallInfo, timeout: float):
+    def __init__(self, transport: Transport, info: CallInfo, timeout: float, bound: NormBound | None = None):
         self.transport, self.info, self.timeout = transport, info, float(timeout)
+        self.bound = bound
         self._owed: dict[tuple[int, str], tuple[int, int, int]] = {}
 
     def tag_of(self, phase: int, segment: int, step: int) -> str:
@@ -176,6 +267,37 @@ class Exchange:
                     f"{self.transport.rank}) expects {b}"
                 )
         return body
+
+    def check_finite(self, value: torch.Tensor, src: int, segment: int) -> None:
+        """Raise :class:`PayloadMismatch` if member ``src``'s decoded ``value`` holds NaN or Inf."""
+        if value.numel() and not bool(torch.isfinite(value).all()):
+            raise PayloadMismatch(f"{self.info.tag}: member {src} (rank {self.info.group[src]}) sent non-finite "
+                                  f"values for segment {segment}")  # fmt: skip
+
+    def admits(self, src: int, segment: int, value: torch.Tensor, own_norm: float, contributors: int = 1,
+               result: bool = False, owner: int | None = None) -> bool:  # fmt: skip
+        """Whether the norm bound admits member ``src``'s decoded ``value`` (always, without a bound).
+
+        A refusal is counted in ``bound.rejections`` and logged with the sender's rank (``owner``'s, for a
+        reduced segment a ring member only forwarded); the caller then leaves ``value`` out (a
+        contribution) or uses its own contribution instead (``result``: a reduced segment of another owner).
+        """
+        if self.bound is None:
+            return True
+        norm = l2_norm(value)
+        limit = self.bound.limit(own_norm, value.numel(), contributors)
+        if norm <= limit:
+            return True
+        rank = self.info.group[src if owner is None else owner]
+        self.bound.rejections.count(rank, result)
+        what = "reduced segment" if result else "contribution"
+        via = "" if owner is None or owner == src else f" (forwarded by rank {self.info.group[src]})"
+        logger.warning(
+            "%s: rank %d refused the %s of rank %d%s to segment %d: norm %.3g > %.3g (max_norm_ratio %g x own "
+            "norm %.3g, %d input(s))", self.info.tag, self.transport.rank, what, rank, via, segment, norm, limit,
+            self.bound.max_ratio, own_norm, contributors,
+        )
+        return False
 
     def fail(self, exc: BaseException) -> None:
         """Send an error marker for every message still owed (best effort), so peers fail fast."""

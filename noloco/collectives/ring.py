@@ -29,16 +29,28 @@ An information argument explains why a ladder (not a cleverer fixed-width code) 
 ``b`` bits per element forwarding a partial sum of ``c`` independent contributions cannot have an
 error below ``~ c · 2^-2b`` times one input's variance, so at fixed width no multi-hop scheme can match
 two-phase's group-size-independent error on independent data.
+
+Norm bound (optional, issue 8): a member cannot separate the inputs of a partial sum, so a hop refuses a
+whole incoming partial sum of ``c`` inputs if its norm exceeds ``c`` times the bound on this member's own
+contribution (``max_norm_ratio`` × own norm + floor); the messages then carry their input count so the
+owner divides by the inputs that reached it. Members whose partial sums went through a misbehaving
+member lose their inputs to that segment for the round (they are not applied, and nothing huge is).
 """
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
-from noloco.collectives.codec import Codec, Fp32Codec, QuantCodec
+from noloco.collectives.codec import Codec, Fp32Codec, PayloadMismatch, QuantCodec
 from noloco.collectives.protocol import PHASE_GATHER, PHASE_REDUCE, Exchange
 from noloco.collectives.two_phase import segment_bounds
 from noloco.quant import Packed, QuantSpec, dequantize, dequantize_accumulate_requantize
+
+#: With a norm bound, each reduce-scatter message of a ring starts with the number of members' inputs in
+#: its partial sum (a hop may have dropped some), so that the owner divides by the right count.
+COUNT = struct.Struct("<H")
 
 # Error variance of one encoding relative to the first rung of the ladder (measured on Gaussian data:
 # int4 g128 ~0.10 relative error, int8 ~0.006, bf16 ~0.0016; mxfp4 ~0.12, mxfp6 ~0.047, mxfp8 ~0.03).
@@ -99,13 +111,24 @@ def ring_allreduce(
 
     Args mirror :func:`~noloco.collectives.two_phase.two_phase_allreduce`; ``naive`` re-encodes every
     hop in ``codec`` (the ablation) instead of using :func:`partial_sum_codec`.
+
+    With a norm bound (``ex.bound``) every reduce-scatter message starts with the number of inputs in
+    its partial sum (u16, :data:`COUNT`); a hop drops an incoming partial sum of ``c`` inputs whose norm
+    exceeds ``c`` times the bound on this member's own contribution, the owner divides by the inputs
+    that reached it, and a member refuses a forwarded reduced segment over the bound (keeping its own
+    contribution there instead, but forwarding the bytes unchanged).
     """
     n, me = len(ex.info.group), ex.info.me
     succ, pred = (me + 1) % n, (me - 1) % n
     bounds = segment_bounds(flat.numel(), n)
     contribution, result = residuals if residuals is not None else (None, None)
+    bound = ex.bound
     ex.expect_sends([(succ, PHASE_REDUCE, (me - s) % n, s) for s in range(n - 1)]
                     + [(succ, PHASE_GATHER, (me + 1 - t) % n, t) for t in range(n - 1)])
+    contributed = None  # with a bound: this member's own contribution (input + residual), before any encoding
+    if bound is not None:
+        contributed = flat.clone() if contribution is None else flat + contribution
+        own_norms = ex.bound.own_norms(contributed, bounds)
 
     def own(seg: int) -> torch.Tensor:
         start, end = bounds[seg]
@@ -128,24 +151,35 @@ def ring_allreduce(
         return payload
 
     with ex:
-        # Reduce-scatter: step s sends a partial sum of s + 1 contributors.
+        # Reduce-scatter: step s sends a partial sum of s + 1 contributors (fewer if a hop dropped some).
         incoming: Packed | torch.Tensor | None = None
+        inputs = 0  # number of members' contributions summed into ``incoming``
         for s in range(n - 1):
             seg = (me - s) % n
-            ex.send(succ, PHASE_REDUCE, seg, s, hop(seg, incoming, partial_sum_codec(codec, s + 1, naive)))
+            body = hop(seg, incoming, partial_sum_codec(codec, s + 1, naive))
+            ex.send(succ, PHASE_REDUCE, seg, s, body if bound is None else COUNT.pack(inputs + 1) + body)
             seg_in = (me - s - 1) % n
             in_codec = partial_sum_codec(codec, s + 1, naive)
-            incoming = _decode_partial(in_codec, ex.recv(pred, PHASE_REDUCE, seg_in, s),
-                                       bounds[seg_in][1] - bounds[seg_in][0])
+            body = ex.recv(pred, PHASE_REDUCE, seg_in, s)
+            inputs = s + 1
+            if bound is not None:
+                inputs = _read_count(body, s + 1, ex, pred)
+                body = body[COUNT.size :]
+            incoming = _decode_partial(in_codec, body, bounds[seg_in][1] - bounds[seg_in][0])
+            if bound is not None or isinstance(incoming, torch.Tensor):
+                incoming = _value(incoming)
+                ex.check_finite(incoming, pred, seg_in)
+            if bound is not None and not ex.admits(pred, seg_in, incoming, own_norms[seg_in], inputs):
+                incoming, inputs = None, 0
 
         # This member now owns segment me + 1: add its contribution, reduce, encode once.
         seg = (me + 1) % n
         start, end = bounds[seg]
-        total = own(seg) + _value(incoming)
+        total = own(seg).clone() if incoming is None else own(seg) + _value(incoming)
         if contribution is not None:
             contribution[start:end] = 0.0  # added exactly
         if op == "mean":
-            total /= n
+            total /= inputs + 1
         if result is not None:
             total = total + result[start:end]
             codes, decoded = codec.encode_with_value(total)
@@ -162,6 +196,23 @@ def ring_allreduce(
             seg_in = (me - t) % n
             forward = ex.recv(pred, PHASE_GATHER, seg_in, t)
             start, end = bounds[seg_in]
-            out[start:end] = codec.decode(forward, end - start)
+            value = codec.decode(forward, end - start)
+            ex.check_finite(value, pred, seg_in)
+            if bound is not None and not ex.admits(pred, seg_in, value, own_norms[seg_in], n if op == "sum" else 1,
+                                                   result=True, owner=(seg_in - 1) % n):
+                value = contributed[start:end]
+                if contribution is not None:
+                    contribution[start:end] = 0.0  # this member's own value stands there, exactly
+            out[start:end] = value
     return out
 
+
+def _read_count(body: bytes, most: int, ex: Exchange, src: int) -> int:
+    """The input count a bounded ring message starts with; at least 1 and at most ``most`` (the hop's)."""
+    if len(body) < COUNT.size:
+        raise PayloadMismatch(f"{ex.info.tag}: ring message from member {src} is too short for its input count")
+    (count,) = COUNT.unpack_from(body)
+    if not 1 <= count <= most:
+        raise PayloadMismatch(f"{ex.info.tag}: member {src} claims a partial sum of {count} inputs at a hop of "
+                              f"at most {most}")  # fmt: skip
+    return count

@@ -12,6 +12,13 @@ Error feedback (:class:`~noloco.collectives.feedback.ReductionErrorFeedback`) ap
 what this member encodes: its non-owned segments in phase 1 (residual ``contribution``) and, as
 owner, the reduced segment in phase 2 (residual ``result``).
 
+Norm bound (optional, issue 8): the owner leaves out any member's segment whose L2 norm exceeds
+``max_norm_ratio`` times its own contribution to that segment (plus a floor) and divides by the members
+it admitted, and every member refuses a reduced segment from another owner that exceeds the same
+bound relative to its own contribution there (keeping its own value instead), so a member that sends
+or owns huge values cannot move its partners by more than the bound. With honest owners every
+member still decodes the same bytes and returns a bit-identical result.
+
 Bytes sent per member: ``2 (n-1)/n`` times the encoded size of the vector, plus one 32-byte header
 per message (:mod:`noloco.collectives.protocol`).
 """
@@ -55,11 +62,15 @@ def two_phase_allreduce(
 
     Args:
         flat: this member's input, 1-D fp32 CPU; not modified.
-        ex: the call's :class:`Exchange` (group, my index, headers, timeout).
+        ex: the call's :class:`Exchange` (group, my index, headers, timeout, optional norm bound).
         codec: wire format of both phases.
         op: ``"mean"`` or ``"sum"``.
         residuals: ``(contribution, result)`` error-feedback residuals (flat, ``flat.numel()``), updated
             in place, or None for no error feedback.
+
+    With a norm bound (``ex.bound``) the owner leaves out every member's segment the bound refuses and
+    divides by the members it admitted; a member that refuses another owner's reduced segment keeps
+    its own contribution there instead (it is the only value it can vouch for).
     """
     group, me = ex.info.group, ex.info.me
     n = len(group)
@@ -67,6 +78,10 @@ def two_phase_allreduce(
     contribution, result = residuals if residuals is not None else (None, None)
     ex.expect_sends([(k, PHASE_REDUCE, k, 0) for k in range(n) if k != me]
                     + [(j, PHASE_GATHER, me, 0) for j in range(n) if j != me])
+    contributed = None  # with a bound: this member's own contribution (input + residual), before any encoding
+    if ex.bound is not None:
+        contributed = flat.clone() if contribution is None else flat + contribution
+        own_norms = ex.bound.own_norms(contributed, bounds)
 
     with ex:
         # Phase 1: reduce-scatter. Send every segment we do not own to its owner.
@@ -82,10 +97,19 @@ def two_phase_allreduce(
             own = own + contribution[start:end]  # sent exactly: the residual is paid back in full
             contribution[start:end] = 0.0
         reduced = torch.zeros(numel, dtype=torch.float32)
+        admitted = 0
         for j in range(n):  # fixed member order: the sum does not depend on arrival order
-            reduced += own if j == me else codec.decode(ex.recv(j, PHASE_REDUCE, me), numel)
+            if j == me:
+                reduced += own
+                admitted += 1
+                continue
+            value = codec.decode(ex.recv(j, PHASE_REDUCE, me), numel)
+            ex.check_finite(value, j, me)
+            if ex.bound is None or ex.admits(j, me, value, own_norms[me]):
+                reduced += value
+                admitted += 1
         if op == "mean":
-            reduced /= n
+            reduced /= admitted
 
         # Phase 2: all-gather. Encode the reduced segment once; everyone decodes the same bytes.
         if result is not None:
@@ -96,6 +120,14 @@ def two_phase_allreduce(
                 ex.send(j, PHASE_GATHER, me, 0, codes)
         out = torch.empty(flat.numel(), dtype=torch.float32)
         for k, (start, end) in enumerate(bounds):
-            payload = codes if k == me else ex.recv(k, PHASE_GATHER, k)
-            out[start:end] = codec.decode(payload, end - start)
+            if k == me:
+                out[start:end] = codec.decode(codes, end - start)
+                continue
+            value = codec.decode(ex.recv(k, PHASE_GATHER, k), end - start)
+            ex.check_finite(value, k, k)
+            if ex.bound is not None and not ex.admits(k, k, value, own_norms[k], n if op == "sum" else 1, True):
+                value = contributed[start:end]
+                if contribution is not None:
+                    contribution[start:end] = 0.0  # this member's own value stands there, exactly
+            out[start:end] = value
     return out

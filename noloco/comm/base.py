@@ -25,6 +25,15 @@ class CommTimeout(CommError, TimeoutError):
     """A ``recv`` waited longer than its timeout: the peer is dead, partitioned or too slow."""
 
 
+class CommAborted(CommError):
+    """The transport was shut down on purpose because the run is failing (e.g. another in-process rank raised).
+
+    Unlike a timeout or a lost peer this is not a fault to survive: callers that skip failed rounds
+    (:class:`~noloco.train.algorithms.OuterAlgorithm`) re-raise it, so a run whose worker crashed on a
+    bug stops at once instead of training on without it.
+    """
+
+
 @dataclass
 class ByteCounter:
     """Bytes and messages this rank has put on and taken off the wire (payload bytes, all tags)."""

@@ -4,7 +4,8 @@ Every rank gets a :class:`LocalTransport`; payloads are copied into per-(src, ds
 so nothing is shared by reference between simulated workers and every byte is counted exactly as a
 network transport would count it. :meth:`LocalFabric.run` runs one function per rank in its own
 thread and returns the results by rank; if any rank raises, the fabric is aborted so the others
-fail fast with :class:`~noloco.comm.base.CommError` instead of waiting out their timeouts.
+fail fast with :class:`~noloco.comm.base.CommAborted` (a :class:`~noloco.comm.base.CommError`) instead of
+waiting out their timeouts, and do not mistake the abort for a dead peer whose round can be skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from noloco.comm.base import ByteCounter, CommError, CommTimeout, Transport
+from noloco.comm.base import ByteCounter, CommAborted, CommError, CommTimeout, Transport
 
 T = TypeVar("T")
 
@@ -32,7 +33,7 @@ class LocalFabric:
         self.transports = [LocalTransport(self, rank) for rank in range(world_size)]
 
     def abort(self, reason: str) -> None:
-        """Make every pending and future ``recv`` raise :class:`CommError` with ``reason``."""
+        """Make every pending and future ``send``/``recv`` raise :class:`~noloco.comm.base.CommAborted` (``reason``)."""
         with self._cond:
             if self._aborted is None:
                 self._aborted = reason
@@ -46,7 +47,7 @@ class LocalFabric:
     def _deliver(self, src: int, dst: int, tag: str, payload: bytes) -> None:
         with self._cond:
             if self._aborted is not None:
-                raise CommError(f"fabric aborted: {self._aborted}")
+                raise CommAborted(f"fabric aborted: {self._aborted}")
             key = (src, dst, tag)
             if key in self._mail:
                 raise CommError(f"rank {src} sent tag {tag!r} to rank {dst} twice before it was received")
@@ -59,7 +60,7 @@ class LocalFabric:
         with self._cond:
             while key not in self._mail:
                 if self._aborted is not None:
-                    raise CommError(f"fabric aborted: {self._aborted}")
+                    raise CommAborted(f"fabric aborted: {self._aborted}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CommTimeout(f"rank {dst}: no message {tag!r} from rank {src} within {timeout:.1f}s")

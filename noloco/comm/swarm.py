@@ -124,7 +124,7 @@ class Header:
         try:
             fields = json.loads(raw.decode())
             header = cls(**fields)
-        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:  # nested JSON: RecursionError
             raise Rejected("malformed", f"bad header: {exc}") from None
         types = dict(run=str, kind=str, round=int, group=str, src=str, dst=str, tag=str, nonce=str)
         if not all(isinstance(getattr(header, k), t) for k, t in types.items()) or not isinstance(

@@ -145,8 +145,10 @@ class SwarmMatchmaking(GroupSource):
             once all of them have announced in this peer's window, the window is read without waiting
             for it to close.
         front: ``front()`` → the next swarm round of the most advanced live peers (see :meth:`form`).
-        others: ``others()`` → how many other peers are live and still training; when it is 0 the round
-            is skipped at once (outcome ``no live peers``) instead of waiting ``timeout`` for nobody.
+        others: ``others()`` → how many other peers are live and still training; when it has been 0 for
+            ``alone_after`` seconds the round is skipped at once (outcome ``no live peers``) instead of
+            waiting ``timeout`` for nobody. (A single empty DHT read must not cost a round.)
+        alone_after: seconds without seeing another live peer before rounds are skipped at once.
         poll: seconds between reads of the round's announcements while waiting.
     """
 
@@ -164,6 +166,7 @@ class SwarmMatchmaking(GroupSource):
         expected: Callable[[int], set[str]] | None = None,
         front: Callable[[], int] | None = None,
         others: Callable[[], int] | None = None,
+        alone_after: float = 30.0,
         poll: float = 0.25,
     ):
         if group_size is not None and group_size < 2:
@@ -174,6 +177,8 @@ class SwarmMatchmaking(GroupSource):
         self.group_size, self.window, self.slack = group_size, float(window), float(slack)
         self.confirm_timeout, self.timeout, self.seed = float(confirm_timeout), float(timeout), int(seed)
         self.expected, self.front, self.others, self.poll = expected, front, others, float(poll)
+        self.alone_after = float(alone_after)
+        self._others_seen = time.monotonic()  # when another live peer was last listed
         self.next_round = 0
         self.counter: ByteCounter = endpoint.counter
         self.rounds: list[RoundRecord] = []
@@ -241,9 +246,12 @@ class SwarmMatchmaking(GroupSource):
 
     def _form(self, round_index: int, record: RoundRecord, deadline: float) -> Group | None:
         deadline = min(deadline, time.monotonic() + self.timeout)
-        if self.others is not None and self.others() == 0:
-            record.outcome = "no live peers"
-            return None
+        if self.others is not None:
+            if self.others() > 0:
+                self._others_seen = time.monotonic()
+            elif time.monotonic() - self._others_seen > self.alone_after:
+                record.outcome = "no live peers"
+                return None
         expected = self.expected(round_index) if self.expected is not None else set()
         mine = self._announce(round_index)
         for attempt in range(2):

@@ -18,23 +18,36 @@ Compression (DESIGN §3.2): the pseudo-gradient goes through ``codec`` (default 
 feedback. The slow-weight term goes through ``slow_codec`` as the difference from the initial
 weights, which every worker holds (same seed), so the codec sees accumulated training updates, not
 raw weights; it has its own error feedback. The fused single exchange is used only when both
-codecs are exact (fp32).
+codecs are exact (fp32); it too sends the fast weights as the difference from the initial weights.
 
-A round with a dead peer raises :class:`~noloco.comm.base.CommTimeout` after ``timeout`` seconds.
+Faults (issue 8, docs/reliability.md): a round whose exchange fails — a dead or silent peer
+(:class:`~noloco.comm.base.CommTimeout` after ``timeout`` seconds), a malformed or non-finite payload
+(:class:`~noloco.collectives.PayloadMismatch`) — is skipped by default: φ, θ and the error-feedback
+state stay as they were and training goes on; the next round's pseudo-gradient covers the missed
+steps. Every reduction runs with a norm bound (``max_norm_ratio``, default 10): a partner's
+contribution more than that many times larger than this worker's own is dropped, counted in
+:attr:`OuterAlgorithm.norm_rejections` and logged, never applied. ``NOLOCO_FAULTS`` points
+``inner.step``, ``outer.exchange`` and ``outer.send`` (and link drops/delays) fire here
+(:mod:`noloco.train.faults`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from noloco.collectives import ReductionErrorFeedback, allreduce
-from noloco.comm.base import ByteCounter, CommError, Transport
+from noloco.collectives import NormBound, NormRejections, ReductionErrorFeedback, allreduce
+from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
 from noloco.optim import AveragingRule, DiLoCoRule, NoLoCoRule, OuterRule
 from noloco.train import faults
+
+#: Default norm bound of the outer exchange (``comm.max_norm_ratio``): honest NoLoCo contributions are
+#: within a factor 1.4 of each other per segment (measured, docs/reliability.md), so 10 never refuses
+#: an honest partner and stops any peer sending updates 10x or more larger than this worker's own.
+DEFAULT_MAX_NORM_RATIO = 10.0
 
 
 @dataclass
@@ -44,6 +57,7 @@ class OuterRoundInfo:
     round: int
     group: list[int]
     skipped: str | None = None
+    rejected: int = 0  # partners' contributions (or reduced segments) the norm bound refused this round
 
 
 def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -102,8 +116,9 @@ class Algorithm:
         """Inner optimizer step, then whatever the algorithm does after it. Returns outer-round info.
 
         Non-finite gradients are dropped (no inner update this step), so one bad batch cannot
-        poison the weights or the optimizer moments.
+        poison the weights or the optimizer moments. Fault point ``inner.step`` fires first.
         """
+        faults.fire("inner.step", self.inner_step + 1, getattr(self.transport, "rank", None))
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads and not all(torch.isfinite(g).all() for g in grads):
             self.nonfinite_events += 1
@@ -164,9 +179,18 @@ class DDP(Algorithm):
 class OuterAlgorithm(Algorithm):
     """Inner steps locally; every ``every`` steps an outer step over the group ``groups`` forms.
 
-    ``skip_failed_rounds``: when the group cannot be formed or a member fails mid-exchange (an open
-    swarm), leave φ and θ as they are and go on training; the next round's pseudo-gradient then
-    covers the missed steps. When false (a fixed world), the failure is raised.
+    ``skip_failed_rounds`` (default True): when the group cannot be formed or the exchange fails (a
+    dead, silent or misbehaving member, in an open swarm or a fixed world), leave φ, θ and the
+    error-feedback state as they are and go on training; the next round's pseudo-gradient then covers
+    the missed steps. A deliberate shutdown of the transport (:class:`~noloco.comm.base.CommAborted`:
+    another in-process worker crashed) is always raised. When false, every failure is raised.
+
+    ``max_norm_ratio``: the norm bound every reduction of the outer step runs with (None: none); what
+    it refuses is counted in :attr:`norm_rejections` (kept in the checkpoint) and in the round's
+    :class:`OuterRoundInfo`. "Own" means, per segment: for the pseudo-gradient, this worker's own
+    (its progress φ − φ_0 when the non-finite guard zeroed it); for the slow-weight term φ − φ_0,
+    √(‖φ − φ_0‖² + ‖Δ‖²), since a worker whose rounds were all skipped still has φ = φ_0 while its
+    partners legitimately moved by about one pseudo-gradient; for the fused θ − φ_0, its own.
     """
 
     def __init__(
@@ -178,10 +202,11 @@ class OuterAlgorithm(Algorithm):
         every: int,
         codec: str = "fp32",
         timeout: float = 60.0,
-        skip_failed_rounds: bool = False,
+        skip_failed_rounds: bool = True,
         slow_codec: str | None = None,
         error_feedback: bool = True,
         algorithm: str = "two_phase",
+        max_norm_ratio: float | None = DEFAULT_MAX_NORM_RATIO,
     ):
         super().__init__(
             model,
@@ -202,6 +227,10 @@ class OuterAlgorithm(Algorithm):
         self.slow_codec = slow_codec or codec
         self.reference = self.slow.clone()
         self.slow_feedback = ReductionErrorFeedback() if error_feedback and self.slow_codec != "fp32" else None
+        if max_norm_ratio is not None:
+            NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
+        self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
+        self.norm_rejections = NormRejections()
 
     @property
     def counter(self) -> ByteCounter:
@@ -227,23 +256,31 @@ class OuterAlgorithm(Algorithm):
         return info
 
     def _outer_step(self, round_index: int) -> OuterRoundInfo:
-        faults.fire("outer.exchange", self.inner_step, getattr(self.transport, "rank", None))
+        rank = getattr(self.transport, "rank", None)
+        link = faults.fire("outer.exchange", self.inner_step, rank)
         group = self.groups.form(round_index, self.timeout)
         if group is None:
             if not self.skip_failed_rounds:
                 raise CommError(f"round {round_index}: no group could be formed")
             return OuterRoundInfo(round=round_index, group=[], skipped="no partner")
+        rejected_before = self.norm_rejections.total
         try:
-            mean_delta, mean_slow = self._exchange(group)
+            transport = faults.exchange_transport(group.transport, link, self.inner_step, rank)
+            mean_delta, mean_slow = self._exchange(group if transport is group.transport else
+                                                   replace(group, transport=transport))  # fmt: skip
+        except CommAborted:
+            raise
         except (CommError, ValueError) as exc:
             if not self.skip_failed_rounds:
                 raise
-            return OuterRoundInfo(round_index, group.members, skipped=f"{type(exc).__name__}: {exc}")
+            return OuterRoundInfo(round_index, group.members, skipped=f"{type(exc).__name__}: {exc}",
+                                  rejected=self.norm_rejections.total - rejected_before)  # fmt: skip
         finally:
             self.groups.release(group)
         self.rule.step(self.slow, mean_delta, mean_slow)
         copy_flat_into(self.slow, self.params)
-        return OuterRoundInfo(round=round_index, group=group.peer_ids or group.members)
+        return OuterRoundInfo(round=round_index, group=group.peer_ids or group.members,
+                              rejected=self.norm_rejections.total - rejected_before)  # fmt: skip
 
     def _exchange(self, group) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Group means of the pseudo-gradient and (if the rule needs it) the slow weights.
@@ -253,13 +290,14 @@ class OuterAlgorithm(Algorithm):
         model restarts from φ.
         """
         fast = parameters_to_vector(self.params).detach().float()
-        if not torch.isfinite(fast).all():
+        guarded = not torch.isfinite(fast).all()
+        if guarded:
             self.nonfinite_events += 1
             fast = self.slow.clone()
             self.inner_opt.state.clear()  # moments may hold NaN/Inf too
         tag = f"outer/r{group.round}"
 
-        def reduce(x: torch.Tensor, what: str, codec: str, feedback) -> torch.Tensor:
+        def reduce(x: torch.Tensor, what: str, codec: str, feedback, reference=None) -> torch.Tensor:
             return allreduce(
                 x,
                 group.transport,
@@ -270,14 +308,24 @@ class OuterAlgorithm(Algorithm):
                 timeout=self.timeout,
                 tag=f"{tag}/{what}",
                 error_feedback=feedback,
+                max_norm_ratio=self.max_norm_ratio,
+                norm_rejections=self.norm_rejections,
+                norm_reference=reference,
             )
 
-        if self._fused_exchange():
-            return reduce(fast, "fast", "fp32", None) - self.slow, self.slow.clone()
-        mean_delta = reduce(fast - self.slow, "delta", self.codec, self.feedback)
+        if self._fused_exchange():  # θ − φ_0 like the slow term, so the norm bound sees training updates
+            mean_fast = self.reference + reduce(fast - self.reference, "fast", "fp32", None)
+            return mean_fast - self.slow, self.slow.clone()
+        # Scales of the norm bound (see the class docstring): the pseudo-gradient is bounded by this worker's
+        # own; the slow-weight term φ − φ_0 by the hypotenuse of its own and the pseudo-gradient's, because a
+        # worker that skipped its rounds legitimately has φ = φ_0 while its partners moved by about one Δ.
+        delta = fast - self.slow
+        progress = self.slow - self.reference
+        mean_delta = reduce(delta, "delta", self.codec, self.feedback, progress if guarded else None)
         mean_slow = None
         if self.rule.needs_slow_mean:
-            mean_slow = self.reference + reduce(self.slow - self.reference, "slow", self.slow_codec, self.slow_feedback)
+            scale = torch.hypot(progress, delta) if self.max_norm_ratio is not None else None
+            mean_slow = self.reference + reduce(progress, "slow", self.slow_codec, self.slow_feedback, scale)
         return mean_delta, mean_slow
 
     def _fused_exchange(self) -> bool:
@@ -296,6 +344,7 @@ class OuterAlgorithm(Algorithm):
             "reference": self.reference.clone(),
             "feedback": _ef_state(self.feedback),
             "slow_feedback": _ef_state(self.slow_feedback),
+            "norm_rejections": self.norm_rejections.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -311,6 +360,8 @@ class OuterAlgorithm(Algorithm):
             self.reference = state["reference"].float().clone()
         _ef_load(self.feedback, state.get("feedback"))
         _ef_load(self.slow_feedback, state.get("slow_feedback"))
+        if "norm_rejections" in state:
+            self.norm_rejections.load_state_dict(state["norm_rejections"])
 
 
 def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:
@@ -326,7 +377,8 @@ class NoLoCo(OuterAlgorithm):
     ``transport`` is either a fixed world's transport (groups drawn from a seeded schedule of
     ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking). ``exchange``
     takes the keyword arguments of :class:`OuterAlgorithm` that shape the exchange: ``codec``,
-    ``slow_codec``, ``error_feedback``, ``algorithm``, ``timeout``, ``skip_failed_rounds``.
+    ``slow_codec``, ``error_feedback``, ``algorithm``, ``timeout``, ``skip_failed_rounds``,
+    ``max_norm_ratio``.
     """
 
     name = "noloco"

@@ -6,6 +6,7 @@ workers, a missing data path) raise :class:`ConfigError` with one clear line bef
 
 from __future__ import annotations
 
+import math
 from importlib import resources
 from pathlib import Path
 
@@ -109,6 +110,11 @@ def validate(cfg: DictConfig) -> None:
             _require(value in known_codecs(), f"comm.{key}={value!r} is not a codec ({', '.join(known_codecs())}, ...)")
     _require(cfg.comm.algorithm in ALGORITHMS, f"comm.algorithm={cfg.comm.algorithm!r} is not one of {ALGORITHMS}")
     _require(cfg.comm.timeout > 0, "comm.timeout must be > 0 seconds")
+    ratio = cfg.comm.max_norm_ratio
+    _require(
+        ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 1 < ratio < math.inf),
+        f"comm.max_norm_ratio must be a number > 1 (null disables the norm bound), got {ratio!r}",
+    )
     inner = cfg.inner
     _require(inner.lr > 0 and 0 <= inner.min_lr <= inner.lr, "inner.lr must be > 0 and 0 <= inner.min_lr <= inner.lr")
     _require(inner.warmup >= 0 and inner.grad_clip >= 0, "inner.warmup and inner.grad_clip must be >= 0")

@@ -209,15 +209,33 @@ def run_rank(
         inner_bytes = replicas.hook_state.transport.counter.bytes_sent if replicas else 0
         finals: list = [None] * world
         finals_here = (result.final_eval_loss, result.bytes_sent, result.bytes_received, inner_bytes,
-                       transport.wait_seconds)  # fmt: skip
-        dist.all_gather_object(finals, finals_here)
-        slow = result.slow_weights.double()
-        mean = slow.clone()
-        dist.all_reduce(mean)
-        mean /= world
-        spread = (slow - mean).pow(2).sum().reshape(1)
-        dist.all_reduce(spread)
-        consensus = float((spread / world).sqrt() / mean.norm().clamp_min(1e-30))
+                       transport.wait_seconds, result.nonfinite_events, result.norm_rejections)  # fmt: skip
+        try:
+            dist.all_gather_object(finals, finals_here)
+            slow = result.slow_weights.double()
+            mean = slow.clone()
+            dist.all_reduce(mean)
+            mean /= world
+            spread = (slow - mean).pow(2).sum().reshape(1)
+            dist.all_reduce(spread)
+            consensus = float((spread / world).sqrt() / mean.norm().clamp_min(1e-30))
+        except Exception as exc:  # noqa: BLE001 - a rank died: this survivor reports on its own
+            own = {
+                "rank": rank,
+                "final_eval_loss": result.final_eval_loss,
+                "eval_history": result.eval_history,
+                "slow_weights_finite": bool(torch.isfinite(result.slow_weights).all()),
+                "bytes_sent": result.bytes_sent,
+                "bytes_received": result.bytes_received,
+                "comm_wait_seconds": round(transport.wait_seconds, 3),
+                "nonfinite_events": result.nonfinite_events,
+                "norm_rejections": result.norm_rejections,
+                "error": f"final gather failed (a worker is gone?): {type(exc).__name__}: {exc}".splitlines()[0],
+            }
+            (folder / f"summary.rank{rank}.json").write_text(json.dumps(own, indent=1))
+            print(f"noloco: rank {rank} finished training but could not gather the run's summary "
+                  f"({type(exc).__name__}); wrote {folder / f'summary.rank{rank}.json'}", flush=True)  # fmt: skip
+            return None
         summary = None
         if rank == 0:
             leaders = finals[::k]  # one entry per worker: its first process (the others hold the same replica)
@@ -241,6 +259,8 @@ def run_rank(
                     "inner_bytes_sent_per_process": [f[3] for f in finals],
                     # seconds each worker spent blocked waiting for peers' messages (the network or slower peers)
                     "comm_wait_seconds_per_worker": [round(f[4], 3) for f in leaders],
+                    "nonfinite_events_by_worker": [f[5] for f in leaders],
+                    "norm_rejections_by_worker": [f[6] for f in leaders],
                 },
             )
         dist.barrier()

@@ -8,6 +8,7 @@ to bottom: build, (resume), then for each step: batch → loss → backward → 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -18,13 +19,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from noloco.collectives import allreduce
-from noloco.comm.base import Transport
+from noloco.comm.base import CommAborted, CommError, Transport
 from noloco.gossip.base import GroupSource
 from noloco.train import checkpoint
 from noloco.train.algorithms import DDP, Algorithm, DiLoCo, NoLoCo, PeriodicAveraging
 from noloco.train.data import BatchSampler, TokenizedCorpus, eval_batches
 from noloco.train.metrics import MetricsLogger
 from noloco.train.model import LLaMA, model_config
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,6 +38,8 @@ class WorkerResult:
     bytes_sent: int
     bytes_received: int
     eval_history: list[tuple[int, float]] = field(default_factory=list)
+    nonfinite_events: int = 0
+    norm_rejections: int = 0  # partners' contributions the outer exchange's norm bound refused
 
 
 def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
@@ -77,6 +82,7 @@ def build_algorithm(
     if outer.algo == "ddp":
         return DDP(model, opt, transport, **common)
     common["slow_codec"] = comm.slow_codec
+    common["max_norm_ratio"] = comm.max_norm_ratio
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
     if outer.algo == "noloco":
@@ -219,6 +225,9 @@ def train_worker(ctx: RunContext, transport: Transport | None) -> WorkerResult:
                 record["outer_skipped"] = outer_round.skipped
         if algo.nonfinite_events:
             record["nonfinite_events"] = algo.nonfinite_events
+        rejections = getattr(algo, "norm_rejections", None)
+        if rejections is not None and rejections.total:
+            record["norm_rejections"] = rejections.total
         if step % cfg.eval.every == 0 or step == cfg.steps:
             eval_loss = evaluate(model, held_out)
             history.append((step, eval_loss))
@@ -243,11 +252,18 @@ def train_worker(ctx: RunContext, transport: Transport | None) -> WorkerResult:
             checkpoint.save_worker(ctx.run_dir, step, rank, state)
             # Barrier: the checkpoint is complete only when every worker has saved. Not counted as traffic.
             # A swarm peer checkpoints on its own (its run folder is its own).
+            complete = True
             if ctx.barrier is not None:
                 ctx.barrier()
             elif transport is not None:
-                _barrier(transport, f"ckpt/{step}", cfg.comm.timeout)
-            if transport is None or rank == 0:
+                try:
+                    _barrier(transport, f"ckpt/{step}", cfg.comm.timeout)
+                except CommAborted:
+                    raise
+                except CommError as exc:  # a worker is gone: this step's checkpoint stays incomplete
+                    complete = False
+                    logger.warning("worker %d: checkpoint of step %d left incomplete (%s)", rank, step, exc)
+            if complete and (transport is None or rank == 0):
                 checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(cfg), cfg.checkpoint.keep)
         if ctx.stop_after is not None and step >= ctx.stop_after:
             break
@@ -259,6 +275,8 @@ def train_worker(ctx: RunContext, transport: Transport | None) -> WorkerResult:
         bytes_sent=algo.counter.bytes_sent,
         bytes_received=algo.counter.bytes_received,
         eval_history=history,
+        nonfinite_events=algo.nonfinite_events,
+        norm_rejections=algo.norm_rejections.total if hasattr(algo, "norm_rejections") else 0,
     )
 
 

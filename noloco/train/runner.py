@@ -176,6 +176,10 @@ def run(
         resume_step=resume_step,
         stop_after=stop_after,
         quiet=quiet,
+        extra={
+            "nonfinite_events_by_worker": [r.nonfinite_events for r in results],
+            "norm_rejections_by_worker": [r.norm_rejections for r in results],
+        },
     )
 
 

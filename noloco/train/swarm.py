@@ -204,6 +204,7 @@ def run_peer(cfg: DictConfig, quiet: bool = False, resume_from: Path | None = No
             expected=expected,
             front=front,
             others=others,
+            alone_after=cfg.peer.live_timeout,
         )
         state = PeerState()
         endpoint.serve(STATE_SERVICE, state.serve)

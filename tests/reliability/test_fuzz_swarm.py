@@ -1,0 +1,214 @@
+"""Fuzz of what a swarm peer decodes from the network: frames (``read_frame``) and late-join state.
+
+- ``read_frame`` (noloco.comm.swarm): a mutated, truncated or forged frame — including forgeries by a
+  holder of the run key, whose MAC verifies, so the header parsing behind it is reached — is either
+  returned as a well-typed header and a payload of at most ``max_payload`` bytes, or raises
+  ``Rejected``. Never another exception, never a wait (the stream ends), and the reader never
+  allocates more than ``max_payload`` plus a header.
+- ``decode_state`` (noloco.train.swarm): a mutated state is either returned with exactly the model's
+  numel, finite values and a step on a round boundary, or raises ``StateError``; zlib bombs are cut
+  at the expected size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from noloco.comm.swarm import KINDS, MAC_BYTES, PREFIX, Header, Rejected, RunKey, encode_frame, read_frame
+from noloco.train.swarm import STATE_HEADER, StateError, decode_state, encode_state
+
+from .fuzzing import fuzz_settings, mutate, peak_python_allocation, record
+
+KEY = RunKey("reliability fuzz key")
+OTHER_KEY = RunKey("another run's key")
+MAX_PAYLOAD = 1 << 16
+HEADER = Header("fuzz", "data", 3, "group-id", "peerA", "peerB", "outer/r3/delta/two_phase/p0/s1/h0",
+                "0123456789abcdef", 1700000000.5)  # fmt: skip
+PAYLOAD = bytes(range(256)) * 3
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def _read(loop: asyncio.AbstractEventLoop, raw: bytes, max_payload: int = MAX_PAYLOAD):
+    async def go():
+        reader = asyncio.StreamReader()
+        reader.feed_data(raw)
+        reader.feed_eof()  # a peer that stops sending: truncation must be reported, not waited on
+        return await read_frame(reader, KEY, max_payload, idle_timeout=2.0)
+
+    return loop.run_until_complete(go())
+
+
+def _reseal(raw: bytes) -> bytes:
+    """Recompute the MAC over everything before it: what a holder of the key can forge."""
+    body = raw[:-MAC_BYTES] if len(raw) > MAC_BYTES else raw
+    return body + KEY.mac(body)
+
+
+def check_frame(loop, raw: bytes, target: str) -> None:
+    with peak_python_allocation() as peak:
+        try:
+            header, payload = _read(loop, raw)
+        except Rejected as exc:
+            assert exc.reason in ("malformed", "oversized", "unauthenticated")
+            header = None
+    assert peak[0] <= MAX_PAYLOAD + (96 << 10), f"read_frame allocated {peak[0]} bytes"
+    record(target, header is not None)
+    if header is not None:
+        assert len(payload) <= MAX_PAYLOAD and header.kind in KINDS
+        for name, kind in dict(run=str, kind=str, round=int, group=str, src=str, dst=str, tag=str, nonce=str).items():
+            assert isinstance(getattr(header, name), kind)
+        assert isinstance(header.sent_at, (int, float))
+
+
+def _frame_layout(frame: bytes) -> tuple[list[int], list[tuple[int, int, str]]]:
+    header_len = struct.unpack_from("!I", frame, 4)[0]
+    end = PREFIX.size + header_len
+    boundaries = [4, 8, PREFIX.size, end, end + len(PAYLOAD), len(frame) - MAC_BYTES]
+    fields = [(0, 4, "big"), (4, 4, "big"), (8, 8, "big"), (PREFIX.size + 1, 1, "big"), (end, 2, "big")]
+    return boundaries, fields
+
+
+FRAME = encode_frame(KEY, HEADER, PAYLOAD)
+FRAME_BOUNDARIES, FRAME_FIELDS = _frame_layout(FRAME)
+
+
+def test_mutated_frames_are_returned_well_formed_or_rejected(loop):
+    @fuzz_settings(1200)
+    @given(data=st.data())
+    def run(data):
+        _, raw = mutate(data, FRAME, FRAME_BOUNDARIES, FRAME_FIELDS, _reseal)
+        check_frame(loop, raw, "swarm read_frame")
+
+    run()
+
+
+# Header JSON a key holder might send: wrong types, missing or extra fields, odd values, not JSON at all.
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+def test_forged_headers_with_a_valid_mac_are_parsed_or_rejected(loop):
+    fields = dict(HEADER.__dict__)
+
+    @fuzz_settings(400)
+    @given(
+        change=st.sampled_from(["value", "drop", "extra", "raw"]),
+        name=st.sampled_from(sorted(fields)),
+        value=_JSON_VALUES,
+        raw=st.binary(max_size=200),
+    )
+    def run(change, name, value, raw):
+        forged = dict(fields)
+        if change == "value":
+            forged[name] = value
+        elif change == "drop":
+            del forged[name]
+        elif change == "extra":
+            forged["x" + name] = value
+        text = raw if change == "raw" else json.dumps(forged, allow_nan=True).encode()
+        prefix = PREFIX.pack(b"NLC1", len(text), len(PAYLOAD))
+        frame = prefix + text + PAYLOAD
+        check_frame(loop, frame + KEY.mac(frame), "swarm frame header (MAC valid)")
+
+    run()
+
+
+def test_deeply_nested_header_json_is_rejected(loop):
+    text = b"[" * 4000
+    prefix = PREFIX.pack(b"NLC1", len(text), 0)
+    with pytest.raises(Rejected):
+        _read(loop, prefix + text + KEY.mac(prefix + text))
+
+
+def test_frames_from_another_key_and_lying_lengths_are_rejected_before_buffering(loop):
+    with pytest.raises(Rejected, match="unauthenticated"):
+        _read(loop, encode_frame(OTHER_KEY, HEADER, PAYLOAD))
+    lying = bytearray(FRAME)
+    struct.pack_into("!Q", lying, 8, MAX_PAYLOAD + 1)
+    with peak_python_allocation() as peak, pytest.raises(Rejected, match="oversized"):
+        _read(loop, bytes(lying))
+    assert peak[0] < 64 << 10
+    struct.pack_into("!Q", lying, 8, 1 << 62)
+    with pytest.raises(Rejected, match="oversized"):
+        _read(loop, bytes(lying), max_payload=1 << 40)  # still bounded by the caller's limit
+
+
+# ----------------------------------------------------------------------------------------- late-join state
+
+NUMEL, EVERY = 257, 10
+
+
+def _state(velocity: bool) -> bytes:
+    gen = torch.Generator().manual_seed(int(velocity))
+    return encode_state(40, torch.randn(NUMEL, generator=gen), torch.randn(NUMEL, generator=gen) if velocity else None)
+
+
+STATES = {False: _state(False), True: _state(True)}
+STATE_FIELDS = [(0, 8, "big"), (8, 8, "big"), (16, 1, "big"), (17, 8, "big"), (17 + 8, 2, "big")]
+BOMB = zlib.compress(bytes(10 << 20), 9)  # 10 MiB of zeros in ~10 KiB
+
+
+def check_state(payload: bytes, target: str) -> None:
+    with peak_python_allocation() as peak:
+        try:
+            step, slow, velocity = decode_state(payload, NUMEL, EVERY)
+        except StateError:
+            step = None
+    assert peak[0] <= 4 * len(payload) + 16 * NUMEL + (256 << 10), f"decode_state allocated {peak[0]} bytes"
+    record(target, step is not None)
+    if step is not None:
+        assert step % EVERY == 0 and slow.shape == (NUMEL,) and bool(torch.isfinite(slow).all())
+        assert velocity is None or (velocity.shape == (NUMEL,) and bool(torch.isfinite(velocity).all()))
+
+
+def test_mutated_peer_states_decode_to_valid_tensors_or_raise_state_error():
+    @fuzz_settings(900)
+    @given(velocity=st.booleans(), data=st.data())
+    def run(velocity, data):
+        payload = STATES[velocity]
+        slow_len = struct.unpack_from("!Q", payload, STATE_HEADER.size)[0]
+        boundaries = [8, 16, STATE_HEADER.size, STATE_HEADER.size + 8, STATE_HEADER.size + 8 + slow_len]
+        _, mutated = mutate(data, payload, boundaries, STATE_FIELDS)
+        check_state(mutated, "swarm decode_state")
+
+    run()
+
+
+def test_forged_peer_states_with_valid_compression_are_bounded():
+    """Well-formed zlib streams a forger controls: wrong sizes, NaN, bombs, trailing data."""
+
+    @fuzz_settings(200)
+    @given(
+        numel=st.sampled_from([0, 1, NUMEL - 1, NUMEL, NUMEL + 1, 1 << 20]),
+        step=st.sampled_from([0, 10, 40, 41, 2**63]),
+        fill=st.sampled_from([0.0, 1.0, float("nan"), float("inf"), 1e38]),
+        velocity=st.sampled_from(["none", "same", "bomb", "short", "garbage"]),
+        bomb_slow=st.booleans(),
+        trailing=st.binary(max_size=8),
+    )
+    def run(numel, step, fill, velocity, bomb_slow, trailing):
+        values = torch.full((min(numel, 1 << 12),), fill).numpy().tobytes()
+        slow_z = BOMB if bomb_slow else zlib.compress(values)
+        vel_z = {"none": b"", "same": zlib.compress(values), "bomb": BOMB, "short": zlib.compress(values[:8]),
+                 "garbage": b"\x78\x9c" + trailing}[velocity]  # fmt: skip
+        header = STATE_HEADER.pack(step % 2**64, NUMEL, velocity != "none") + struct.pack("!Q", len(slow_z))
+        check_state(header + slow_z + vel_z + (trailing if velocity == "none" else b""), "swarm decode_state (forged)")
+
+    run()
