@@ -13,10 +13,22 @@ Modes (any combination; default all but --speed's larger sizes):
   error feedback: the norm of the accumulated error ``Σ_t (out_t − mean_t)``.
 - ``--threshold``: per-message cost of encode+decode vs fp32, and the link speed below which
   compression pays (the basis of ``SMALL_MESSAGE_NUMEL``).
+- ``--nccl`` (needs ≥ 2 GPUs; run alone): 2 processes, one GPU each, NCCL. For 2^19..2^29 values
+  (1 MiB..1 GiB of bf16), largest first: ``dist.all_reduce`` (AVG) in bf16 and fp32 against
+  :func:`noloco.collectives.device.allreduce_device` (mean) in int4, int8 and mxfp4 on bf16 and on fp32
+  input; CUDA-event times (warm-up, then the median of ``--nccl-reps``, a barrier before each), the
+  speed-up of int4 over NCCL bf16 and the crossover size, the error vs the exact mean and whether both
+  ranks agree bit for bit (once per size and method), bytes sent per rank, and at the largest size the
+  time of each phase (run one after the other) to explain the total. A size that fails (e.g. out of
+  memory) is recorded and skipped; sizes stop when ``--nccl-budget`` seconds are spent.
 
-Writes ``<out>/collectives.json`` and ``<out>/collectives.md`` (default out: docs/results).
+Writes ``<out>/collectives.json`` and ``<out>/collectives.md`` (default out: docs/results). ``--nccl``
+writes ``<out>/collectives_nccl.json`` and replaces only the NCCL section of ``<out>/collectives.md``
+(taking ``docs/results/collectives.md`` as the base when ``<out>`` has none); the other modes keep that
+section when they rewrite the file.
 
     python benchmarks/collectives.py --accuracy --repeat --threshold --speed
+    python benchmarks/collectives.py --nccl --out $OUT      # on a machine with >= 2 GPUs
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from noloco.collectives import HEADER_BYTES, ReductionErrorFeedback, allreduce  # noqa: E402
 from noloco.comm import LocalFabric  # noqa: E402
 from noloco.quant import Packed, QuantSpec, dequantize, quantize  # noqa: E402
+
+NCCL_BEGIN, NCCL_END = "<!-- nccl:begin -->", "<!-- nccl:end -->"
 
 ALGORITHMS = ["two_phase", "ring", "naive_ring"]
 CODECS = ["int4", "int8", "mxfp4"]
@@ -270,6 +284,360 @@ def speed(report: dict, sizes_mib: list[int], reps: int) -> list[str]:
     return rows
 
 
+# ---- NCCL on 2 GPUs (--nccl) ------------------------------------------------------------------------
+
+#: (label, "nccl" or a codec, input dtype); the first is the baseline of the speed-up column
+NCCL_METHODS = [("NCCL bf16", "nccl", torch.bfloat16), ("NCCL fp32", "nccl", torch.float32),
+                ("int4 (bf16 in)", "int4", torch.bfloat16), ("int8 (bf16 in)", "int8", torch.bfloat16),
+                ("mxfp4 (bf16 in)", "mxfp4", torch.bfloat16), ("int4 (fp32 in)", "int4", torch.float32),
+                ("int8 (fp32 in)", "int8", torch.float32), ("mxfp4 (fp32 in)", "mxfp4", torch.float32)]
+#: methods whose phases are timed at the largest size
+NCCL_PHASED = ["int4 (bf16 in)", "int8 (bf16 in)", "int4 (fp32 in)"]
+TARGET_SPEEDUP, ANCHOR_MS = 2.0, 3.34  # issue 4: int4 vs NCCL bf16 at 1 GiB; NCCL bf16 measured on 2xH200
+
+
+def _median_ms(fn, reps: int, warmup: int, rank: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn``: CUDA events on the current stream, a barrier and a sync before each
+    repetition (``cuda=False``: the host clock, for the CPU smoke run)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.barrier(device_ids=[rank])
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _errors(out: torch.Tensor, inputs: list[torch.Tensor]) -> dict:
+    """Relative L2 and relative max error of ``out`` vs the exact (float64) mean of ``inputs``."""
+    exact = inputs[0].double()
+    for x in inputs[1:]:
+        exact += x.double()
+    exact /= len(inputs)
+    diff = out.double() - exact
+    rel = float(diff.norm() / exact.norm())
+    rel_max = float(diff.abs().max() / exact.abs().max())
+    return {"rel_l2": rel, "rel_max": rel_max}
+
+
+def _nccl_size(rank: int, world: int, numel: int, cfg: dict, report: dict) -> dict:
+    """Time and check every method at ``numel`` values on this rank; returns this rank's row."""
+    import torch.distributed as dist
+
+    from noloco.collectives.device import allreduce_device
+    from noloco.comm.base import ByteCounter
+
+    cuda = cfg["device"] == "cuda"
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    row: dict = {"numel": numel, "ms": {}, "errors": {}, "checksum": {}, "bytes_sent": {}, "failed": {}}
+    gen = torch.Generator(device=dev)
+    inputs32 = [torch.randn(numel, device=dev, generator=gen.manual_seed(1000 + r)) for r in range(world)]
+    inputs = {torch.float32: inputs32, torch.bfloat16: [x.to(torch.bfloat16) for x in inputs32]}
+    reps = cfg["reps"] if numel >= 1 << 26 else 2 * cfg["reps"]
+    avg = dist.ReduceOp.AVG if cuda else dist.ReduceOp.SUM  # gloo has no AVG
+    for label, method, dtype in NCCL_METHODS:
+        mine = inputs[dtype][rank]
+        ok = True
+        try:
+            if method == "nccl":
+                check = mine.clone()
+                dist.all_reduce(check, op=avg)
+                out = check.float() / (1 if avg == dist.ReduceOp.AVG else world)
+                buf = mine.clone()
+                row["ms"][label] = _median_ms(lambda buf=buf: dist.all_reduce(buf, op=avg), reps, 2, rank, cuda)
+                row["bytes_sent"][label] = 2 * (world - 1) * mine.numel() * mine.element_size() // world  # ring
+                del buf, check
+            else:
+                counter = ByteCounter()
+                out = allreduce_device(mine, codec=method, min_compress_numel=0, counter=counter)
+                row["bytes_sent"][label] = counter.bytes_sent
+                run = lambda m=mine, c=method: allreduce_device(m, codec=c, min_compress_numel=0)  # noqa: E731
+                row["ms"][label] = _median_ms(run, reps, 3, rank, cuda)
+                if numel == cfg["largest"] and label in NCCL_PHASED:
+                    runs = []
+                    for _ in range(5):
+                        phases: dict[str, float] = {}
+                        allreduce_device(mine, codec=method, min_compress_numel=0, timings=phases)
+                        runs.append(phases)
+                    row.setdefault("phases", {})[label] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            row["errors"][label] = _errors(out, inputs[dtype])
+            bits = out.contiguous().view(torch.int32)
+            row["checksum"][label] = [int(bits.sum(dtype=torch.int64)), int(bits[::7].sum(dtype=torch.int64))]
+            del out
+        except Exception as exc:  # noqa: BLE001 - recorded, the next method and size still run
+            ok = False
+            row["failed"][label] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            torch.cuda.empty_cache()
+        agree = torch.tensor([1 if ok else 0], device=dev)
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN)  # both ranks go on to the next method together
+    del inputs, inputs32
+    torch.cuda.empty_cache()
+    return row
+
+
+def _nccl_worker(rank: int, world: int, port: int, cfg: dict, path: str) -> None:
+    """One rank of ``--nccl``: every size, largest first; rank 0 rewrites ``path`` after each size."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from noloco.quant import ops as quant_ops
+
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    started = time.perf_counter()
+    report: dict = {"rows": [], "skipped": [], "kernels": quant_ops.pick_backend(None, dev, QuantSpec.parse("int4"))}
+    try:
+        for numel in cfg["sizes"]:
+            over = torch.tensor([1 if time.perf_counter() - started > cfg["budget"] else 0], device=dev)
+            free = torch.cuda.mem_get_info()[0] if cuda else float("inf")
+            short = torch.tensor([1 if 48 * numel > 0.9 * free else 0], device=dev)
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+            dist.all_reduce(short, op=dist.ReduceOp.MAX)
+            if over.item() or short.item():
+                report["skipped"].append({"numel": numel, "why": "time budget spent" if over.item()
+                                          else "not enough GPU memory"})
+                continue
+            t0 = time.perf_counter()
+            row = _nccl_size(rank, world, numel, cfg, report)
+            rows: list = [None] * world
+            dist.all_gather_object(rows, row)
+            if rank == 0:
+                merged = _merge_rows(rows)
+                merged["seconds"] = time.perf_counter() - t0
+                report["rows"].append(merged)
+                report["seconds"] = time.perf_counter() - started
+                Path(path).write_text(json.dumps(report, indent=1))
+                print(_nccl_progress_line(merged), flush=True)
+    finally:
+        if rank == 0:
+            report["seconds"] = time.perf_counter() - started
+            Path(path).write_text(json.dumps(report, indent=1))
+        if cuda:
+            torch.cuda.synchronize()
+        dist.destroy_process_group()
+
+
+def _merge_rows(rows: list[dict]) -> dict:
+    """One row from every rank's: the slowest rank's time, rank 0's errors, whether checksums agree."""
+    first = rows[0]
+    merged = {"numel": first["numel"], "ms": {}, "errors": first["errors"], "bytes_sent": first["bytes_sent"],
+              "identical": {}, "failed": {}}
+    for row in rows:
+        merged["failed"].update(row["failed"])
+    for label in first["ms"]:
+        if all(label in row["ms"] for row in rows):
+            merged["ms"][label] = max(row["ms"][label] for row in rows)
+    for label in first["checksum"]:
+        merged["identical"][label] = all(row["checksum"].get(label) == first["checksum"][label] for row in rows)
+    if "phases" in first:
+        merged["phases"] = {label: {k: max(row["phases"][label][k] for row in rows if label in row.get("phases", {}))
+                                    for k in phases} for label, phases in first["phases"].items()}
+    return merged
+
+
+def _size_label(numel: int) -> str:
+    mib = numel * 2 / (1 << 20)
+    return f"{mib / 1024:g} GiB" if mib >= 1024 else f"{mib:g} MiB"
+
+
+def _nccl_progress_line(row: dict) -> str:
+    cells = " ".join(f"{label}={ms:.3f}" for label, ms in row["ms"].items())
+    return f"nccl 2^{row['numel'].bit_length() - 1} ({_size_label(row['numel'])} bf16): {cells} ms"
+
+
+def _crossover(rows: list[dict], ours: str, baseline: str) -> int | None:
+    """Smallest numel from which ``ours`` is faster than ``baseline`` at every measured larger size."""
+    best = None
+    for row in sorted(rows, key=lambda r: -r["numel"]):
+        if ours in row["ms"] and baseline in row["ms"] and row["ms"][ours] < row["ms"][baseline]:
+            best = row["numel"]
+        else:
+            break
+    return best
+
+
+def _nccl_markdown(report: dict) -> list[str]:
+    rows = sorted(report.get("rows", []), key=lambda r: r["numel"])
+    lines = [NCCL_BEGIN, "### NCCL on 2 GPUs (`--nccl`)", ""]
+    lines.append(f"Machine: {report.get('machine', '?')}. Command: `{report.get('command', '?')}` "
+                 f"({report.get('seconds', 0):.0f} s). Quantization kernels: {report.get('kernels', '?')}.")
+    if report.get("topology"):
+        lines += ["", "GPU link (`nvidia-smi topo -m`):", "", "```", report["topology"].rstrip(), "```"]
+    if not rows:
+        lines += ["", f"**No size completed.** {report.get('failure', '')}", NCCL_END]
+        return lines
+    labels = [m[0] for m in NCCL_METHODS]
+    lines += ["", "Milliseconds per all-reduce of the mean of 2 ranks (median over repetitions, slowest rank; "
+              "CUDA events, a barrier before each). NCCL is `dist.all_reduce(AVG)` in place in its input dtype; "
+              "ours is `allreduce_device` (two-phase, reduce-scatter by `all_to_all_single`, all-gather of the "
+              "encoded reduced segments) and returns fp32.", "",
+              "| values | bf16 size | " + " | ".join(labels) + " | int4 / NCCL bf16 | int4 (fp32 in) / NCCL fp32 |",
+              "|---|---|" + "---|" * (len(labels) + 2)]
+    for row in rows:
+        ms = row["ms"]
+        cells = [f"{ms[label]:.3f}" if label in ms else "—" for label in labels]
+
+        def ratio(a: str, b: str, ms: dict = ms) -> str:
+            return f"{ms[b] / ms[a]:.2f}×" if a in ms and b in ms else "—"
+
+        lines.append(f"| 2^{row['numel'].bit_length() - 1} | {_size_label(row['numel'])} | " + " | ".join(cells)
+                     + f" | {ratio('int4 (bf16 in)', 'NCCL bf16')} | {ratio('int4 (fp32 in)', 'NCCL fp32')} |")
+    lines.append("")
+    for ours, base in (("int4 (bf16 in)", "NCCL bf16"), ("int8 (bf16 in)", "NCCL bf16"),
+                       ("int4 (fp32 in)", "NCCL fp32")):
+        cross = _crossover(rows, ours, base)
+        where = (f"from {_size_label(cross)} of bf16 (2^{cross.bit_length() - 1} values) up" if cross
+                 else "at no measured size")
+        lines.append(f"- Crossover: {ours} is faster than {base} {where}.")
+    top = rows[-1]
+    if "int4 (bf16 in)" in top["ms"] and "NCCL bf16" in top["ms"]:
+        speedup = top["ms"]["NCCL bf16"] / top["ms"]["int4 (bf16 in)"]
+        verdict = "**met**" if speedup >= TARGET_SPEEDUP else "**not met**"
+        lines.append(f"- Target (issue 4) at {_size_label(top['numel'])}: int4 ≥ {TARGET_SPEEDUP}× faster than NCCL "
+                     f"bf16: {speedup:.2f}× ({top['ms']['int4 (bf16 in)']:.3f} ms vs {top['ms']['NCCL bf16']:.3f} ms; "
+                     f"anchor for NCCL bf16 {ANCHOR_MS} ms) — {verdict}.")
+    identical = all(all(r["identical"].values()) for r in rows)
+    lines.append(f"- Both ranks returned bit-identical results for every size and method: **{identical}** "
+                 "(two checksums of the output bits).")
+    failed = {(r["numel"], k): v for r in rows for k, v in r["failed"].items()}
+    for (numel, label), why in failed.items():
+        lines.append(f"- Failed: {label} at 2^{numel.bit_length() - 1}: `{why}`.")
+    for skipped in report.get("skipped", []):
+        lines.append(f"- Skipped 2^{skipped['numel'].bit_length() - 1}: {skipped['why']}.")
+    if report.get("failure"):
+        lines.append(f"- The run ended early: {report['failure']}")
+    lines += ["", f"Error vs the exact mean and bytes sent per rank at {_size_label(top['numel'])} "
+              f"(the largest size; relative L2 / relative max error):", "",
+              "| method | rel. L2 error | rel. max error | MB sent per rank |", "|---|---|---|---|"]
+    for label in labels:
+        if label in top["errors"]:
+            e = top["errors"][label]
+            lines.append(f"| {label} | {e['rel_l2']:.2e} | {e['rel_max']:.2e} | "
+                         f"{top['bytes_sent'].get(label, 0) / 1e6:.1f} |")
+    worst = {label: max(r["errors"][label]["rel_l2"] for r in rows if label in r["errors"]) for label in labels
+             if any(label in r["errors"] for r in rows)}
+    lines.append("\nLargest relative L2 error over all sizes: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+                 + ". NCCL bytes are the ring's `2 (n-1)/n · size`.")
+    phased = next((r for r in reversed(rows) if "phases" in r), None)
+    if phased:
+        names = list(dict.fromkeys(k for p in phased["phases"].values() for k in p))
+        lines += ["", f"Phases at {_size_label(phased['numel'])} (ms, run one after the other with no overlap of "
+                  "communication and compute, median of 5, slowest rank). `check` is the per-call all-gather of "
+                  "(numel, dtype, op, codec, encode ok); `own to fp32` converts the owner's unencoded segment for "
+                  "the fused decode-accumulate-requantize kernel (`requantize`); `decode` writes the fp32 output.",
+                  "", "| method | " + " | ".join(names) + " | sum | overlapped total |",
+                  "|---|" + "---|" * (len(names) + 2)]
+        for label, phases in phased["phases"].items():
+            cells = " | ".join(f"{phases.get(k, 0.0):.3f}" for k in names)
+            lines.append(f"| {label} | {cells} | {sum(phases.values()):.3f} | {phased['ms'].get(label, 0):.3f} |")
+    lines.append(NCCL_END)
+    return lines
+
+
+def _splice_nccl(text: str, section: list[str]) -> str:
+    """``text`` with its NCCL section replaced by ``section`` (appended if it has none)."""
+    block = "\n".join(section)
+    if NCCL_BEGIN in text and NCCL_END in text:
+        head, rest = text.split(NCCL_BEGIN, 1)
+        return head + block + rest.split(NCCL_END, 1)[1]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def nccl(out: Path, cfg: dict, command: str) -> None:
+    """``--nccl``: spawn 2 NCCL ranks, wait (at most ``cfg['deadline']`` s), render whatever they measured."""
+    import subprocess
+
+    import torch.multiprocessing as mp
+
+    from noloco.comm.torchdist import free_port
+
+    # this machine's rule: NVLink multicast stays off (setdefault: never turns it on)
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)
+    smoke = cfg["device"] == "cpu"
+    if not smoke and torch.cuda.device_count() < 2:
+        raise SystemExit(f"--nccl needs at least 2 GPUs; this machine has {torch.cuda.device_count()}")
+    world = 2
+    json_path = out / "collectives_nccl.json"
+    json_path.unlink(missing_ok=True)
+    started = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(rank, world, port, cfg, str(json_path)), daemon=False)
+             for rank in range(world)]
+    failure = ""
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(max(1.0, cfg["deadline"] - (time.perf_counter() - started)))
+        if any(proc.is_alive() for proc in procs):
+            failure = f"stopped after the {cfg['deadline']} s deadline"
+        elif any(proc.exitcode for proc in procs):
+            failure = f"worker exit codes {[proc.exitcode for proc in procs]}"
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(10)
+    report = json.loads(json_path.read_text()) if json_path.exists() else {}
+    try:
+        topology = "" if smoke else subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                                   timeout=20).stdout
+    except Exception:  # noqa: BLE001 - informative only
+        topology = ""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = "not importable"
+    if smoke:
+        machine = (f"SMOKE RUN of the benchmark code: 2 gloo processes on CPU, not a measurement; torch "
+                   f"{torch.__version__}")
+    else:
+        try:
+            version = torch.cuda.nccl.version()
+            nccl_version = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception:  # noqa: BLE001 - informative only
+            nccl_version = "?"
+        machine = (f"{world}× {torch.cuda.get_device_name(0)}, torch {torch.__version__}, Triton {triton_version}, "
+                   f"NCCL {nccl_version}, Python {platform.python_version()}")
+    report.update(command=command, failure=failure, topology=topology, wall_seconds=time.perf_counter() - started,
+                  machine=machine)
+    report.setdefault("seconds", report["wall_seconds"])
+    json_path.write_text(json.dumps(report, indent=1))
+    section = _nccl_markdown(report)
+    base = out / "collectives.md"
+    if not base.exists():
+        base = ROOT / "docs" / "results" / "collectives.md"
+    text = base.read_text() if base.exists() else ""
+    (out / "collectives.md").write_text(_splice_nccl(text, section))
+    print("\n".join(section))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accuracy", action="store_true")
@@ -278,12 +646,33 @@ def main() -> None:
     parser.add_argument("--threshold", action="store_true")
     parser.add_argument("--speed-sizes", default="1,4,16,64", help="MiB of fp32 input, comma-separated")
     parser.add_argument("--speed-reps", type=int, default=3)
+    parser.add_argument("--nccl", action="store_true", help="2 GPUs over NCCL: allreduce_device vs dist.all_reduce")
+    parser.add_argument("--nccl-smoke", action="store_true",
+                        help="the --nccl code on CPU over gloo, small sizes (checks the script, measures nothing)")
+    parser.add_argument("--nccl-sizes", default="19-29", help="log2 of the element counts, e.g. 19-29 or 20,24,29")
+    parser.add_argument("--nccl-reps", type=int, default=10, help="timed repetitions (twice as many below 2^26)")
+    parser.add_argument("--nccl-budget", type=float, default=300.0, help="seconds after which no new size starts")
+    parser.add_argument("--nccl-deadline", type=float, default=450.0, help="seconds after which the ranks are killed")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = parser.parse_args()
-    if not (args.accuracy or args.speed or args.repeat or args.threshold):
-        args.accuracy = args.repeat = args.threshold = args.speed = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.nccl or args.nccl_smoke:
+        if args.nccl_smoke and args.nccl_sizes == "19-29":
+            args.nccl_sizes = "12-14"
+        if "-" in args.nccl_sizes:
+            lo, hi = (int(v) for v in args.nccl_sizes.split("-"))
+            logs = list(range(lo, hi + 1))
+        else:
+            logs = [int(v) for v in args.nccl_sizes.split(",")]
+        sizes = [1 << k for k in sorted(logs, reverse=True)]  # largest first: the target size is measured first
+        cfg = dict(sizes=sizes, largest=sizes[0], reps=args.nccl_reps, budget=args.nccl_budget,
+                   deadline=args.nccl_deadline, timeout=120, device="cpu" if args.nccl_smoke else "cuda")
+        nccl(out, cfg, "python " + " ".join(sys.argv))
+        if not (args.accuracy or args.speed or args.repeat or args.threshold):
+            return
+    if not (args.accuracy or args.speed or args.repeat or args.threshold):
+        args.accuracy = args.repeat = args.threshold = args.speed = True
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
                f"Python {platform.python_version()}, torch {torch.__version__}, no GPU")
     report: dict = {"machine": machine, "command": "python " + " ".join(sys.argv)}
@@ -298,14 +687,19 @@ def main() -> None:
     if args.speed:
         sizes = [int(s) for s in args.speed_sizes.split(",")]
         sections += ["\n### Speed (`--speed`, gloo on loopback, CPU)"] + speed(report, sizes, args.speed_reps)
-        sections.append("\nThe NCCL comparison on 2×H200 (int4 two-phase vs `dist.all_reduce` bf16 at 1 MiB…1 GiB, "
-                        "target ≥ 2× at 1 GiB) was **not run**: no GPU was available to this work.")
+        sections.append("\nThe NCCL comparison on 2 GPUs (int4 vs `dist.all_reduce` bf16 at 1 MiB…1 GiB, target ≥ 2× "
+                        "at 1 GiB) is the `--nccl` section below.")
     report["seconds"] = time.perf_counter() - t0
     (out / "collectives.json").write_text(json.dumps(report, indent=1))
     text = [f"<!-- generated by benchmarks/collectives.py; `{report['command']}` -->",
             "## Raw output of benchmarks/collectives.py", f"\nMachine: {machine}. Command: `{report['command']}` "
             f"({report['seconds']:.0f} s).", *sections]
-    (out / "collectives.md").write_text("\n".join(text) + "\n")
+    previous = (out / "collectives.md").read_text() if (out / "collectives.md").exists() else ""
+    document = "\n".join(text) + "\n"
+    if NCCL_BEGIN in previous and NCCL_END in previous:  # keep the GPU section this CPU run cannot redo
+        document = _splice_nccl(document, [NCCL_BEGIN + previous.split(NCCL_BEGIN, 1)[1].split(NCCL_END, 1)[0]
+                                           + NCCL_END])
+    (out / "collectives.md").write_text(document)
     print("\n".join(text))
 
 

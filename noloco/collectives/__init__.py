@@ -15,6 +15,7 @@ from noloco.collectives.codec import (
     get_codec,
     known_codecs,
 )
+from noloco.collectives.device import allreduce_device
 from noloco.collectives.feedback import ReductionErrorFeedback
 from noloco.collectives.protocol import HEADER_BYTES, NORM_FLOOR_RMS, NormBound, NormRejections, RemoteFailure
 from noloco.collectives.ring import partial_sum_codec
@@ -34,6 +35,7 @@ __all__ = [
     "ReductionErrorFeedback",
     "RemoteFailure",
     "allreduce",
+    "allreduce_device",
     "get_codec",
     "known_codecs",
     "partial_sum_codec",

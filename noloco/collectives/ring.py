@@ -179,7 +179,7 @@ def ring_allreduce(
         if contribution is not None:
             contribution[start:end] = 0.0  # added exactly
         if op == "mean":
-            total /= inputs + 1
+            total /= torch.tensor(float(inputs + 1), device=total.device)  # exact division on CUDA too
         if result is not None:
             total = total + result[start:end]
             codes, decoded = codec.encode_with_value(total)

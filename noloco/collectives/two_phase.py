@@ -109,7 +109,9 @@ def two_phase_allreduce(
                 reduced += value
                 admitted += 1
         if op == "mean":
-            reduced /= admitted
+            # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
+            # which rounds differently from the CPU (members on different devices must agree bit for bit)
+            reduced /= torch.tensor(float(admitted), device=reduced.device)
 
         # Phase 2: all-gather. Encode the reduced segment once; everyone decodes the same bytes.
         if result is not None:

@@ -6,7 +6,9 @@ Formats (DESIGN §3.3; MX formats from the OCP Microscaling Formats (MX) v1.0 sp
 - ``int4`` / ``int8``: group-wise (g = 128 by default) zero-aware asymmetric integer quantization.
   Options after ``:`` -- ``g64`` (group size, a power of two in 16..4096), ``sym`` (symmetric),
   ``naive`` (min/max asymmetric, zero not on the grid), ``stochastic`` (unbiased stochastic rounding).
-- ``mxfp4`` (E2M1), ``mxfp6`` (E3M2), ``mxfp8`` (E4M3): blocks of 32 sharing one E8M0 scale.
+- ``mxfp4`` (E2M1), ``mxfp6`` (E3M2), ``mxfp8`` (E4M3): blocks of 32 sharing one E8M0 scale. Option ``ceil``:
+  the block scale is the smallest power of two that does not clip the block's largest value, instead of the OCP
+  reference ``floor`` (default); decoding is the same (docs/quant.md has the error comparison).
 - ``bf16``, ``fp16``, ``fp32``: plain casts (the uncompressed baselines).
 - any of them + ``+hadamard`` (optionally ``+hadamard:b64:s7`` for block size and seed): a randomized
   block Hadamard rotation before quantizing, undone after decoding.
@@ -52,6 +54,8 @@ class QuantSpec:
         hadamard: rotate blocks of ``hadamard_block`` elements with a randomized Hadamard transform.
         hadamard_block: rotation block size, a power of two (default 128).
         hadamard_seed: seed of the random signs; both ends must use the same one (it travels in the spec).
+        mx_scale: MX only -- ``"floor"`` (OCP v1.0: ``X = floor(log2 amax) - emax``, may clip the block max to
+            the element format's max) or ``"ceil"`` (``X = ceil(log2(amax / max))``, never clips).
     """
 
     kind: str
@@ -63,6 +67,7 @@ class QuantSpec:
     hadamard: bool = False
     hadamard_block: int = 128
     hadamard_seed: int = 0
+    mx_scale: str = "floor"
     _canonical: str = field(default="", compare=False, repr=False)
 
     @staticmethod
@@ -112,10 +117,13 @@ class QuantSpec:
                 raise ValueError(f"group size must be a power of two in 16..4096, got {group}")
             spec = QuantSpec("int", name, bits, group, mode, stochastic, hadamard, hblock, hseed)
         elif name in MX_ELEMENTS:
-            if opts:
-                raise ValueError(f"MX formats take no options, got {text!r}")
+            mx_scale = "floor"
+            for opt in opts:
+                if opt not in ("floor", "ceil"):
+                    raise ValueError(f"unknown MX option {opt!r} in {text!r} (only 'floor' or 'ceil')")
+                mx_scale = opt
             e, m = MX_ELEMENTS[name]
-            spec = QuantSpec("mx", name, 1 + e + m, 32, "zero", False, hadamard, hblock, hseed)
+            spec = QuantSpec("mx", name, 1 + e + m, 32, "zero", False, hadamard, hblock, hseed, mx_scale)
         elif name in FLOAT_DTYPES:
             if opts:
                 raise ValueError(f"float formats take no options, got {text!r}")
@@ -137,6 +145,8 @@ class QuantSpec:
                 s += f":{self.mode}"
             if self.stochastic:
                 s += ":stochastic"
+        elif self.kind == "mx" and self.mx_scale != "floor":
+            s += f":{self.mx_scale}"
         if self.hadamard:
             s += "+hadamard"
             if self.hadamard_block != 128:

@@ -42,10 +42,16 @@ def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backen
         raise ValueError("the accumulator must be a contiguous float32 tensor")
     _check_inputs(acc.numel(), inputs)
     flat = acc.view(-1)
+    device = acc.device
+    spec = inputs[0].spec if inputs else None
+    if (0 < len(inputs) <= 4 and not spec.hadamard and all(p.spec == spec for p in inputs)
+            and ops.pick_backend(_soft(backend, spec), device, spec) == "triton"):  # the hot path: one launch
+        ops._triton().dequantize_accumulate(flat, list(inputs), accumulate=True)
+        return acc
     i = 0
     while i < len(inputs):
         spec = inputs[i].spec
-        be = ops.pick_backend(_soft(backend, spec), acc.device, spec)
+        be = ops.pick_backend(_soft(backend, spec), device, spec)
         if be == "triton" and not spec.hadamard:
             j = i
             while j < len(inputs) and j - i < 4 and inputs[j].spec == spec:
@@ -60,18 +66,19 @@ def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backen
 
 def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[Packed],
                                      spec: QuantSpec | str, *, generator: torch.Generator | None = None,
-                                     backend: str | None = None) -> Packed:
+                                     backend: str | None = None, check_finite: bool = True) -> Packed:
     """``Q_spec(acc + deq(inputs[0]) + ...)``: one hop of a multi-hop reduction.
 
     Args:
         acc: this hop's own fp32 contribution (not modified), or None for a pure re-encode of the sum.
         inputs: at least one Packed (the incoming partial sums), all of the same numel and device.
         spec: the format of the outgoing partial sum.
+        check_finite: as in :func:`noloco.quant.quantize` (default True: a non-finite sum raises ``ValueError``).
 
     Returns:
         The outgoing Packed, with the shape/dtype of ``acc`` (or of ``inputs[0]``).
     """
-    spec = QuantSpec.parse(spec)
+    spec = ops.parse_spec(spec)
     if not inputs:
         raise ValueError("dequantize_accumulate_requantize needs at least one input")
     ref = inputs[0]
@@ -88,8 +95,9 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[
                and all(p.spec == in_spec for p in inputs) and ops._triton().supports(in_spec)
                and in_spec.group == spec.group)
     if fusable:
-        a = None if acc is None else acc.detach().reshape(-1).float().contiguous()
-        sections = ops._triton().dequantize_accumulate_requantize(a, list(inputs), numel, spec, generator)
+        a = None if acc is None else ops._kernel_input(acc).float()  # no copy for a contiguous fp32 acc
+        sections = ops._triton().dequantize_accumulate_requantize(a, list(inputs), numel, spec, generator,
+                                                                  check=check_finite)
         return Packed(spec, shape, dtype, **sections)
     total = (torch.zeros(numel, dtype=torch.float32, device=device) if acc is None
              else acc.detach().reshape(-1).float().clone())
@@ -99,7 +107,7 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[
     if spec.hadamard:
         ops.intq.check_finite(total)
         total = hadamard.rotate(total, spec)
-    return Packed(spec, shape, dtype, **ops.quantize_flat(total, spec, out_be, generator))
+    return Packed(spec, shape, dtype, **ops.quantize_flat(total, spec, out_be, generator, check_finite))
 
 
 def _soft(backend: str | None, spec: QuantSpec) -> str | None:

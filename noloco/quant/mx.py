@@ -7,7 +7,9 @@ blocks of k = 32 elements share one E8M0 scale 2**X, with
     P_i = to_element(v_i / 2**X)                               # round-half-to-even, saturating at ±max
 
 emax_elem is the exponent of the element format's largest normal (E2M1: 2, max 6.0; E3M2: 4, max 28.0;
-E4M3: 8, max 448.0). An all-zero block gets X = -127 and zero elements. ``floor(log2(.))`` is read from
+E4M3: 8, max 448.0). An all-zero block gets X = -127 and zero elements. The ``:ceil`` spec option replaces the
+floor by the smallest X with amax / 2**X <= max (no clipping of the block max; see :func:`shared_exponent` and
+docs/quant.md for when that lowers the error); decoding does not depend on the choice. ``floor(log2(.))`` is read from
 the fp32 exponent field, so it is exact. For MXFP6 we pick E3M2 (range ±28, 2 mantissa bits) over E2M3
 (range ±7.5, 3 mantissa bits): after the shared scale puts a block's max near the top of the range,
 E3M2's extra binade keeps small elements of the block out of the subnormals, which matters more for
@@ -66,11 +68,20 @@ def element_table(name: str, device: torch.device | str = "cpu") -> torch.Tensor
     return torch.where(sign == 1, -mag, mag).to(device)
 
 
-def shared_exponent(amax: torch.Tensor, name: str) -> torch.Tensor:
-    """X per block (int32) from the block's max magnitude (fp32, finite)."""
+def shared_exponent(amax: torch.Tensor, name: str, ceil: bool = False) -> torch.Tensor:
+    """X per block (int32) from the block's max magnitude (fp32, finite).
+
+    ``ceil=False`` is the OCP v1.0 rule ``X = floor(log2 amax) - emax``: amax / 2**X lies in [2**emax, 2**(emax+1)),
+    so the part of that binade above the element format's max (6 of [4, 8) for E2M1, 448 of [256, 512) for E4M3)
+    saturates. ``ceil=True`` adds 1 exactly when amax / 2**X exceeds that max, i.e. X = ceil(log2(amax / max)), the
+    smallest scale that clips nothing (capped at 127 - emax, the largest scale a decoder accepts).
+    """
     p = element_params(name)
     e = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
-    return (e - p["emax"]).clamp(-127, 127)
+    X = (e - p["emax"]).clamp(-127, 127)
+    if ceil:
+        X = torch.where(amax * _pow2(-X) > p["max_value"], X + 1, X).clamp(max=127 - p["emax"])
+    return X
 
 
 def encode_elements(w: torch.Tensor, name: str) -> torch.Tensor:
@@ -117,7 +128,7 @@ def quantize_mx(v: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     x = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=dev)
     x[:n] = v.float()
     x = x.view(blocks, BLOCK)
-    X = shared_exponent(x.abs().amax(dim=1) if n else x.new_zeros(0), spec.name)
+    X = shared_exponent(x.abs().amax(dim=1) if n else x.new_zeros(0), spec.name, ceil=spec.mx_scale == "ceil")
     w = x * _pow2(-X)[:, None]
     q = encode_elements(w, spec.name).view(-1)[:n]
     codes = {4: pack_nibbles, 6: pack_6bit, 8: lambda c: c.to(torch.uint8)}[spec.bits](q)

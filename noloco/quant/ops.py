@@ -5,10 +5,16 @@ has a kernel for the format (int4/int8 in every mode, MXFP4, MXFP8), and the pla
 otherwise (CPU tensors, MXFP6, float casts). ``backend="torch"`` or ``"triton"`` forces one; forcing
 Triton on CPU tensors needs ``TRITON_INTERPRET=1`` set before Triton is imported (that is how the tests
 check kernel/reference agreement without a GPU). ``+hadamard`` rotation runs in torch around either.
+
+The Triton path is the hot path of every exchange, so its host work per call is kept minimal: spec strings are
+parsed once (:func:`parse_spec`), a contiguous input is passed to the kernel without copies, and the kernel
+module caches launch plans (docs/quant.md, "Host path"). ``check_finite=False`` lets trusted callers skip the one
+device read a quantizing call otherwise makes to raise on NaN/Inf input.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,19 +23,37 @@ from . import floatq, hadamard, intq, mx
 from .base import Packed, QuantSpec
 
 _SECTION_NAMES = ("codes", "scales", "zero_points", "mins")
+_TK: list = []  # [module or None] once the import of triton_kernels has been tried
 
 
 def _triton():
-    try:
-        from . import triton_kernels
-    except Exception:  # pragma: no cover - triton missing or broken
-        return None
-    return triton_kernels
+    """The ``triton_kernels`` module, or None if Triton is missing or broken (imported once, then cached)."""
+    if not _TK:
+        try:
+            from . import triton_kernels
+        except Exception:  # pragma: no cover - triton missing or broken
+            triton_kernels = None
+        _TK.append(triton_kernels)
+    return _TK[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_text(text: str) -> QuantSpec:
+    return QuantSpec.parse(text)
+
+
+def parse_spec(spec: QuantSpec | str) -> QuantSpec:
+    """:meth:`QuantSpec.parse`, cached for strings (a call site passing ``"int4"`` parses it once per process)."""
+    if isinstance(spec, QuantSpec):
+        return spec
+    if isinstance(spec, str):
+        return _parse_text(spec)
+    return QuantSpec.parse(spec)  # raises the ValueError for a non-string
 
 
 def pick_backend(backend: str | None, device: torch.device, spec: QuantSpec) -> str:
     """Resolve ``backend`` ("torch", "triton", None/"auto") for a tensor on ``device``."""
-    if backend in (None, "auto"):
+    if backend is None or backend == "auto":
         if device.type == "cuda" and spec.kind != "float":
             tk = _triton()
             if tk is not None and tk.supports(spec):
@@ -54,13 +78,22 @@ def _check_input(x: torch.Tensor) -> None:
         raise TypeError(f"quantize expects a float tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
 
 
-def quantize_flat(v: torch.Tensor, spec: QuantSpec, be: str, generator: torch.Generator | None = None
-                  ) -> dict[str, torch.Tensor]:
+def _kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """Flat, contiguous fp32/bf16/fp16 view of ``x`` for the kernels: no copy when ``x`` is already contiguous
+    (fp64 is converted, a non-contiguous tensor copied once)."""
+    if x.requires_grad:
+        x = x.detach()
+    v = x if x.dim() == 1 else x.reshape(-1)
+    if v.dtype == torch.float64:
+        return v.float()
+    return v if v.is_contiguous() else v.contiguous()
+
+
+def quantize_flat(v: torch.Tensor, spec: QuantSpec, be: str, generator: torch.Generator | None = None,
+                  check_finite: bool = True) -> dict[str, torch.Tensor]:
     """Payload sections for flat ``v`` (already rotated if the spec says so)."""
     if be == "triton":
-        if v.dtype == torch.float64:
-            v = v.float()
-        return _triton().quantize(v.contiguous(), spec, generator)[0]
+        return _triton().quantize(_kernel_input(v), spec, generator, check=check_finite)[0]
     v = v.float()
     if spec.kind == "int":
         return intq.quantize_int(v, spec, generator)
@@ -70,7 +103,7 @@ def quantize_flat(v: torch.Tensor, spec: QuantSpec, be: str, generator: torch.Ge
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec | str, *, generator: torch.Generator | None = None,
-             backend: str | None = None) -> Packed:
+             backend: str | None = None, check_finite: bool = True) -> Packed:
     """Encode ``x`` (any float tensor, any shape, any numel, CPU or GPU) in format ``spec``.
 
     Args:
@@ -78,6 +111,11 @@ def quantize(x: torch.Tensor, spec: QuantSpec | str, *, generator: torch.Generat
         spec: a :class:`QuantSpec` or its string (``"int4"``, ``"mxfp8+hadamard"``, ...).
         generator: seeds stochastic rounding (``:stochastic`` specs); ignored otherwise.
         backend: ``"torch"``, ``"triton"`` or None (auto: Triton for CUDA tensors).
+        check_finite: True (default): NaN/Inf input raises ``ValueError`` from this call; on the Triton path
+            that costs one 4-byte device read (a sync) after the kernel. False, for trusted callers that cannot
+            afford the sync: no read; a group holding NaN/Inf is still marked in the payload (bf16 NaN scale,
+            E8M0 255), so decoding it gives NaN locally and ``Packed.from_bytes`` rejects it. The torch reference
+            always checks.
 
     Returns:
         A :class:`Packed` on ``x``'s device remembering ``x.shape`` and ``x.dtype``.
@@ -85,14 +123,17 @@ def quantize(x: torch.Tensor, spec: QuantSpec | str, *, generator: torch.Generat
     Raises:
         ValueError: ``x`` holds NaN or ±Inf (or values the format cannot represent).
     """
-    spec = QuantSpec.parse(spec)
+    spec = parse_spec(spec)
     _check_input(x)
     be = pick_backend(backend, x.device, spec)
+    if be == "triton" and not spec.hadamard:  # the hot path: one kernel, no copies of a contiguous x
+        sections = _triton().quantize(_kernel_input(x), spec, generator, check=check_finite)[0]
+        return Packed(spec, tuple(x.shape), x.dtype, **sections)
     flat = x.detach().reshape(-1)
     if spec.hadamard:
         intq.check_finite(flat)
         flat = hadamard.rotate(flat.float(), spec)
-    sections = quantize_flat(flat, spec, be, generator)
+    sections = quantize_flat(flat, spec, be, generator, check_finite)
     return Packed(spec, tuple(x.shape), x.dtype, **sections)
 
 
@@ -116,7 +157,12 @@ def dequantize_flat(p: Packed, be: str) -> torch.Tensor:
 
 def dequantize(p: Packed, *, backend: str | None = None) -> torch.Tensor:
     """Decode ``p`` to a float32 tensor of the original shape, on ``p``'s device (a new tensor)."""
-    be = pick_backend(backend, p.device, p.spec)
+    device = p.codes.device
+    be = pick_backend(backend, device, p.spec)
+    if be == "triton" and not p.spec.hadamard:  # the hot path: decode straight into the output's memory
+        out = torch.empty(p.shape, dtype=torch.float32, device=device)
+        _triton().dequantize_accumulate(out.view(-1), [p], accumulate=False)
+        return out
     y = dequantize_flat(p, be)
     if p.spec.hadamard:
         y = hadamard.unrotate(y, p.spec, p.numel)

@@ -21,26 +21,38 @@ interleaved in registers (no reshape/join/split, hence no layout conversion thro
 An odd element count reads/writes its last element separately (the ``ODD`` specialisation). 8-bit
 formats on both sides use plain ``[groups, group]`` tiles.
 
-Round half to even is the add-and-subtract of 1.5 * 2**23, exact for |t| < 2**22. ``1/s`` is one IEEE
-division (``div_rn``) per group. Stochastic rounding draws from Triton's Philox (``tl.rand``) at each
-element's index, so it is unbiased but not bit-identical to the torch reference.
+Element arithmetic. Round half to even uses 1.5 * 2**23 (exact for |t| < 2**22): int codes are the bit
+pattern of ``t + 1.5 * 2**23`` minus the constant's, so rounding, clamping and packing stay in integers.
+``1/s`` is one IEEE division (``div_rn``) per group. MX elements are encoded and decoded by direct bit
+construction (see :func:`_mx_codes`, :func:`_mx_decode`), not by searching the exponent. Stochastic rounding
+draws from Triton's Philox (``tl.rand``) at each element's index, so it is unbiased but not bit-identical to the
+torch reference.
 
 Non-finite input. The group statistics are NaN-propagating min/max (int zero-aware and naive) or an
 integer max over the magnitudes' bit patterns (symmetric and MX, where NaN/Inf patterns are the largest),
 so non-finite input shows in the statistics themselves at no per-element cost. A bad group gets the
-scale pattern bf16 NaN 0x7FC0 (or E8M0 255) and sets a one-word flag in device memory (only programs that
-see a bad group write it); the host wrapper reads that word once (one small copy and sync per call) and
-raises ``ValueError`` before anything is returned. MXFP6 has no kernel (the torch reference serves it).
-Rotation (``+hadamard``) is applied by the caller around these kernels.
+scale pattern bf16 NaN 0x7FC0 (or E8M0 255) and sets a flag word in device memory (only programs that
+see a bad group write it); a checked call reads that word once (a 4-byte copy and sync) and raises
+``ValueError`` before anything is returned. The word is persistent per (thread, device, stream) and zeroed only
+after it was found set, so a clean call neither allocates nor zeroes it. MXFP6 has no kernel (the torch reference
+serves it). Rotation (``+hadamard``) is applied by the caller around these kernels.
+
+Host side. Everything that depends only on (op, spec, n, dtypes, device, launch configuration) -- grid,
+constexpr arguments, output layout -- is cached in a launch plan; a plan's compiled kernel is launched directly
+after its first launch through Triton (see :meth:`_Plan.launch`); a payload's sections are views of one
+allocation. docs/quant.md ("Host path") has the measurements.
 
 Kernels use only Triton features available since 3.0 (keep_dims reductions, PropagateNan, rand,
-bitcast casts, pointer casts) and run under ``TRITON_INTERPRET=1`` on the CPU.
+bitcast casts, pointer casts) and run under ``TRITON_INTERPRET=1`` on the CPU; they are checked to compile for
+sm_90 with Triton 3.6 and with the installed Triton.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+import os
+import threading
+import warnings
 
 import torch
 import triton
@@ -51,6 +63,7 @@ from .intq import inv_steps, inv_sym, max_scale_bits16
 from .mx import element_params
 
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+_RNE_MAGIC_BITS = tl.constexpr(0x4B400000)  # its fp32 bit pattern
 _TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126
 _EXP_ALL_ONES = tl.constexpr(0x7F800000)  # |v| bit patterns >= this are Inf or NaN
 
@@ -135,12 +148,16 @@ def _store_pair(ptr, wptr, c, nw, a, b, ODD: tl.constexpr):
 
 @triton.jit
 def _mx_decode(code, X, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
-    ef = (code >> MBITS) & ((1 << EBITS) - 1)
-    m = code & ((1 << MBITS) - 1)
-    sub = m.to(tl.float32) * SUBSCALE
-    norm = (m + (1 << MBITS)).to(tl.float32) * _pow2(ef - BIAS - MBITS)
-    mag = tl.where(ef == 0, sub, norm)
-    val = tl.where(((code >> (EBITS + MBITS)) & 1) == 1, -mag, mag)
+    """fp32 value of MX element codes (sign | exponent field | mantissa) times the block scale 2**X.
+
+    Bit construction: a normal element's fp32 pattern is its magnitude bits shifted into place plus the exponent
+    rebias; a subnormal one (exponent field 0) is mantissa * 2**(emin - MBITS), exact in fp32; the sign bit moves to
+    bit 31. Then two exact power-of-two multiplies (X in [-127, 127] does not fit one fp32 power of two).
+    """
+    mag = code & ((1 << (EBITS + MBITS)) - 1)
+    norm = ((mag << (23 - MBITS)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    val = tl.where(mag < (1 << MBITS), mag.to(tl.float32) * SUBSCALE, norm)
+    val = (val.to(tl.int32, bitcast=True) | ((code >> (EBITS + MBITS)) << 31)).to(tl.float32, bitcast=True)
     a = X >> 1
     return (val * _pow2(a)) * _pow2(X - a)
 
@@ -208,11 +225,14 @@ def _dequant_flat(codes_ptr, scales_ptr, zp_ptr, mins_ptr, g, gmask, e, n,
 
 @triton.jit
 def _group_stats(va, vb, ea, eb, PAIRED: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr,
-                 INV_STEPS: tl.constexpr, INV_SYM: tl.constexpr, EMAX: tl.constexpr):
+                 INV_STEPS: tl.constexpr, INV_SYM: tl.constexpr, EMAX: tl.constexpr, MXCEIL: tl.constexpr,
+                 MAXMANT: tl.constexpr):
     """Per-group [GPP, 1] statistics of the tile (elements beyond n are 0, except for naive).
 
     Returns (p, lo, lb, bad): int -- p = unrounded scale, lo = zero-aware range low / naive bf16 min,
-    lb = naive min bits; MX -- p = X (shared exponent). ``bad``: the group holds NaN or ±Inf.
+    lb = naive min bits; MX -- p = X (shared exponent; ``MXCEIL``: one more when amax / 2**X would exceed the
+    element max, i.e. when amax's mantissa bits exceed ``MAXMANT``, those of the max, and X was not clamped at
+    -127 -- ``mx.shared_exponent(ceil=True)``). ``bad``: the group holds NaN or ±Inf.
     """
     if KIND == 1 or MODE == 1:
         m = tl.abs(va).to(tl.int32, bitcast=True)
@@ -221,7 +241,10 @@ def _group_stats(va, vb, ea, eb, PAIRED: tl.constexpr, KIND: tl.constexpr, MODE:
         m = tl.max(m, axis=1, keep_dims=True)
         bad = m >= _EXP_ALL_ONES
         if KIND == 1:
-            p = tl.minimum(tl.maximum(((m >> 23) & 0xFF) - 127 - EMAX, -127), 127)
+            x = ((m >> 23) & 0xFF) - 127 - EMAX
+            p = tl.minimum(tl.maximum(x, -127), 127)
+            if MXCEIL:
+                p = tl.minimum(p + ((x >= -127) & ((m & 0x7FFFFF) > MAXMANT)).to(tl.int32), 127 - EMAX)
         else:
             p = m.to(tl.float32, bitcast=True) * INV_SYM
         lo = p
@@ -257,47 +280,64 @@ def _group_stats(va, vb, ea, eb, PAIRED: tl.constexpr, KIND: tl.constexpr, MODE:
 
 
 @triton.jit
-def _int_codes(v, s, inv, z, lo, eidx, seed, MODE: tl.constexpr, STOCH: tl.constexpr, LEVELS: tl.constexpr,
+def _int_codes(v, inv, z, lo, eidx, seed, MODE: tl.constexpr, STOCH: tl.constexpr, LEVELS: tl.constexpr,
                HALF: tl.constexpr):
-    """fp32 codes q of an int tile (per-group s, 1/s, zero point z, naive min lo)."""
+    """int32 codes q of an int tile (per-group 1/s, int32 zero point z, naive min lo).
+
+    Round half to even as an integer: t + 1.5 * 2**23 lands in [2**23, 2**24), whose step is 1, so the sum's fp32
+    pattern minus the constant's is rne(t) (|t| <= L here), which saves the subtraction, the float-to-int
+    conversion and does the clamp in integers.
+    """
     if MODE == 2:
         t = (v - lo) * inv
     else:
         t = v * inv
     if STOCH:
-        r = tl.floor(t + tl.rand(seed, eidx.to(tl.int32)))
+        r = tl.floor(t + tl.rand(seed, eidx.to(tl.int32))).to(tl.int32)
     else:
-        r = _rne(t)
+        r = (t + _RNE_MAGIC).to(tl.int32, bitcast=True) - _RNE_MAGIC_BITS
     if MODE == 0:
-        q = tl.minimum(tl.maximum(r + z, 0.0), LEVELS * 1.0)
+        q = tl.minimum(tl.maximum(r + z, 0), LEVELS)
     elif MODE == 1:
-        q = tl.minimum(tl.maximum(r + HALF * 1.0, 1.0), LEVELS * 1.0)
+        q = tl.minimum(tl.maximum(r + HALF, 1), LEVELS)
     else:
-        q = tl.minimum(tl.maximum(r, 0.0), LEVELS * 1.0)
+        q = tl.minimum(tl.maximum(r, 0), LEVELS)
     return q
 
 
 @triton.jit
 def _int_deq(q, s, z, lo, MODE: tl.constexpr, HALF: tl.constexpr):
+    """fp32 values of int32 codes q, the reference's ``(q - z) * s`` / ``(q - half) * s`` / ``lo + q * s``."""
     if MODE == 0:
-        y = (q - z) * s
+        y = (q - z).to(tl.float32) * s
     elif MODE == 1:
-        y = (q - HALF * 1.0) * s
+        y = (q - HALF).to(tl.float32) * s
     else:
-        y = lo + q * s
+        y = lo + q.to(tl.float32) * s
     return y
 
 
 @triton.jit
-def _mx_codes(v, X, EBITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXCODE: tl.constexpr,
-              MAXVAL: tl.constexpr):
+def _mx_codes(v, X, EBITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXVAL: tl.constexpr):
+    """MX element codes (int32, sign bit included) of ``v / 2**X``, bit-exact with ``mx.encode_elements``.
+
+    Direct bit construction, no per-element exponent search: with a = min(|w|, max) and its fp32 pattern b,
+    - normal elements (a >= 2**emin): round half to even to MBITS mantissa bits in the integer domain,
+      ``(b + 2**(22 - MBITS) - 1 + lsb) >> (23 - MBITS)`` (a mantissa carry moves into the exponent by itself), then
+      rebias the exponent from fp32's 127 to the element's;
+    - subnormal elements: one fp32 addition of 2**(emin - MBITS + 23), whose rounding step is exactly the element's
+      subnormal step, leaves the code in the low bits of the sum.
+    Clamping a to the largest element value first means no code can exceed the largest code (the grid's top value
+    is a fixed point of the rounding). -0 and values that round to 0 get code 0 (no sign).
+    """
     w = v * _pow2(-X)
     a = tl.minimum(tl.abs(w), MAXVAL)
-    ee = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
-    nn = _rne(a * _pow2(MBITS - ee))
-    code = ((ee - EMIN) << MBITS) + nn.to(tl.int32)
-    code = tl.minimum(code, MAXCODE)
-    sign = (w < 0).to(tl.int32) << (EBITS + MBITS)
+    b = a.to(tl.int32, bitcast=True)
+    norm = ((b + ((1 << (22 - MBITS)) - 1) + ((b >> (23 - MBITS)) & 1)) >> (23 - MBITS)) - ((126 + EMIN) << MBITS)
+    magic = tl.full(a.shape, (EMIN - MBITS + 150) << 23, tl.int32).to(tl.float32, bitcast=True)
+    sub = (a + magic).to(tl.int32, bitcast=True) - ((EMIN - MBITS + 150) << 23)
+    code = tl.where(b < ((EMIN + 127) << 23), sub, norm)
+    sign = (w.to(tl.int32, bitcast=True) >> 31) & (1 << (EBITS + MBITS))
     return tl.where(code == 0, code, code | sign)
 
 
@@ -307,8 +347,8 @@ def _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, 
            KIND: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, STOCH: tl.constexpr,
            LEVELS: tl.constexpr, HALF: tl.constexpr, MAXB: tl.constexpr, EBITS: tl.constexpr,
            MBITS: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
-           MAXCODE: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr, INV_STEPS: tl.constexpr,
-           INV_SYM: tl.constexpr):
+           MAXMANT: tl.constexpr, MXCEIL: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr,
+           INV_STEPS: tl.constexpr, INV_SYM: tl.constexpr):
     """Quantize the tile (va[, vb]); store codes, group parameters and the non-finite flag.
 
     Paired: va/vb are elements 2c / 2c + 1. Flat: va holds elements c, vb is ignored.
@@ -320,7 +360,7 @@ def _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, 
     else:
         ea = c < n
         eb = ea
-    p, lo, lb, bad = _group_stats(va, vb, ea, eb, PAIRED, KIND, MODE, INV_STEPS, INV_SYM, EMAX)
+    p, lo, lb, bad = _group_stats(va, vb, ea, eb, PAIRED, KIND, MODE, INV_STEPS, INV_SYM, EMAX, MXCEIL, MAXMANT)
     if KIND == 0:
         s_raw = tl.maximum(p, _TINY)
         sb = (s_raw.to(tl.int32, bitcast=True) + 0xFFFF) & -65536
@@ -328,38 +368,36 @@ def _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, 
         sb16 = sb >> 16
         bad = bad | (sb16 > MAXB) | (s_raw != s_raw)
         inv = _div(tl.full(s.shape, 1.0, tl.float32), s)
-        z = s
+        z = sb
         if MODE == 0:
             if STOCH:
-                z = tl.minimum(tl.maximum(tl.ceil(-lo * inv), 0.0), LEVELS * 1.0)
+                zf = tl.minimum(tl.maximum(tl.ceil(-lo * inv), 0.0), LEVELS * 1.0)
             else:
-                z = tl.minimum(tl.maximum(_rne(-lo * inv), 0.0), LEVELS * 1.0)
-            tl.store(zp_ptr + g, z.to(tl.int32).to(tl.uint8), mask=gmask)
+                zf = tl.minimum(tl.maximum(_rne(-lo * inv), 0.0), LEVELS * 1.0)
+            z = zf.to(tl.int32)
+            tl.store(zp_ptr + g, z.to(tl.uint8), mask=gmask)
         elif MODE == 2:
             tl.store(mins_ptr + g, (lb >> 16).to(tl.int16), mask=gmask)
         tl.store(scales_ptr + g, tl.where(bad, 0x7FC0, sb16).to(tl.int16), mask=gmask)
         if PAIRED:
-            qa = _int_codes(va, s, inv, z, lo, 2 * c, seed, MODE, STOCH, LEVELS, HALF)
-            qb = _int_codes(vb, s, inv, z, lo, 2 * c + 1, seed, MODE, STOCH, LEVELS, HALF)
+            ca = _int_codes(va, inv, z, lo, 2 * c, seed, MODE, STOCH, LEVELS, HALF)
+            cb = _int_codes(vb, inv, z, lo, 2 * c + 1, seed, MODE, STOCH, LEVELS, HALF)
             if NEED_DEQ:
-                va = _int_deq(qa, s, z, lo, MODE, HALF)
-                vb = _int_deq(qb, s, z, lo, MODE, HALF)
-            ca = qa.to(tl.int32)
-            cb = qb.to(tl.int32)
+                va = _int_deq(ca, s, z, lo, MODE, HALF)
+                vb = _int_deq(cb, s, z, lo, MODE, HALF)
         else:
-            qa = _int_codes(va, s, inv, z, lo, c, seed, MODE, STOCH, LEVELS, HALF)
+            ca = _int_codes(va, inv, z, lo, c, seed, MODE, STOCH, LEVELS, HALF)
             if NEED_DEQ:
-                va = _int_deq(qa, s, z, lo, MODE, HALF)
-            ca = qa.to(tl.int32)
+                va = _int_deq(ca, s, z, lo, MODE, HALF)
             cb = ca
     else:
         X = p
         tl.store(scales_ptr + g, tl.where(bad, 255, X + 127).to(tl.uint8), mask=gmask)
-        ca = _mx_codes(va, X, EBITS, MBITS, EMIN, MAXCODE, MAXVAL)
+        ca = _mx_codes(va, X, EBITS, MBITS, EMIN, MAXVAL)
         if NEED_DEQ:
             va = _mx_decode(ca, X, EBITS, MBITS, BIAS, SUBSCALE)
         if PAIRED:
-            cb = _mx_codes(vb, X, EBITS, MBITS, EMIN, MAXCODE, MAXVAL)
+            cb = _mx_codes(vb, X, EBITS, MBITS, EMIN, MAXVAL)
             if NEED_DEQ:
                 vb = _mx_decode(cb, X, EBITS, MBITS, BIAS, SUBSCALE)
         else:
@@ -390,8 +428,8 @@ def _quantize_kernel(x_ptr, xw_ptr, res_ptr, resw_ptr, res_out_ptr, res_outw_ptr
                      I64: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, KIND: tl.constexpr,
                      BITS: tl.constexpr, MODE: tl.constexpr, STOCH: tl.constexpr, LEVELS: tl.constexpr,
                      HALF: tl.constexpr, MAXB: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
-                     BIAS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXCODE: tl.constexpr,
-                     MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr, INV_STEPS: tl.constexpr,
+                     BIAS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXMANT: tl.constexpr,
+                     MXCEIL: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr, INV_STEPS: tl.constexpr,
                      INV_SYM: tl.constexpr):
     if PAIRED:
         g, c = _tile(GPP, GROUP // 2, I64)
@@ -409,7 +447,7 @@ def _quantize_kernel(x_ptr, xw_ptr, res_ptr, resw_ptr, res_out_ptr, res_outw_ptr
     gmask = g * GROUP < n
     da, db = _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr,
                     PAIRED, ODD, HAS_RES, KIND, BITS, MODE, STOCH, LEVELS, HALF, MAXB, EBITS, MBITS, BIAS,
-                    EMIN, EMAX, MAXCODE, MAXVAL, SUBSCALE, INV_STEPS, INV_SYM)
+                    EMIN, EMAX, MAXMANT, MXCEIL, MAXVAL, SUBSCALE, INV_STEPS, INV_SYM)
     if HAS_RES:
         if PAIRED:
             _store_pair(res_out_ptr, res_outw_ptr, c, nw, va - da, vb - db, ODD)
@@ -478,7 +516,7 @@ def _requantize_kernel(acc_ptr, accw_ptr, n, nw, nb, seed, codes_ptr, scales_ptr
                        KIND: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, STOCH: tl.constexpr,
                        LEVELS: tl.constexpr, HALF: tl.constexpr, MAXB: tl.constexpr, EBITS: tl.constexpr,
                        MBITS: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
-                       MAXCODE: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr,
+                       MAXMANT: tl.constexpr, MXCEIL: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr,
                        INV_STEPS: tl.constexpr, INV_SYM: tl.constexpr):
     if PAIRED:
         g, c = _tile(GPP, GROUP // 2, I64)
@@ -528,7 +566,7 @@ def _requantize_kernel(acc_ptr, accw_ptr, n, nw, nb, seed, codes_ptr, scales_ptr
         vb = va
     _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr,
            PAIRED, ODD, False, KIND, BITS, MODE, STOCH, LEVELS, HALF, MAXB, EBITS, MBITS, BIAS,
-           EMIN, EMAX, MAXCODE, MAXVAL, SUBSCALE, INV_STEPS, INV_SYM)
+           EMIN, EMAX, MAXMANT, MXCEIL, MAXVAL, SUBSCALE, INV_STEPS, INV_SYM)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -554,19 +592,141 @@ _XW = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _NON_FINITE = ("cannot quantize: input holds non-finite values (NaN or ±Inf) or a group range that would "
                "overflow; refusing to produce a poisoned payload")
 
+# Direct launches of compiled kernels (see _Plan.launch). Triton >= 3.3 exposes the pieces (knobs, CompiledKernel's
+# launcher); anything else, the interpreter, or NOLOCO_TRITON_DIRECT_LAUNCH=0 keeps Triton's own launcher.
+try:  # pragma: no cover - depends on the installed Triton
+    from triton import knobs as _knobs
+    from triton.compiler import CompiledKernel as _CompiledKernel
 
-def _gpp(group: int, kernel: str) -> int:
-    """Groups per program; ``kernel`` is a CONFIG key."""
-    return max(1, CONFIG[kernel][0] // group)
+    _DIRECT = os.environ.get("NOLOCO_TRITON_DIRECT_LAUNCH", "1") != "0"
+except Exception:  # pragma: no cover
+    _knobs, _CompiledKernel, _DIRECT = None, None, False
+try:
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # what Triton itself passes as the launch stream
+except AttributeError:  # pragma: no cover - CPU-only torch builds
+    _raw_stream = None
 
 
-def _grid(n: int, group: int, kernel: str) -> tuple[int]:
-    return (math.ceil(math.ceil(n / group) / _gpp(group, kernel)),)
+def _hooks_idle() -> bool:
+    """No Triton launch hook (profilers such as proton) is installed; those need Triton's own launcher."""
+    rt = _knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
 
 
-def _shape_consts(n: int, group: int, paired: bool, kernel: str) -> dict:
-    gpp = _gpp(group, kernel)
-    return dict(PAIRED=paired, ODD=paired and n % 2 == 1, I64=n + gpp * group >= 2**31, GROUP=group, GPP=gpp)
+class _Plan:
+    """Everything about one launch that depends only on (op, spec(s), n, dtypes, flags, device, CONFIG entry).
+
+    Built once per key and cached (:func:`_plan`), so a call does no spec parsing, layout or grid arithmetic.
+
+    Attributes:
+        kernel: the ``@triton.jit`` kernel.
+        grid: the launch grid, ``(programs,)``.
+        consts: the kernel's constexpr arguments, in signature order (they follow the runtime arguments).
+        n_runtime: number of runtime (non-constexpr) arguments.
+        num_warps: warps per program.
+        paired: the tile pairs elements (a 4-bit side).
+        sizes: byte sizes for ``torch.split_with_sizes`` of the one output allocation: each section padded to a
+            multiple of 16 bytes, so every section starts 16-byte aligned (what Triton's vectorised accesses need).
+        sections: ``(name, dtype, index into the split)`` of each payload section, in wire order.
+        total: bytes of the output allocation.
+        compiled: specialization signature -> the CompiledKernel Triton returned for a launch of this plan with
+            that signature (see :meth:`launch`).
+    """
+
+    __slots__ = ("kernel", "grid", "consts", "n_runtime", "num_warps", "paired", "sizes", "sections", "total",
+                 "compiled")
+
+    def __init__(self, kernel, n: int, group: int, cfg: tuple[int, int], paired: bool, consts: dict,
+                 out_spec: QuantSpec | None) -> None:
+        gpp = max(1, cfg[0] // group)
+        self.kernel = kernel
+        groups = (n + group - 1) // group
+        self.grid = ((groups + gpp - 1) // gpp,)
+        consts = dict(consts, PAIRED=paired, ODD=paired and n % 2 == 1, I64=n + gpp * group >= 2**31, GROUP=group,
+                      GPP=gpp)
+        names = kernel.arg_names[len(kernel.arg_names) - len(consts):]
+        if set(names) != set(consts):  # a signature/host mismatch must fail loudly, not launch garbage
+            raise RuntimeError(f"{kernel.__name__}: constexprs {sorted(consts)} do not match {names}")
+        self.consts = tuple(consts[k] for k in names)
+        self.n_runtime = len(kernel.arg_names) - len(names)
+        self.num_warps = cfg[1]
+        self.paired = paired
+        self.sizes: list[int] = []
+        self.sections: list[tuple[str, torch.dtype, int]] = []
+        if out_spec is not None:
+            for name, dt, count in out_spec.layout(n):
+                nbytes = count * (2 if dt == torch.int16 else 1)
+                self.sections.append((name, dt, len(self.sizes)))
+                self.sizes.append(nbytes)
+                if nbytes % 16:
+                    self.sizes.append(16 - nbytes % 16)
+        self.total = sum(self.sizes)
+        self.compiled: dict[tuple, object] = {}
+
+    def alloc(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The payload sections: views of one fresh ``torch.empty`` allocation (one allocator call per call)."""
+        parts = torch.empty(self.total, dtype=torch.uint8, device=device).split_with_sizes(self.sizes)
+        return {name: parts[i] if dt == torch.uint8 else parts[i].view(dt) for name, dt, i in self.sections}
+
+    def launch(self, args: tuple, sig: tuple, device: torch.device) -> None:
+        """Launch with the runtime arguments ``args`` (the constexprs are appended).
+
+        Triton specializes a compiled kernel on each tensor argument's dtype and 16-byte alignment and on each
+        int argument's range, ``== 1`` and ``% 16 == 0``; the plan's key fixes the dtypes and every int except the
+        stochastic seed, and ``sig = (all pointers 16-byte aligned, seed == 1, seed % 16 == 0)`` covers the rest.
+        The first launch goes through Triton's launcher (``kernel[grid](...)``: binding, specialization, cache
+        lookup, compilation on a miss), which returns the CompiledKernel; later launches with the same ``sig``
+        call that kernel's launcher directly, exactly as ``JITFunction.run`` does after its cache lookup, which
+        skips ~20 us of Python per call. Launch hooks or a misaligned view take Triton's path. Should a Triton
+        version's launcher not accept the call (TypeError), direct launches are switched off for the process.
+        """
+        global _DIRECT
+        ck = self.compiled.get(sig)
+        if ck is not None and _hooks_idle():
+            try:
+                ck.run(self.grid[0], 1, 1, _raw_stream(device.index), ck.function, ck.packed_metadata, None, None,
+                       None, *args, *self.consts)
+                return
+            except TypeError as err:  # pragma: no cover - a Triton whose launcher takes other arguments
+                _DIRECT = False
+                clear_plans()
+                warnings.warn(f"noloco.quant: direct Triton launches switched off ({err})", RuntimeWarning,
+                              stacklevel=2)
+        if len(args) != self.n_runtime:
+            raise RuntimeError(f"{self.kernel.__name__} takes {self.n_runtime} runtime arguments, got {len(args)}")
+        ret = self.kernel[self.grid](*args, *self.consts, num_warps=self.num_warps, enable_fp_fusion=False)
+        if _DIRECT and sig[0] and isinstance(ret, _CompiledKernel):  # None under the interpreter
+            self.compiled[sig] = ret
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096  # distinct (op, spec, n, ...) keys; a training run uses a handful of tensor sizes
+
+
+def _plan(key: tuple, build) -> _Plan:
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = build()
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan (and the compiled kernels they hold); the next calls rebuild them."""
+    _PLANS.clear()
+
+
+def _run(plan: _Plan, args: tuple, sig: tuple, device: torch.device) -> None:
+    """Launch ``plan`` on ``device`` (made the current CUDA device for the launch if it is not already)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            plan.launch(args, sig, device)
+    else:
+        plan.launch(args, sig, device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -584,11 +744,12 @@ def _encode_consts(spec: QuantSpec) -> dict:
     c = dict(_decode_consts(spec))
     if spec.kind == "mx":
         p = element_params(spec.name)
-        c.update(STOCH=False, LEVELS=0, MAXB=0, EMIN=p["emin"], EMAX=p["emax"], MAXCODE=p["max_code"],
-                 MAXVAL=p["max_value"], INV_STEPS=1.0, INV_SYM=1.0)
+        maxmant = int(torch.tensor(p["max_value"], dtype=torch.float32).view(torch.int32)) & 0x7FFFFF
+        c.update(STOCH=False, LEVELS=0, MAXB=0, EMIN=p["emin"], EMAX=p["emax"], MAXMANT=maxmant,
+                 MXCEIL=spec.mx_scale == "ceil", MAXVAL=p["max_value"], INV_STEPS=1.0, INV_SYM=1.0)
     else:
         c.update(STOCH=spec.stochastic, LEVELS=spec.levels, MAXB=max_scale_bits16(spec.levels), EMIN=0,
-                 EMAX=0, MAXCODE=0, MAXVAL=0.0, INV_STEPS=inv_steps(spec), INV_SYM=inv_sym(spec))
+                 EMAX=0, MAXMANT=0, MXCEIL=False, MAXVAL=0.0, INV_STEPS=inv_steps(spec), INV_SYM=inv_sym(spec))
     return c
 
 
@@ -597,14 +758,42 @@ def _input_consts(spec: QuantSpec) -> dict:
     return {"I" + k: v for k, v in _decode_consts(spec).items()}
 
 
-def _alloc_sections(spec: QuantSpec, n: int, device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: torch.empty(count, dtype=dt, device=device) for name, dt, count in spec.layout(n)}
+# ---------------------------------------------------------------------------------- non-finite flag words
+# One zeroed int32 word per (thread, device, stream), kept for the life of the thread: a kernel that sees a
+# non-finite group writes 1 into it, a checked call reads it once after its launch (one 4-byte copy and sync) and
+# zeroes it again only when it was set, so a clean call allocates nothing and launches no zeroing kernel. Calls on
+# one stream are ordered and each checked call reads before returning, so a flag set by one call cannot leak
+# into another; other threads and streams have their own word. Unchecked calls write into a per-device scratch
+# word that is never read (their bad groups are still marked in the payload itself).
+
+_TLS = threading.local()
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
 
 
-def _ptrs(sections: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """codes, scales, zero_points, mins -- absent ones replaced by the codes tensor (never read)."""
-    c = sections["codes"]
-    return [c, sections.get("scales", c), sections.get("zero_points", c), sections.get("mins", c)]
+def _flag(device: torch.device, check: bool) -> torch.Tensor:
+    if not check:
+        word = _SCRATCH.get(device)
+        if word is None:
+            word = _SCRATCH[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return word
+    words = getattr(_TLS, "words", None)
+    if words is None:
+        words = _TLS.words = {}
+    key = (device, _raw_stream(device.index) if device.type == "cuda" else 0)
+    word = words.get(key)
+    if word is None:
+        word = words[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return word
+
+
+def _raise_if_flagged(flag: torch.Tensor) -> None:
+    """Read the flag word (the one device sync of a checked call) and raise if the kernel set it."""
+    if flag.item():
+        flag.zero_()
+        raise ValueError(_NON_FINITE)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
 
 
 def _seed(spec: QuantSpec, generator: torch.Generator | None) -> int:
@@ -621,17 +810,23 @@ def _word_aligned(t: torch.Tensor) -> torch.Tensor:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The whole element pairs of flat, word-aligned ``t`` viewed as int64 (fp32) or int32 (16-bit) words."""
-    n = t.numel() - t.numel() % 2
-    return t[:n].view(torch.int64 if t.element_size() == 4 else torch.int32)
+    wt = torch.int64 if t.element_size() == 4 else torch.int32
+    n = t.numel()
+    return t.view(wt) if n % 2 == 0 else t[: n - 1].view(wt)
 
 
-def _raise_if_flagged(flag: torch.Tensor) -> None:
-    if int(flag.item()):  # the one device sync of a quantize call
-        raise ValueError(_NON_FINITE)
+def _sig(ptr_bits: int, seed: int) -> tuple[bool, bool, bool]:
+    """Specialization signature of a launch (see :meth:`_Plan.launch`); ``ptr_bits``: OR of the caller-supplied
+    tensors' addresses (the outputs and flag words are 16-byte aligned by construction)."""
+    return (ptr_bits & 15 == 0, seed == 1, seed % 16 == 0)
+
+
+# ------------------------------------------------------------------------------------------------------ ops
 
 
 def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
-             residual: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+             residual: torch.Tensor | None = None, check: bool = True
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """Quantize flat ``v`` (fp32/bf16/fp16, contiguous) with the fused kernel.
 
     Args:
@@ -639,84 +834,132 @@ def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
         spec: an int or MXFP4/MXFP8 spec (rotation already applied by the caller).
         generator: seeds stochastic rounding.
         residual: optional (n,) fp32 error-feedback residual e; then v + e is quantized.
+        check: read the non-finite flag and raise (one 4-byte device read and sync). False: no host read; bad
+            groups are still marked in the payload (bf16 NaN scale / E8M0 255), which every decoder rejects.
 
     Returns:
-        (sections, new_residual): payload sections as in ``QuantSpec.layout``; the new residual
-        ``v + e - deq(Q(v + e))`` as a fresh fp32 tensor (the input residual is not modified), or None.
+        (sections, new_residual): payload sections as in ``QuantSpec.layout`` (views of one allocation); the new
+        residual ``v + e - deq(Q(v + e))`` as a fresh fp32 tensor (the input residual is not modified), or None.
 
     Raises:
-        ValueError: non-finite input (flagged by the kernel; reading the flag costs one device sync).
+        ValueError: non-finite input (``check`` only).
     """
     n = v.numel()
-    sections = _alloc_sections(spec, n, v.device)
-    res_out = torch.empty(n, dtype=torch.float32, device=v.device) if residual is not None else None
+    dev = v.device
+    has_res = residual is not None
+    paired = spec.bits == 4
+    cfg_key = ("quantize_ef/" if has_res else "quantize/") + ("paired" if paired else "flat")
+    cfg = CONFIG[cfg_key]
+    plan = _plan(("q", spec, n, v.dtype, has_res, dev, cfg), lambda: _Plan(
+        _quantize_kernel, n, spec.group, cfg, paired, dict(_encode_consts(spec), HAS_RES=has_res, XW=_XW[v.dtype]),
+        spec))
+    sections = plan.alloc(dev)
+    res_out = torch.empty(n, dtype=torch.float32, device=dev) if has_res else None
     if n:
-        paired = spec.bits == 4
+        flag = _flag(dev, check)
+        codes = sections["codes"]
+        scales = sections["scales"]
+        seed = _seed(spec, generator)
         if paired:
             v = _word_aligned(v)
-            residual = None if residual is None else _word_aligned(residual)
-        flag = torch.zeros(1, dtype=torch.int32, device=v.device)
-        codes, scales, zps, mins = _ptrs(sections)
-        res = residual if residual is not None else v
-        rout = res_out if res_out is not None else v
-        wv = _words if paired else (lambda t: t)
-        kernel = ("quantize/" if residual is None else "quantize_ef/") + ("paired" if paired else "flat")
-        _quantize_kernel[_grid(n, spec.group, kernel)](
-            v, wv(v), res, wv(res), rout, wv(rout),
-            codes, scales, zps, mins, flag, n, n // 2, (n + 1) // 2, _seed(spec, generator),
-            HAS_RES=residual is not None, XW=_XW[v.dtype], **_shape_consts(n, spec.group, paired, kernel),
-            **_encode_consts(spec), num_warps=CONFIG[kernel][1], enable_fp_fusion=False,
-        )
-        _raise_if_flagged(flag)
+            vw = _words(v)
+            if has_res:
+                residual = _word_aligned(residual)
+                res, resw, rout, routw = residual, _words(residual), res_out, _words(res_out)
+                bits = v.data_ptr() | residual.data_ptr()
+            else:
+                res, resw, rout, routw = v, vw, v, vw
+                bits = v.data_ptr()
+        else:
+            vw = v
+            if has_res:
+                res = resw = residual
+                rout = routw = res_out
+                bits = v.data_ptr() | residual.data_ptr()
+            else:
+                res = resw = rout = routw = v
+                bits = v.data_ptr()
+        _run(plan, (v, vw, res, resw, rout, routw, codes, scales, sections.get("zero_points", codes),
+                    sections.get("mins", codes), flag, n, n // 2, (n + 1) // 2, seed), _sig(bits, seed), dev)
+        if check:
+            _raise_if_flagged(flag)
     return sections, res_out
 
 
-def _input_ptrs(inputs: list[Packed]) -> list[torch.Tensor]:
-    ptrs: list[torch.Tensor] = []
+def _input_args(inputs: list[Packed]) -> tuple[list[torch.Tensor], int]:
+    """(codes, scales, zero points, mins) of each input -- an absent section is replaced by the codes tensor
+    (never read) -- padded to 4 inputs by repeating the first; and the OR of their addresses."""
+    args: list[torch.Tensor] = []
+    bits = 0
     for p in inputs:
-        ptrs += _ptrs({k: v for k, v in zip(("codes", "scales", "zero_points", "mins"),
-                                            (p.codes, p.scales, p.zero_points, p.mins)) if v is not None})
-    ptrs += ptrs[:4] * (4 - len(inputs))
-    return ptrs
+        c, s, z, m = p.codes, p.scales, p.zero_points, p.mins
+        s = c if s is None else s
+        z = c if z is None else z
+        m = c if m is None else m
+        args += (c, s, z, m)
+        bits |= c.data_ptr() | s.data_ptr() | z.data_ptr() | m.data_ptr()
+    if len(inputs) < 4:
+        args += args[:4] * (4 - len(inputs))
+    return args, bits
 
 
 def dequantize_accumulate(out: torch.Tensor, inputs: list[Packed], accumulate: bool) -> torch.Tensor:
     """out (flat fp32, contiguous) = [out +] deq(inputs[0]) + ... ; inputs share one spec, 1..4 of them."""
     spec, n = inputs[0].spec, out.numel()
     if n:
+        dev = out.device
         paired = spec.bits == 4
+        cfg = CONFIG["dequantize/paired" if paired else "dequantize/flat"]
+        k = len(inputs)
+        plan = _plan(("d", spec, n, k, accumulate, dev, cfg), lambda: _Plan(
+            _dequantize_kernel, n, spec.group, cfg, paired, dict(_decode_consts(spec), K=k, ACCUM=accumulate),
+            None))
         dst = _word_aligned(out) if paired else out
-        kernel = "dequantize/" + ("paired" if paired else "flat")
-        _dequantize_kernel[_grid(n, spec.group, kernel)](
-            dst, _words(dst) if paired else dst, n, n // 2, (n + 1) // 2, *_input_ptrs(inputs), K=len(inputs),
-            ACCUM=accumulate, **_shape_consts(n, spec.group, paired, kernel), **_decode_consts(spec),
-            num_warps=CONFIG[kernel][1], enable_fp_fusion=False)
+        args, bits = _input_args(inputs)
+        _run(plan, (dst, _words(dst) if paired else dst, n, n // 2, (n + 1) // 2, *args),
+             _sig(bits | dst.data_ptr(), 0), dev)
         if dst is not out:
             out.copy_(dst)
     return out
 
 
 def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: list[Packed], n: int, spec: QuantSpec,
-                                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Sections of Q(acc + deq(inputs[0]) + ...); inputs share one spec whose group equals ``spec``'s."""
-    device = inputs[0].codes.device
-    sections = _alloc_sections(spec, n, device)
+                                     generator: torch.Generator | None = None, check: bool = True
+                                     ) -> dict[str, torch.Tensor]:
+    """Sections of Q(acc + deq(inputs[0]) + ...); inputs share one spec whose group equals ``spec``'s.
+
+    ``check`` as in :func:`quantize`.
+    """
+    dev = inputs[0].codes.device
+    in_spec = inputs[0].spec
+    paired = spec.bits == 4 or in_spec.bits == 4
+    cfg = CONFIG["requantize/paired" if paired else "requantize/flat"]
+    k = len(inputs)
+    has_acc = acc is not None
+
+    def build() -> _Plan:
+        gpp = max(1, cfg[0] // spec.group)
+        return _Plan(_requantize_kernel, n, spec.group, cfg, paired,
+                     dict(_input_consts(in_spec), **_encode_consts(spec), K=k, HAS_ACC=has_acc,
+                          EVEN=n % (gpp * spec.group) == 0), spec)
+
+    plan = _plan(("r", in_spec, spec, n, k, has_acc, dev, cfg), build)
+    sections = plan.alloc(dev)
     if n:
-        paired = spec.bits == 4 or inputs[0].spec.bits == 4
-        if paired and acc is not None:
-            acc = _word_aligned(acc)
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        icon = _input_consts(inputs[0].spec)
-        codes, scales, zps, mins = _ptrs(sections)
-        kernel = "requantize/" + ("paired" if paired else "flat")
-        gpp = _gpp(spec.group, kernel)
-        a = acc if acc is not None else codes
-        _requantize_kernel[_grid(n, spec.group, kernel)](
-            a, _words(a) if paired and acc is not None else a, n, n // 2, (n + 1) // 2, _seed(spec, generator),
-            codes, scales, zps, mins, flag,
-            *_input_ptrs(inputs), K=len(inputs), HAS_ACC=acc is not None, EVEN=n % (gpp * spec.group) == 0,
-            **_shape_consts(n, spec.group, paired, kernel), **icon, **_encode_consts(spec),
-            num_warps=CONFIG[kernel][1], enable_fp_fusion=False,
-        )
-        _raise_if_flagged(flag)
+        flag = _flag(dev, check)
+        codes = sections["codes"]
+        args, bits = _input_args(inputs)
+        if has_acc:
+            if paired:
+                acc = _word_aligned(acc)
+            a, aw = acc, (_words(acc) if paired else acc)
+            bits |= acc.data_ptr()
+        else:
+            a = aw = codes
+        seed = _seed(spec, generator)
+        _run(plan, (a, aw, n, n // 2, (n + 1) // 2, seed, codes, sections["scales"],
+                    sections.get("zero_points", codes), sections.get("mins", codes), flag, *args),
+             _sig(bits, seed), dev)
+        if check:
+            _raise_if_flagged(flag)
     return sections

@@ -74,3 +74,42 @@ def test_mx_saturates_rather_than_overflowing():
     x = torch.tensor([1.0] * 31 + [1.99])  # amax < 2 -> X = -8, 1.99 * 256 > 448 saturates
     y = dequantize(quantize(x, "mxfp8"))
     assert y[-1].item() == 448.0 / 256
+
+
+# ----------------------------------------------------------------------------- ceil (non-clipping) block scale
+
+
+def test_ceil_scale_spec_round_trips_and_floor_is_the_default():
+    from noloco.quant import QuantSpec
+
+    assert str(QuantSpec.parse("mxfp4:ceil+hadamard")) == "mxfp4:ceil+hadamard"
+    assert QuantSpec.parse("mxfp8:floor") == QuantSpec.parse("mxfp8")
+    assert QuantSpec.parse("mxfp8").mx_scale == "floor"
+    with pytest.raises(ValueError):
+        QuantSpec.parse("mxfp4:g64")
+
+
+def test_ceil_scale_keeps_the_block_max_that_the_ocp_floor_scale_clips():
+    x = torch.zeros(32)
+    x[0] = 7.5  # floor: X = 0, 7.5 saturates to 6; ceil: X = 1, 7.5 / 2 = 3.75 -> 4 -> 8
+    assert dequantize(quantize(x, "mxfp4"))[0].item() == 6.0
+    p = quantize(x, "mxfp4:ceil")
+    assert p.scales.tolist() == [128] and dequantize(p)[0].item() == 8.0
+    y = torch.tensor([1.0] * 31 + [1.99])  # E4M3: floor gives 448 / 256 = 1.75, ceil 256 / 128 = 2.0
+    assert dequantize(quantize(y, "mxfp8:ceil"))[-1].item() == 2.0
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp6", "mxfp8"])
+def test_ceil_scale_never_saturates_and_only_differs_where_floor_would_clip(name):
+    from noloco.quant import Packed
+
+    p_ = element_params(name)
+    x = awkward("student", 32 * 300, seed=5)
+    floor, ceil = quantize(x, name), quantize(x, f"{name}:ceil")
+    amax = x.view(-1, 32).abs().amax(1)
+    Xf, Xc = floor.scales.long() - 127, ceil.scales.long() - 127
+    clips = amax / 2.0 ** Xf.double() > p_["max_value"]
+    assert torch.equal(Xc, Xf + clips.long())
+    assert (amax / 2.0 ** Xc.double() <= p_["max_value"]).all()
+    q = Packed.from_bytes(ceil.to_bytes())
+    assert str(q.spec) == f"{name}:ceil" and torch.equal(dequantize(q), dequantize(ceil))

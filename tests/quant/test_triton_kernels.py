@@ -68,7 +68,8 @@ def test_triton_stochastic_rounding_is_unbiased_and_seedable():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["int4", "int8", "int4:sym", "int4:naive", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("spec", ["int4", "int8", "int4:sym", "int4:naive", "mxfp4", "mxfp8", "mxfp4:ceil",
+                                  "mxfp8:ceil"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_kernels_match_reference_bit_for_bit_on_large_tensors(spec, dtype):
     x = awkward("student", (1 << 22) + 77, seed=0).to(dtype).cuda()

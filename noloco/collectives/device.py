@@ -1,0 +1,577 @@
+"""Two-phase quantized all-reduce whose payloads never leave the device (DESIGN §3.4, §3.5).
+
+:func:`allreduce_device` is the two-phase reduction of :mod:`noloco.collectives.two_phase` (the Echo
+scheme: reduce-scatter to owners, one encoding of each reduced segment, all-gather of those codes),
+but the encoded segments travel as tensors through torch.distributed collectives on the process
+group's own device instead of as bytes through a :class:`~noloco.comm.base.Transport`. On GPUs with
+NCCL nothing is staged through host memory: ``x`` is quantized where it lives, the packed sections go
+over NVLink/InfiniBand by ``all_to_all_single`` and ``all_gather_into_tensor``, and the owner's
+decode-accumulate-requantize is one fused :mod:`noloco.quant` kernel. Over gloo the same code runs on
+CPU tensors (a CUDA tensor is staged through the CPU), which is how CI tests it.
+
+It is meant for *trusted, intra-worker* groups (the GPUs of one worker, DDP's gradient buckets):
+
+- a message is the payload sections of one :class:`~noloco.quant.Packed` (``codes``, ``scales``,
+  ``zero_points``/``mins``) concatenated, each 16-byte aligned, in one uint8 tensor per peer. There is
+  no wire header and no checksum (``Packed.to_bytes``): sizes are a pure function of the segment length
+  and the spec, so every receiver preallocates exactly what it receives.
+- instead of per-message headers, one small all-gather at the start of every call compares numel,
+  dtype, op, codec and group size across members, together with whether each member could encode its
+  input (NaN/Inf make quantization fail). Members that disagree, or a member that cannot encode, make
+  *every* member raise (:class:`~noloco.collectives.codec.PayloadMismatch` /
+  :class:`~noloco.collectives.protocol.RemoteFailure`) before any payload moves, so nobody hangs.
+  With the all-gather of the reduced segments goes a 16-byte status per member (a second, tiny
+  all-gather) for the same purpose: an owner whose reduced segment cannot be encoded (e.g. NaN in its
+  own unencoded segment).
+- a member that dies mid-call is handled by the process group's own timeout (NCCL watchdog), not here.
+
+Results are the same as the bytes path (``allreduce(..., algorithm="two_phase")``) on the same inputs,
+codec and threshold: same segments, same fp32 sums in member order, same error feedback, so every
+member returns bit-identical values, equal to the bytes path's. One shortcut keeps that equality: for
+an integer codec without result error feedback, with ``op="sum"`` or a power-of-two group, the owner
+encodes the *sum* with the fused kernel and then divides the bf16 scales (and naive-mode minima) by
+``n``. Division by a power of two commutes with every step of the int quantizer (range, bf16 rounding
+of the scale, ``1/s``, rounding of ``x/s``, zero point), so these codes decode to the values the bytes
+path gets by encoding ``sum / n``. The exception is a group whose range is below about 2**-117 (1e-35),
+where the scale's lower clamp 2**-126 binds: its scale differs, which changes nothing for an all-zero
+group (both decode to zeros). It saves a division pass and lets the fused kernel encode the sum. In
+every other case (MX and float codecs, groups of 3, 5, ..., result error feedback) the owner divides,
+then encodes, as the bytes path does.
+
+Bytes sent per member per call: ``2 (n-1)/n`` times the packed size of the vector, plus at most 15
+bytes of alignment per section and a 16-byte status per all-gathered segment (:func:`wire_bytes`); counted
+into ``counter`` if given. Each call also all-gathers 56 bytes per member for the check and reads
+back n status bytes (two small host synchronisations), and the quantize kernels read one flag each
+(their NaN/Inf check).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from noloco.collectives.codec import Fp32Codec, PayloadMismatch, QuantCodec, get_codec
+from noloco.collectives.feedback import ReductionErrorFeedback
+from noloco.collectives.protocol import DTYPE_CODES, OP_CODES, RemoteFailure, crc
+from noloco.collectives.two_phase import segment_bounds
+from noloco.comm.base import ByteCounter
+from noloco.quant import (
+    ErrorFeedback,
+    Packed,
+    QuantSpec,
+    dequantize,
+    dequantize_accumulate,
+    dequantize_accumulate_requantize,
+    quantize,
+)
+from noloco.quant import ops as quant_ops
+
+__all__ = ["allreduce_device", "wire_bytes", "message_layout", "message_view", "encode_segment", "reduce_segment",
+           "decode_segment", "pack_into", "unpack"]
+
+#: every payload section starts at a multiple of this many bytes (Triton's pointer-divisibility unit)
+ALIGN = 16
+#: bytes each owner all-gathers with its reduced segment: byte 0 is 0 when it encoded it, 1 otherwise
+STATUS_BYTES = 16
+FP32 = QuantSpec.parse("fp32")
+_META_MAGIC = 0x4E4C4456  # "NLDV": this all-gather is allreduce_device's call check
+_META_FIELDS = ("magic", "numel", "dtype", "op", "codec", "group size")
+_DTYPE_NAMES = {code: str(dtype).replace("torch.", "") for dtype, code in DTYPE_CODES.items()}
+_OP_NAMES = {code: name for name, code in OP_CODES.items()}
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@functools.lru_cache(maxsize=1024)
+def message_layout(spec: QuantSpec, numel: int) -> tuple[tuple[tuple[str, torch.dtype, int, int], ...], int]:
+    """Where the payload sections of ``numel`` values in ``spec`` sit in one message.
+
+    Returns ``(sections, nbytes)``: ``sections`` is ``((name, dtype, count, byte offset), ...)`` in
+    :meth:`QuantSpec.layout` order, each offset a multiple of :data:`ALIGN`; ``nbytes`` is the message
+    size (a multiple of :data:`ALIGN`; 0 for 0 values). A pure function of ``(spec, numel)``, which is
+    what lets a receiver preallocate every message without a header.
+    """
+    sections, offset = [], 0
+    for name, dtype, count in spec.layout(numel):
+        sections.append((name, dtype, count, offset))
+        offset += _aligned(count * torch.empty(0, dtype=dtype).element_size())
+    return tuple(sections), offset
+
+
+def wire_bytes(numel: int, world: int, codec: str | QuantSpec = "int4") -> int:
+    """Bytes one member sends in one :func:`allreduce_device` call (payload, alignment and status bytes).
+
+    Phase 1 sends each non-owned segment to its owner; phase 2 sends this member's all-gather slot
+    (sized for the largest segment) and its 16-byte status to the ``world - 1`` others. The 56-byte call
+    check is not counted.
+    The member that owns segment 0 (the largest) sends the least; this returns member 0's count.
+    """
+    spec = codec if isinstance(codec, QuantSpec) else _wire_spec(get_codec(codec))
+    bounds = segment_bounds(numel, world)
+    if world == 1:
+        return 0
+    reduce_scatter = sum(message_layout(spec, end - start)[1] for start, end in bounds[1:])
+    gather_slot = STATUS_BYTES + message_layout(spec, bounds[0][1] - bounds[0][0])[1]
+    return reduce_scatter + (world - 1) * gather_slot
+
+
+def pack_into(buf: torch.Tensor, packed: Packed) -> None:
+    """Copy ``packed``'s sections into ``buf`` (uint8, at least the message size) at their offsets."""
+    sections, nbytes = message_layout(packed.spec, packed.numel)
+    if buf.dtype != torch.uint8 or buf.numel() < nbytes:
+        raise ValueError(f"message buffer of {buf.numel()} {buf.dtype} is smaller than {nbytes} bytes")
+    for name, dtype, count, offset in sections:
+        section = getattr(packed, name)
+        if section is None or section.dtype != dtype or section.numel() != count:
+            raise ValueError(f"{packed.spec} section {name} is not {count} x {dtype}")
+        size = count * section.element_size()
+        buf[offset:offset + size].copy_(section.reshape(-1).view(torch.uint8))
+
+
+def unpack(buf: torch.Tensor, spec: QuantSpec, numel: int) -> Packed:
+    """The :class:`Packed` of ``numel`` values whose message starts at ``buf[0]``; sections are views."""
+    sections = {}
+    for name, dtype, count, offset in message_layout(spec, numel)[0]:
+        size = count * torch.empty(0, dtype=dtype).element_size()
+        sections[name] = buf[offset:offset + size].view(dtype) if size else buf.new_empty(0, dtype=dtype)
+    return Packed(spec, (numel,), torch.float32, **sections)
+
+
+def message_view(packed: Packed) -> torch.Tensor | None:
+    """``packed``'s message as a uint8 view, without a copy, or None if its sections are not laid out as one.
+
+    The Triton kernels allocate all sections of an encoding in one buffer, each padded to 16 bytes in layout
+    order, which is exactly :func:`message_layout`; then the message can be sent as it is (saving a copy of
+    the codes, ~8 % of the time of a 1 GiB reduction). The layout is checked here, pointer by pointer, so
+    any other allocation (the torch reference, scales replaced by a new tensor) falls back to
+    :func:`pack_into`.
+    """
+    sections, nbytes = message_layout(packed.spec, packed.numel)
+    codes = packed.codes
+    if not nbytes or codes.dtype != torch.uint8:
+        return None
+    base = codes.storage_offset()
+    storage = codes.untyped_storage()
+    if storage.nbytes() < base + nbytes:
+        return None
+    for name, dtype, count, offset in sections:
+        section = getattr(packed, name)
+        if (section is None or section.dtype != dtype or section.numel() != count or not section.is_contiguous()
+                or section.untyped_storage().data_ptr() != storage.data_ptr()
+                or section.storage_offset() * section.element_size() != base + offset):
+            return None
+    return codes.as_strided((nbytes,), (1,), base)
+
+
+def _is_raw(spec: QuantSpec) -> bool:
+    """fp32 on the wire: the segment's own bytes, exact, no finiteness check (as :class:`Fp32Codec`)."""
+    return spec.kind == "float" and spec.name == "fp32" and not spec.hadamard
+
+
+def encode_segment(values: torch.Tensor, spec: QuantSpec, residual: torch.Tensor | None = None,
+                   backend: str | None = None) -> Packed:
+    """Encode the 1-D float ``values`` (not modified) for the wire.
+
+    With ``residual`` (fp32, ``values``' length and device; updated in place) the encoded value is
+    ``values + residual`` and the residual becomes ``values + residual - decoded`` (error feedback on
+    the fused quantize kernel where one exists). Raises ``ValueError`` on NaN/Inf (quantized specs).
+    """
+    if _is_raw(spec):
+        value = values.float() if residual is None else values.float() + residual
+        if residual is not None:
+            residual.zero_()  # sent exactly
+        return Packed(spec, (values.numel(),), torch.float32, value.contiguous().view(torch.uint8))
+    if residual is None:
+        return quantize(values, spec, backend=backend)
+    feedback = ErrorFeedback(spec, backend=backend)
+    feedback.residuals[None] = residual
+    packed = feedback.quantize(values)
+    residual.copy_(feedback.residuals[None])
+    return packed
+
+
+def decode_segment(out: torch.Tensor, packed: Packed, backend: str | None = None) -> None:
+    """Decode ``packed`` into ``out`` (contiguous 1-D fp32 view of ``packed.numel`` values) in place."""
+    if packed.numel == 0:
+        return
+    spec = packed.spec
+    if _is_raw(spec):
+        out.copy_(packed.codes.view(torch.float32))
+        return
+    be = quant_ops.pick_backend(backend, out.device, spec)
+    if be == "triton" and not spec.hadamard:
+        # straight into the output slice: no fp32 temporary and no copy (the kernel's accumulate=False mode)
+        quant_ops._triton().dequantize_accumulate(out, [packed], accumulate=False)
+    else:
+        out.copy_(dequantize(packed, backend=be).view(-1))
+
+
+def _divide_scales(packed: Packed, n: int) -> Packed:
+    """Divide ``packed``'s bf16 scales (and naive minima) by the power of two ``n``, in place (exact)."""
+    for bits in (packed.scales, packed.mins):
+        if bits is not None:
+            bits.view(torch.bfloat16).mul_(1.0 / n)
+    return packed
+
+
+def reduce_segment(own: torch.Tensor, received: list[Packed | None], me: int, op: str, spec: QuantSpec,
+                   result_residual: torch.Tensor | None = None, backend: str | None = None, *,
+                   own_is_scratch: bool = False, mark: Callable[[str], None] | None = None) -> Packed:
+    """The owner's step: encode ``(own + sum of received) [/ n]`` once, summing in fp32 in member order.
+
+    Args:
+        own: this member's segment (1-D float, any float dtype), added unencoded; not modified unless
+            ``own_is_scratch`` (an fp32 temporary the caller gives away: then it may become the accumulator).
+        received: by member index, the Packed each member sent for this segment (None at ``me``).
+        me: this member's index; ``len(received)`` is the group size ``n``.
+        op: ``"mean"`` or ``"sum"``.
+        spec: the wire format of the reduced segment.
+        result_residual: error feedback in units of the result (fp32, segment length), added before
+            encoding and replaced by the new encoding error, in place; None for none.
+        mark: called after each step with its name (``dequantize-accumulate``, ``requantize``) when profiling.
+
+    Returns:
+        The reduced segment's Packed, which every member (this one included) decodes.
+    """
+    n = len(received)
+    # Member order, as the bytes path: ((0 + t_0) + t_1) + ... Swapping t_0 and t_1 when this member is
+    # index 1 changes nothing (fp32 addition commutes; 0 + t only turns -0 into +0) and lets both members
+    # of a pair start from their own segment, so the fused kernel serves the last additions of both.
+    terms: list[torch.Tensor | Packed] = [own if j == me else received[j] for j in range(n)]
+    if me == 1:
+        terms[0], terms[1] = terms[1], terms[0]
+    mark = mark or (lambda phase: None)
+    divide_later = op == "sum" or n & (n - 1) == 0
+    fused = (n > 1 and spec.kind == "int" and not spec.hadamard and result_residual is None and divide_later
+             and isinstance(terms[-1], Packed))
+    tail: list[Packed] = []
+    if fused:
+        while terms and isinstance(terms[-1], Packed) and len(tail) < 4:
+            tail.insert(0, terms.pop())
+    first, middle = terms[0], terms[1:]
+    if isinstance(first, Packed):
+        acc = dequantize(first, backend=backend).reshape(-1)
+    else:  # no copy when own is fp32 and nothing below writes into acc, or when the caller gave it away
+        writes = bool(middle) or not fused
+        acc = first.to(torch.float32, copy=writes and not (own_is_scratch and first.dtype == torch.float32))
+    pending: list[Packed] = []
+    for term in middle:
+        if isinstance(term, Packed):
+            pending.append(term)
+            continue
+        if pending:
+            dequantize_accumulate(acc, pending, backend=backend)
+            pending = []
+        acc.add_(term)
+    if pending:
+        dequantize_accumulate(acc, pending, backend=backend)
+    if middle or isinstance(first, Packed):
+        mark("dequantize-accumulate")
+    if fused:  # the last additions and the encoding in one pass (the kernel's decode-accumulate-requantize)
+        packed = dequantize_accumulate_requantize(acc, tail, spec, backend=backend)
+        packed = packed if op == "sum" else _divide_scales(packed, n)
+    else:
+        if op == "mean":
+            acc.div_(torch.tensor(float(n), device=acc.device))  # exact division on CUDA too (see two_phase)
+        if result_residual is not None:
+            acc = acc + result_residual
+            result_residual.zero_()
+        packed = encode_segment(acc, spec, result_residual, backend)
+    mark("requantize")
+    return packed
+
+
+def _wire_spec(codec: Any) -> QuantSpec:
+    if isinstance(codec, Fp32Codec):
+        return FP32
+    if isinstance(codec, QuantCodec):
+        return codec.spec
+    raise TypeError(f"allreduce_device supports fp32 and noloco.quant codecs, not {type(codec).__name__}")
+
+
+def _comm_device(group: Any, x: torch.Tensor) -> tuple[torch.device, bool]:
+    """Where the payloads live and whether the collectives go through NCCL."""
+    backend = str(dist.get_backend(group)).lower()
+    if x.device.type == "cuda" and "nccl" in backend:
+        return x.device, True
+    if "gloo" in backend:
+        return torch.device("cpu"), False
+    if "nccl" in backend:
+        raise ValueError(f"an NCCL process group reduces CUDA tensors; x is on {x.device}")
+    raise ValueError(f"allreduce_device supports nccl and gloo process groups, not {backend!r}")
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, nccl: bool, async_op: bool = False) -> Any:
+    """All-gather ``inp`` into the equal slots of ``out`` (one flat tensor on NCCL; slot views on gloo)."""
+    if nccl:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(out, inp, group=group, async_op=async_op)
+    return dist.all_gather(list(out.view(-1, inp.numel()).unbind(0)), inp, group=group, async_op=async_op)
+
+
+class _PhaseClock:
+    """Wall time per phase (``timings``): CUDA events on the current stream, or the host clock on CPU."""
+
+    def __init__(self, timings: dict[str, float] | None, device: torch.device):
+        self.timings, self.cuda = timings, device.type == "cuda"
+        self.marks: list[tuple[str, Any]] = []
+        self.mark("start")
+
+    @property
+    def enabled(self) -> bool:
+        return self.timings is not None
+
+    def mark(self, phase: str) -> None:
+        if self.timings is None:
+            return
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((phase, event))
+        else:
+            self.marks.append((phase, time.perf_counter()))
+
+    def finish(self) -> None:
+        if self.timings is None:
+            return
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        for (_, a), (phase, b) in zip(self.marks, self.marks[1:]):
+            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            self.timings[phase] = self.timings.get(phase, 0.0) + ms
+
+
+def _check_call(meta: list[int], group: Any, device: torch.device, nccl: bool, me: int, n: int,
+                failure: BaseException | None) -> None:
+    """All-gather every member's view of the call; raise the same way on every member if they differ."""
+    mine = torch.tensor(meta + [0 if failure is None else 1], dtype=torch.int64)
+    table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
+    _all_gather(table, mine.to(device), group, nccl)
+    rows = table.view(n, -1).cpu().tolist()
+    for index, field in enumerate(_META_FIELDS):
+        values = [row[index] for row in rows]
+        if len(set(values)) > 1:
+            if field == "dtype":
+                values = [_DTYPE_NAMES.get(v, v) for v in values]
+            elif field == "op":
+                values = [_OP_NAMES.get(v, v) for v in values]
+            elif field == "codec":
+                values = [f"crc {v:#010x}" for v in values]
+            raise PayloadMismatch(f"allreduce_device: members disagree on {field}: {values} (by member; this "
+                                  f"is member {me})")
+    if failure is not None:
+        raise failure
+    bad = [j for j, row in enumerate(rows) if row[-1]]
+    if bad:
+        raise RemoteFailure(f"allreduce_device: member(s) {bad} could not encode their input (NaN/Inf?)")
+
+
+def allreduce_device(
+    x: torch.Tensor,
+    group: Any = None,
+    codec: str | QuantCodec | Fp32Codec = "int4",
+    op: str = "mean",
+    error_feedback: ReductionErrorFeedback | None = None,
+    *,
+    min_compress_numel: int | None = None,
+    counter: ByteCounter | None = None,
+    backend: str | None = None,
+    timings: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """Two-phase all-reduce of ``x`` over a torch.distributed process group, payloads kept on device.
+
+    A collective call: every member of ``group`` must call it, in the same order as its other
+    collectives on that group.
+
+    Args:
+        x: any-shape float tensor (fp32/bf16/fp16/fp64); not modified. CUDA with an NCCL group (no host
+            copies), CPU (or CUDA, staged) with a gloo group. Every member must pass the same numel/dtype.
+        group: the ``torch.distributed`` process group (default: the world). Member ``k`` is group rank
+            ``k`` and owns segment ``k`` (:func:`~noloco.collectives.two_phase.segment_bounds`).
+        codec: ``"fp32"`` (exact) or any :mod:`noloco.quant` spec (``"int4"``, ``"int8"``, ``"mxfp4"``, ...).
+        op: ``"mean"`` or ``"sum"``.
+        error_feedback: this call site's residuals (kept across calls; committed only on success).
+        min_compress_numel: segments shorter than this go in fp32 (default
+            :data:`~noloco.collectives.base.SMALL_MESSAGE_NUMEL`, as the bytes path).
+        counter: if given, every message's bytes are counted into it (sent and received).
+        backend: kernel backend for :mod:`noloco.quant` (None: Triton on CUDA, torch on CPU).
+        timings: if given, the call runs its phases one after the other (no overlap of communication and
+            compute) and adds the milliseconds of each phase into this dict, for profiling: ``encode``,
+            ``check``, ``reduce-scatter``, ``own to fp32``, ``dequantize-accumulate`` (when not fused),
+            ``requantize``, ``pack``, ``all-gather``, ``decode``.
+
+    Returns:
+        float32 tensor of ``x``'s shape on ``x``'s device, bit-identical on every member and equal to
+        ``allreduce(x, transport, codec=codec, algorithm="two_phase", op=op)`` on the same inputs.
+
+    Raises:
+        ValueError / TypeError: bad arguments (before any collective).
+        PayloadMismatch: members disagree on numel, dtype, op, codec or group size (on every member).
+        ValueError: this member's input holds NaN/Inf (quantized codecs); the others raise RemoteFailure.
+    """
+    from noloco.collectives.base import OPS, SMALL_MESSAGE_NUMEL
+
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known: {OPS}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPE_CODES:
+        raise TypeError(f"allreduce_device supports fp32/bf16/fp16/fp64 tensors, got {getattr(x, 'dtype', x)}")
+    if error_feedback is not None and not isinstance(error_feedback, ReductionErrorFeedback):
+        raise TypeError(f"error_feedback must be a ReductionErrorFeedback, got {type(error_feedback).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized (call dist.init_process_group first)")
+    requested = get_codec(codec)
+    requested_spec = _wire_spec(requested)
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    if me < 0:
+        raise ValueError("this process is not a member of the process group")
+    device, nccl = _comm_device(group, x)
+    flat = x.detach().reshape(-1)
+    if flat.dtype == torch.float64:
+        flat = flat.float()  # fp64 is reduced in fp32, as the bytes path does
+    flat = flat.to(device)
+    numel = flat.numel()
+    residuals = None
+    if error_feedback is not None:
+        residuals = tuple(r.to(device) for r in error_feedback.residuals_for(numel))
+    if n == 1:
+        out = flat.float().clone()
+        if residuals is not None:  # nothing was encoded: pay back both residuals exactly
+            out += residuals[0] + residuals[1]
+            error_feedback.commit(torch.zeros_like(residuals[0]), torch.zeros_like(residuals[1]))
+        return out.reshape(x.shape).to(x.device)
+
+    threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
+    spec = requested_spec if requested.exact or -(-numel // n) >= threshold else FP32
+    bounds = segment_bounds(numel, n)
+    contribution, result = residuals if residuals is not None else (None, None)
+    clock = _PhaseClock(timings, device)
+
+    # Phase 1a: encode the segments other members own, into one send buffer (ordered by owner).
+    send_sizes = [0 if k == me else message_layout(spec, end - start)[1] for k, (start, end) in enumerate(bounds)]
+    failure: BaseException | None = None
+    send = None
+    try:
+        encoded = {}
+        for k, (start, end) in enumerate(bounds):
+            if k != me:
+                res = None if contribution is None else contribution[start:end]
+                encoded[k] = encode_segment(flat[start:end], spec, res, backend)
+        if n == 2:  # one message: sent as the kernel wrote it when possible
+            send = message_view(encoded[1 - me])
+        if send is None:
+            send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
+            offset = 0
+            for k, packed in encoded.items():
+                pack_into(send[offset:offset + send_sizes[k]], packed)
+                offset += send_sizes[k]
+        del encoded
+    except ValueError as exc:  # NaN/Inf: still take part in the check, so every member fails
+        failure = exc
+    clock.mark("encode")
+    codec_id = crc(f"{requested.name}|{'fp32' if _is_raw(spec) else spec}")
+    _check_call([_META_MAGIC, numel, DTYPE_CODES[x.dtype], OP_CODES[op], codec_id, n], group, device, nccl,
+                me, n, failure)
+    clock.mark("check")
+
+    # Phase 1b: reduce-scatter. Every member's message for segment `me` has the same size.
+    start, end = bounds[me]
+    seg_numel = end - start
+    recv_size = message_layout(spec, seg_numel)[1]
+    recv_sizes = [0 if j == me else recv_size for j in range(n)]
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    work = None
+    if any(message_layout(spec, e - s)[1] for s, e in bounds):
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
+    if counter is not None:
+        for k in range(n):
+            if send_sizes[k]:
+                counter.count_sent(send_sizes[k])
+            if recv_sizes[k]:
+                counter.count_received(recv_sizes[k])
+    if clock.enabled and work is not None:
+        work.wait()
+        clock.mark("reduce-scatter")
+    # The owner's own segment in fp32 (its accumulator when it sums first): queued before waiting on the
+    # reduce-scatter, so the conversion runs on the GPU while the payloads are in flight.
+    own, own_is_scratch = flat[start:end], True
+    if contribution is not None:
+        own = own + contribution[start:end]  # sent exactly: the residual is paid back in full
+        contribution[start:end] = 0.0
+    elif own.dtype != torch.float32:
+        own = own.float()
+    else:
+        own_is_scratch = False  # a view of the caller's x
+    clock.mark("own to fp32")
+    if work is not None and not clock.enabled:
+        work.wait()
+    received: list[Packed | None] = []
+    offset = 0
+    for j in range(n):
+        received.append(None if j == me else unpack(recv[offset:offset + recv_size], spec, seg_numel))
+        offset += recv_sizes[j]
+
+    # Owner: fp32 sum in member order, encoded once.
+    gather_size = message_layout(spec, bounds[0][1] - bounds[0][0])[1]  # every slot fits the largest segment
+    status = torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=device)
+    gather_send = failure = reduced = None
+    try:
+        res = None if result is None else result[start:end]
+        reduced = reduce_segment(own, received, me, op, spec, res, backend, own_is_scratch=own_is_scratch,
+                                 mark=clock.mark)
+        gather_send = message_view(reduced)
+        if gather_send is None or gather_send.numel() != gather_size:
+            gather_send = torch.empty(gather_size, dtype=torch.uint8, device=device)
+            pack_into(gather_send, reduced)
+        clock.mark("pack")
+    except ValueError as exc:  # tell the others through the status, then raise after the gather
+        failure = exc
+        status[0] = 1
+    if gather_send is None:
+        gather_send = torch.zeros(gather_size, dtype=torch.uint8, device=device)
+
+    # Phase 2: all-gather of the encoded reduced segments (and of each owner's status); everyone decodes the
+    # same codes.
+    statuses = torch.empty(n * STATUS_BYTES, dtype=torch.uint8, device=device)
+    status_work = _all_gather(statuses, status, group, nccl, async_op=True)
+    gathered = torch.empty(n * gather_size, dtype=torch.uint8, device=device)
+    work = _all_gather(gathered, gather_send, group, nccl, async_op=True) if gather_size else None
+    if counter is not None:
+        for _ in range(n - 1):
+            counter.count_sent(STATUS_BYTES)
+            counter.count_received(STATUS_BYTES)
+            if gather_size:
+                counter.count_sent(gather_size)
+                counter.count_received(gather_size)
+    if clock.enabled:
+        status_work.wait()
+        if work is not None:
+            work.wait()
+        clock.mark("all-gather")
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    if reduced is not None:
+        decode_segment(out[start:end], reduced, backend)  # overlaps the all-gather
+    status_work.wait()
+    if work is not None:
+        work.wait()
+    failed = [j for j, flag in enumerate(statuses.view(n, STATUS_BYTES)[:, 0].cpu().tolist()) if flag]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RemoteFailure(f"allreduce_device: member(s) {failed} could not encode their reduced segment "
+                            "(NaN/Inf in their own input?)")
+    slots = gathered.view(n, gather_size)
+    for k, (s, e) in enumerate(bounds):
+        if k != me and e > s:
+            decode_segment(out[s:e], unpack(slots[k], spec, e - s), backend)
+    clock.mark("decode")
+    clock.finish()
+    if error_feedback is not None:
+        error_feedback.commit(contribution, result)
+    return out.reshape(x.shape).to(x.device)
