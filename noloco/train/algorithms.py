@@ -17,8 +17,10 @@ once instead (``β·mean_Δ + γ·(mean_φ − φ_i) = β·(mean_θ − φ_i)``)
 Compression (DESIGN §3.2): the pseudo-gradient goes through ``codec`` (default int4) with error
 feedback. The slow-weight term goes through ``slow_codec`` as the difference from the initial
 weights, which every worker holds (same seed), so the codec sees accumulated training updates, not
-raw weights; it has its own error feedback. The fused single exchange is used only when both
-codecs are exact (fp32); it too sends the fast weights as the difference from the initial weights.
+raw weights; it has its own error feedback. The fused single exchange (β = γ and one codec for both
+terms) sends the fast weights as the difference from the initial weights, θ − φ_0, through that codec
+with error feedback: exact for fp32, and for a lossy codec half the bytes of the two-vector exchange
+(measured in docs/results/codecs.md).
 
 Faults (issue 8, docs/reliability.md): a round whose exchange fails — a dead or silent peer
 (:class:`~noloco.comm.base.CommTimeout` after ``timeout`` seconds), a malformed or non-finite payload
@@ -313,8 +315,8 @@ class OuterAlgorithm(Algorithm):
                 norm_reference=reference,
             )
 
-        if self._fused_exchange():  # θ − φ_0 like the slow term, so the norm bound sees training updates
-            mean_fast = self.reference + reduce(fast - self.reference, "fast", "fp32", None)
+        if self._fused_exchange():  # θ − φ_0 like the slow term: the codec and the norm bound see training updates
+            mean_fast = self.reference + reduce(fast - self.reference, "fast", self.codec, self.feedback)
             return mean_fast - self.slow, self.slow.clone()
         # Scales of the norm bound (see the class docstring): the pseudo-gradient is bounded by this worker's
         # own; the slow-weight term φ − φ_0 by the hypotenuse of its own and the pseudo-gradient's, because a
@@ -400,7 +402,7 @@ class NoLoCo(OuterAlgorithm):
         super().__init__(model, inner_opt, groups, NoLoCoRule(lr, pull, momentum), every, **exchange)
 
     def _fused_exchange(self) -> bool:
-        return self.rule.lr == self.rule.pull and self.codec == "fp32" and self.slow_codec == "fp32"
+        return self.rule.lr == self.rule.pull and self.codec == self.slow_codec
 
 
 class DiLoCo(OuterAlgorithm):
