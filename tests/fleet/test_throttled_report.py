@@ -41,6 +41,6 @@ def test_targets_are_judged_against_ddp_and_noloco_fp32():
     # the common target (5.2, the highest final loss) is reached by every method; times are interpolated
     common = checks["(common target) NoLoCo-int4 ≥ 5.0× sooner than ddp/fp32"]
     assert common["met"] and common["value"].endswith("×")
-    assert checks["NoLoCo-int4 final loss within 1% of NoLoCo-fp32"]["met"]
+    assert checks["NoLoCo-int4 final loss within 1% of NoLoCo-fp32 (or lower)"]["met"]
     assert checks["NoLoCo-int4 sends ≥ 6× fewer bytes per worker"]["value"] == "7.5×"
     assert any("not reached" in line for line in lines)
