@@ -23,3 +23,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """One tokenized-corpus cache for the whole session (building it costs seconds)."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def _smoke() -> list[str]:
+    from noloco.train.config import SMOKE  # lazily: GPU machines run tests/quant without omegaconf
+
+    return list(SMOKE)
+
+
+@pytest.fixture
+def tiny_config(data_cache, tmp_path):
+    """A seconds-long run on the real default corpus, writing under tmp_path."""
+    from noloco.train.config import load_config
+
+    def make(*overrides: str):
+        return load_config([*_smoke(), f"data.cache_dir={data_cache}", f"run.dir={tmp_path}", *overrides])
+
+    return make
+
+
+@pytest.fixture
+def tiny_overrides(data_cache, tmp_path):
+    """The tiny run's overrides as command-line arguments (for `python train.py ...` subprocesses)."""
+    return [*_smoke(), f"data.cache_dir={data_cache}", f"run.dir={tmp_path}"]

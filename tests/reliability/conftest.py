@@ -1,36 +1,11 @@
-"""Fixtures of the reliability tests: tiny runs, and the fuzz case counts reported at the end of the session."""
+"""The fuzz case counts of the reliability tests, reported at the end of the session (tiny runs: tests/conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-import pytest
-
-from noloco.train.config import SMOKE, load_config
-
 from .fuzzing import ACCEPTED, COUNTS, SCALE
-
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("data-cache")
-
-
-@pytest.fixture
-def tiny_config(data_cache, tmp_path):
-    """A seconds-long run on the real default corpus, writing under tmp_path."""
-
-    def make(*overrides: str):
-        return load_config([*SMOKE, f"data.cache_dir={data_cache}", f"run.dir={tmp_path}", *overrides])
-
-    return make
-
-
-@pytest.fixture
-def tiny_overrides(data_cache, tmp_path):
-    """The tiny run's overrides as command-line arguments (for `python train.py ...` subprocesses)."""
-    return [*SMOKE, f"data.cache_dir={data_cache}", f"run.dir={tmp_path}"]
 
 
 def pytest_terminal_summary(terminalreporter):
