@@ -74,14 +74,16 @@ def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_
     for name in ("0", "1", "late"):
         assert swarm.finish(name, timeout=300) == 0, swarm.logs()
 
-    # Peer 0 started the swarm from the seed; a peer that joined later starts from live (trained)
-    # weights, so the swarm's progress is measured against peer 0's first loss.
-    swarm_initial = _initial_loss(swarm.summary("0"))
+    # The first peer started the swarm from the seed; a peer that joined later (the late one, or one slow
+    # to start) began from live, trained weights: progress is measured against the seed's loss.
+    swarm_initial = max(_initial_loss(swarm.summary(name)) for name in ("0", "1"))
     for name in ("0", "1"):
         s = swarm.summary(name)
         assert s["slow_weights_finite"] and math.isfinite(s["final_eval_loss"])
         assert s["final_eval_loss"] < swarm_initial - 0.5, (name, s["eval_history"])
-        assert s["rounds"] == 20 and s["rounds_joined"] >= 5, s["round_outcomes"]
+        # one round per 10 steps from the peer's first step (a peer slow to start joins from the others)
+        first_step = s["eval_history"][0][0]
+        assert s["rounds"] == (200 - first_step) // 10 and s["rounds_joined"] >= 5, s["round_outcomes"]
     late = swarm.summary("late")
     source = late["joined_from"]
     assert source is not None and source["step"] >= 10, late
