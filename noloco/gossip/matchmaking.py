@@ -110,6 +110,32 @@ def draw_groups(
     return [sorted(g) for g in groups]
 
 
+def signed_entries(found, verify: Callable[[str, object], bool], endpoint: SwarmEndpoint, seen: set,
+                   what: str) -> list[tuple[str, dict]]:  # fmt: skip
+    """``(peer, value)`` for the subkeys of a DHT dictionary record whose MAC ``verify(peer, value)`` accepts.
+
+    Malformed or unauthenticated entries are ignored and counted on ``endpoint`` as ``unauthenticated``
+    rejections, each (peer, stamp) once (``seen`` remembers them across reads).
+    """
+    if found is None or not isinstance(found.value, dict):
+        return []
+    good = []
+    for peer, item in found.value.items():
+        value = getattr(item, "value", None)
+        try:
+            ok = bool(verify(str(peer), value))
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if ok:
+            good.append((str(peer), value))
+            continue
+        stamp = (str(peer), repr(value.get("t")) if isinstance(value, dict) else None)
+        if stamp not in seen:  # count each bad entry once
+            seen.add(stamp)
+            endpoint.count_rejection("unauthenticated", f"{what} with a bad MAC", str(peer))
+    return good
+
+
 class _Mismatch(RuntimeError):
     """Members computed different groups (their views of the round's announcements differed)."""
 
@@ -198,23 +224,14 @@ class SwarmMatchmaking(GroupSource):
         return now
 
     def _ready(self, round_index: int) -> list[Announcement]:
+        def verify(peer: str, value) -> bool:
+            float(value["t"])  # a time that does not parse is malformed
+            name = str(value["name"])
+            return str(value["mac"]) == self._mac("ready", self.run_id, round_index, peer, value["t"], name)
+
         found = self.dht.get(f"{self.run_id}/ready/{round_index}", latest=True)
-        entries = []
-        if found is None or not isinstance(found.value, dict):
-            return entries
-        for peer, item in found.value.items():
-            value = getattr(item, "value", None)
-            try:
-                t, name, mac = float(value["t"]), str(value["name"]), str(value["mac"])
-                ok = mac == self._mac("ready", self.run_id, round_index, peer, value["t"], name)
-            except (TypeError, KeyError, ValueError):
-                ok, t, name = False, 0.0, ""
-            if ok:
-                entries.append(Announcement(str(peer), t, name))
-            elif (str(peer), t) not in self._bad_entries:  # count each bad announcement once
-                self._bad_entries.add((str(peer), t))
-                self.endpoint.count_rejection("unauthenticated", "DHT announcement with a bad MAC", str(peer))
-        return entries
+        entries = signed_entries(found, verify, self.endpoint, self._bad_entries, "DHT announcement")
+        return [Announcement(peer, float(value["t"]), str(value["name"])) for peer, value in entries]
 
     # ------------------------------------------------------------------ GroupSource
     def form(self, round_index: int, timeout: float) -> Group | None:
@@ -365,24 +382,14 @@ class PeerRegistry:
 
     def live(self) -> list[dict]:
         """Valid entries of other peers, most advanced first: ``{"peer", "name", "step", "round", "t"}``."""
+        def verify(peer: str, value) -> bool:
+            float(value["t"])  # a time that does not parse is malformed
+            step, next_round, name = int(value["step"]), int(value["round"]), str(value["name"])
+            return value["mac"] == self._mac(peer, step, next_round, value["t"], name)
+
         found = self.dht.get(f"{self.endpoint.run_id}/peers", latest=True)
-        out = []
-        if found is None or not isinstance(found.value, dict):
-            return out
-        for peer, item in found.value.items():
-            value = getattr(item, "value", None)
-            try:
-                ok = value["mac"] == self._mac(
-                    str(peer), int(value["step"]), int(value["round"]), value["t"], str(value["name"])
-                )
-            except (TypeError, KeyError, ValueError):
-                ok = False
-            if not ok:
-                stamp = value.get("t") if isinstance(value, dict) else None
-                if (str(peer), stamp) not in self._bad_entries:  # count each bad entry once
-                    self._bad_entries.add((str(peer), stamp))
-                    self.endpoint.count_rejection("unauthenticated", "registry entry with a bad MAC", str(peer))
-            elif peer != self.endpoint.peer_id:
-                out.append({"peer": str(peer), "name": str(value["name"]), "step": int(value["step"]),
-                            "round": int(value["round"]), "t": float(value["t"])})  # fmt: skip
+        out = [{"peer": peer, "name": str(value["name"]), "step": int(value["step"]), "round": int(value["round"]),
+                "t": float(value["t"])}
+               for peer, value in signed_entries(found, verify, self.endpoint, self._bad_entries, "registry entry")
+               if peer != self.endpoint.peer_id]  # fmt: skip
         return sorted(out, key=lambda e: (-e["step"], -e["t"]))
