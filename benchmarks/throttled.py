@@ -61,9 +61,21 @@ MODEL = [
 
 
 def method_overrides(method: str) -> list[str]:
-    """``algo/codec`` → config overrides; the codec applies to every exchanged vector of the method."""
+    """``algo/codec`` → config overrides; the codec applies to every exchanged vector of the method.
+
+    Exact (fp32) exchanges use the ring all-reduce: one TCP flow per direction per host, which keeps a
+    tbf link busier than the two-phase reduction's all-to-all (DDP-fp32, 4 hosts at 50 Mbit/s: 1.09 s per
+    step against 1.33 s), so the baselines get the faster of the two. Quantized exchanges keep the
+    two-phase reduction, which quantizes each value at most twice; a ring would requantize at every hop.
+    """
     algo, codec = method.split("/")
-    return [f"outer.algo={algo}", f"comm.codec={codec}", f"comm.slow_codec={codec}"]
+    overrides = [f"outer.algo={algo}", f"comm.codec={codec}", f"comm.slow_codec={codec}"]
+    if codec == "fp32":
+        overrides.append("comm.algorithm=ring")
+    return overrides
+
+
+LONG = "-long"  # run-name suffix of the longer-budget (time-to-target) runs
 
 
 def machine() -> str:
@@ -75,17 +87,25 @@ def curve(run_dir: Path) -> list[tuple]:
     return _eval_curves(run_dir)[1]
 
 
-def time_to(points: list[tuple], target: float) -> float | None:
-    """Wall-clock at which the mean held-out loss first reaches ``target`` (linear in between evals)."""
+def reach(points: list[tuple], target: float) -> tuple[float, float, float] | None:
+    """``(step, wall, bytes sent)`` at which the mean held-out loss first reaches ``target`` (linear in
+    between evaluations), or None when it never does."""
     previous = None
-    for step, wall, _, loss in points:
+    for point in points:
+        loss = point[3]
         if loss <= target:
             if previous is None or previous[3] == loss:
-                return wall
-            w0, l0 = previous[1], previous[3]
-            return w0 + (wall - w0) * (l0 - target) / (l0 - loss)
-        previous = (step, wall, 0, loss)
+                return point[0], point[1], point[2]
+            frac = (previous[3] - target) / (previous[3] - loss)
+            return tuple(a + (b - a) * frac for a, b in zip(previous[:3], point[:3]))  # type: ignore[return-value]
+        previous = point
     return None
+
+
+def time_to(points: list[tuple], target: float) -> float | None:
+    """Wall-clock at which the mean held-out loss first reaches ``target`` (linear in between evals)."""
+    hit = reach(points, target)
+    return None if hit is None else hit[1]
 
 
 def measure(run_dir: Path) -> dict:
@@ -100,6 +120,8 @@ def measure(run_dir: Path) -> dict:
         "algo": summary["algo"],
         "codec": summary["codec"],
         "method": f"{summary['algo']}/{summary['codec']}",
+        "long": run_dir.name.endswith(LONG),
+        "steps": summary.get("steps"),
         "hosts": fleet["hosts"],
         "rate_bps": fleet["rate_bps"],
         "final_eval_loss": summary["final_eval_loss"],
@@ -116,32 +138,53 @@ def rate_label(rate_bps: float | None) -> str:
     return "unshaped" if not rate_bps else f"{rate_bps / 1e6:g}mbit"
 
 
+def _speedup(mine: float | None, theirs: float | None, their_wall: float) -> tuple[float | None, str]:
+    """How many times sooner ``mine`` reaches a loss than ``theirs``; when they never reach it, a lower bound
+    from their whole run (``> x×``)."""
+    if mine is None:
+        return None, "not reached"
+    if theirs is None:
+        ratio = their_wall / mine if mine else float("inf")
+        return ratio, f"> {ratio:.1f}× (they never reach it)"
+    ratio = theirs / mine if mine else float("inf")
+    return ratio, f"{ratio:.1f}×"
+
+
 def analyse(results: list[dict]) -> tuple[list[str], dict]:
-    """Markdown tables per (hosts, rate), time-to-target and the issue's targets."""
+    """Markdown tables per (hosts, rate), time-to-target and the issue's targets.
+
+    Runs named ``…-long`` (``--to-target``) trained a longer budget of their own; they are reported in a
+    second table per setting, and the time-to-target verdicts use them where the equal-budget run of the
+    same method never reached the target.
+    """
     lines: list[str] = []
     verdicts: dict = {}
     settings = sorted({(r["hosts"], r["rate_bps"] or 0) for r in results})
     slowest = min((rate for _, rate in settings if rate), default=None)
     for hosts, rate in settings:
-        group = [r for r in results if r["hosts"] == hosts and (r["rate_bps"] or 0) == rate]
+        everything = [r for r in results if r["hosts"] == hosts and (r["rate_bps"] or 0) == rate]
+        group = [r for r in everything if not r.get("long")]
+        longer = {r["method"]: r for r in everything if r.get("long")}
         by_method = {r["method"]: r for r in group}
         ddp = by_method.get("ddp/fp32")
         target = ddp["final_eval_loss"] if ddp else None
-        common = max(r["final_eval_loss"] for r in group)
-        for r in group:
-            r["time_to_target"] = time_to(r["curve"], target) if target is not None else None
-            r["time_to_common"] = time_to(r["curve"], common)
-        lines += [
-            "",
-            f"### {hosts} hosts, {rate_label(rate)} per host",
-            "",
-            f"Target loss (DDP-fp32's final): {target:.4f}. " if target is not None else "No DDP-fp32 run. ",
-            f"Common target (the highest final loss here, reached by every method): {common:.4f}.",
-            "",
-            "| method | final held-out loss | loop wall (s) | MB sent per worker | time to target (s) "
-            "| time to common target (s) | idle fraction |",
-            "|---|---|---|---|---|---|---|",
-        ]
+        common = max(r["final_eval_loss"] for r in group) if group else None
+        for r in everything:
+            hit = reach(r["curve"], target) if target is not None else None
+            r["time_to_target"] = None if hit is None else hit[1]
+            r["step_to_target"] = None if hit is None else hit[0]
+            r["bytes_to_target"] = None if hit is None else hit[2]
+            r["time_to_common"] = time_to(r["curve"], common) if common is not None else None
+        lines += ["", f"### {hosts} hosts, {rate_label(rate)} per host", ""]
+        if group:
+            lines += [
+                f"Target loss (DDP-fp32's final): {target:.4f}. " if target is not None else "No DDP-fp32 run. ",
+                f"Common target (the highest final loss here, reached by every method): {common:.4f}.",
+                "",
+                "| method | final held-out loss | loop wall (s) | MB sent per worker | time to target (s) "
+                "| time to common target (s) | idle fraction |",
+                "|---|---|---|---|---|---|---|",
+            ]
         for method in [m for m in METHODS if m in by_method] + [m for m in by_method if m not in METHODS]:
             r = by_method[method]
             ttt = "not reached" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
@@ -150,25 +193,58 @@ def analyse(results: list[dict]) -> tuple[list[str], dict]:
                 f"| {method} | {r['final_eval_loss']:.4f} | {r['wall_seconds']:.1f} | "
                 f"{r['bytes_sent_per_worker'] / 1e6:.2f} | {ttt} | {r['time_to_common']:.1f} | {idle} |"
             )
+        if longer and target is not None and ddp is not None:
+            lines += [
+                "",
+                f"Longer budgets (`--to-target`): each method below trained its own longer run (its LR schedule "
+                f"stretched to the budget) to measure when it reaches DDP-fp32's final loss {target:.4f}; DDP-fp32 "
+                f"reached it at step {ddp['steps']} after {ddp['wall_seconds']:.1f} s.",
+                "",
+                "| method | budget (steps) | step at target | time to target (s) | sooner than DDP-fp32 "
+                "| MB sent to target | final held-out loss | idle fraction |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for method in [m for m in METHODS if m in longer] + [m for m in longer if m not in METHODS]:
+                r = longer[method]
+                _, vs = _speedup(r["time_to_target"], ddp["time_to_target"], ddp["wall_seconds"])
+                idle = "–" if r["idle_fraction"] is None else f"{100 * r['idle_fraction']:.0f}%"
+                if r["time_to_target"] is None:
+                    at = ttt = mb = "not reached"
+                else:
+                    at, ttt, mb = (f"{r['step_to_target']:.0f}", f"{r['time_to_target']:.1f}",
+                                   f"{r['bytes_to_target'] / 1e6:.2f}")  # fmt: skip
+                lines.append(f"| {method} | {r['steps']} | {at} | {ttt} | {vs} | {mb} | "
+                             f"{r['final_eval_loss']:.4f} | {idle} |")  # fmt: skip
+
+        def best(method: str, by_method: dict = by_method, longer: dict = longer) -> dict | None:
+            """The run of ``method`` whose time to target counts: the equal-budget one if it got there."""
+            short, long = by_method.get(method), longer.get(method)
+            if short is not None and (short["time_to_target"] is not None or long is None):
+                return short
+            return long
+
         noloco4, noloco32 = by_method.get("noloco/int4"), by_method.get("noloco/fp32")
-        diloco32 = by_method.get("diloco/fp32")
         checks = []
         if rate == slowest and noloco4 and ddp:
-            for other, need in ((ddp, 5.0), (diloco32, 1.5)):
+            mine = best("noloco/int4")
+            for method, need in (("ddp/fp32", 5.0), ("diloco/fp32", 1.5)):
+                other = best(method)
                 if other is None:
                     continue
-                mine, theirs = noloco4["time_to_target"], other["time_to_target"]
-                if mine is None:
-                    checks.append((f"NoLoCo-int4 reaches the target ≥ {need}× sooner than {other['method']}",
-                                   False, "NoLoCo-int4 does not reach it within the budget"))  # fmt: skip
-                else:
-                    ratio = (theirs / mine) if theirs is not None else float("inf")
-                    checks.append((f"NoLoCo-int4 reaches the target ≥ {need}× sooner than {other['method']}",
-                                   ratio >= need, f"{ratio:.1f}×"))  # fmt: skip
-                mine, theirs = noloco4["time_to_common"], other["time_to_common"]
-                ratio = theirs / mine if mine else float("inf")
-                checks.append((f"(common target) NoLoCo-int4 ≥ {need}× sooner than {other['method']}",
-                               ratio >= need, f"{ratio:.1f}×"))  # fmt: skip
+                name = f"NoLoCo-int4 reaches the target ≥ {need}× sooner than {method}"
+                if mine is not noloco4 or other is not by_method.get(method):
+                    name += " (longer budgets)"
+                ratio, text = _speedup(mine["time_to_target"], other["time_to_target"], other["wall_seconds"])
+                if ratio is None:
+                    text = "NoLoCo-int4 does not reach it within its budget"
+                checks.append((name, ratio is not None and ratio >= need, text))
+                equal = by_method.get(method)
+                if equal is None:
+                    continue
+                ratio, text = _speedup(noloco4["time_to_common"], equal["time_to_common"], equal["wall_seconds"])
+                if ratio is not None:
+                    checks.append((f"(common target) NoLoCo-int4 ≥ {need}× sooner than {method}", ratio >= need,
+                                   text))  # fmt: skip
         if noloco4 and noloco32:
             gap = noloco4["final_eval_loss"] / noloco32["final_eval_loss"] - 1
             fewer = noloco32["bytes_sent_per_worker"] / max(1, noloco4["bytes_sent_per_worker"])
@@ -190,6 +266,9 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=METHODS, help="algo/codec entries")
     parser.add_argument("--steps", type=int, default=150, help="inner steps per worker (the token budget)")
     parser.add_argument("--every", type=int, default=10, help="H, inner steps between outer rounds")
+    parser.add_argument("--to-target", type=int, default=0, metavar="STEPS",
+                        help="then, at the slowest rate, run every method but DDP again with a budget of STEPS "
+                             "inner steps, to measure when it reaches DDP-fp32's final loss (0: off)")  # fmt: skip
     parser.add_argument("--runs", type=Path, default=Path("runs/throttled"))
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--name", default="throttled")
@@ -197,7 +276,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = parser.parse_args()
 
-    common = [*MODEL, f"steps={args.steps}", f"outer.every={args.every}", *args.overrides]
+    common = [*MODEL, f"outer.every={args.every}", *args.overrides]
     if args.from_runs is not None:
         folder = args.from_runs
     else:
@@ -210,26 +289,27 @@ def main() -> int:
         rates = [r.strip() for r in args.rates.split(",")]
         for rate in rates:
             parse_rate(rate)  # fail before any run on a typo
-        total = len(hosts_list) * len(rates) * len(args.methods)
-        done = 0
+        slowest = min(rates, key=parse_rate)
+        plan = [(hosts, rate, method, args.steps) for hosts in hosts_list for rate in rates for method in args.methods]
+        if args.to_target:
+            plan += [(hosts, slowest, method, args.to_target) for hosts in hosts_list for method in args.methods
+                     if not method.startswith("ddp/")]  # fmt: skip
+        total = len(plan)
         started = time.monotonic()
-        for hosts in hosts_list:
-            for rate in rates:
-                for method in args.methods:
-                    done += 1
-                    name = f"{hosts}h-{rate}-{method.replace('/', '-')}"
-                    command = [sys.executable, str(ROOT / "train.py"), "backend=torch", f"workers={hosts}",
-                               *common, *method_overrides(method)]  # fmt: skip
-                    print(f"== [{done}/{total}] {name} ({time.monotonic() - started:.0f} s so far)", flush=True)
-                    try:
-                        with open(os.devnull, "w") as quiet:
-                            result = launch(command, hosts, rate=rate, run_dir=folder, name=name, out=quiet)
-                    except FleetError as exc:
-                        print(exc, file=sys.stderr)
-                        return 2
-                    status = "ok" if result.returncode == 0 else f"FAILED ({result.returncode})"
-                    loss = result.summary["final_eval_loss"] if result.summary else float("nan")
-                    print(f"   {status}: {result.wall_seconds:.0f} s, held-out loss {loss:.4f}", flush=True)
+        for done, (hosts, rate, method, steps) in enumerate(plan, 1):
+            name = f"{hosts}h-{rate}-{method.replace('/', '-')}" + (LONG if steps != args.steps else "")
+            command = [sys.executable, str(ROOT / "train.py"), "backend=torch", f"workers={hosts}",
+                       *common, f"steps={steps}", *method_overrides(method)]  # fmt: skip
+            print(f"== [{done}/{total}] {name} ({time.monotonic() - started:.0f} s so far)", flush=True)
+            try:
+                with open(os.devnull, "w") as quiet:
+                    result = launch(command, hosts, rate=rate, run_dir=folder, name=name, out=quiet)
+            except FleetError as exc:
+                print(exc, file=sys.stderr)
+                return 2
+            status = "ok" if result.returncode == 0 else f"FAILED ({result.returncode})"
+            loss = result.summary["final_eval_loss"] if result.summary else float("nan")
+            print(f"   {status}: {result.wall_seconds:.0f} s, held-out loss {loss:.4f}", flush=True)
     runs = sorted(p.parent for p in folder.glob("*/fleet.json") if (p.parent / "summary.json").exists())
     if not runs:
         print(f"throttled.py: no finished runs under {folder}", file=sys.stderr)
@@ -239,21 +319,33 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     pictures = []
+    order = {m: i for i, m in enumerate(METHODS)}
     for hosts, rate in sorted({(r["hosts"], r["rate_bps"] or 0) for r in results}):
-        group = [r for r in results if r["hosts"] == hosts and (r["rate_bps"] or 0) == rate]
-        order = {m: i for i, m in enumerate(METHODS)}
-        group.sort(key=lambda r: order.get(r["method"], len(order)))
-        png = args.out / f"{args.name}-{hosts}h-{rate_label(rate)}.png"
-        plot_runs([Path(r["run_dir"]) for r in group], png, title=f"{hosts} hosts, {rate_label(rate)} per host")
-        pictures.append(f"![{hosts} hosts, {rate_label(rate)}]({png.name})")
-    first = json.loads((Path(results[0]["run_dir"]) / "summary.json").read_text())
+        everything = sorted((r for r in results if r["hosts"] == hosts and (r["rate_bps"] or 0) == rate),
+                            key=lambda r: order.get(r["method"], len(order)))  # fmt: skip
+        group = [r for r in everything if not r.get("long")]
+        ddp = [r for r in group if r["method"] == "ddp/fp32"]
+        target = ddp[0]["final_eval_loss"] if ddp else None
+        label = f"{hosts} hosts, {rate_label(rate)} per host"
+        if group:
+            png = args.out / f"{args.name}-{hosts}h-{rate_label(rate)}.png"
+            plot_runs([Path(r["run_dir"]) for r in group], png, title=label, target=target)
+            pictures.append(f"![{label}]({png.name})")
+        longer = [r for r in everything if r.get("long")]
+        if longer:
+            png = args.out / f"{args.name}-{hosts}h-{rate_label(rate)}-long.png"
+            plot_runs([Path(r["run_dir"]) for r in ddp + longer], png, target=target,
+                      title=f"{label}: longer budgets, time to DDP-fp32's final loss")  # fmt: skip
+            pictures.append(f"![{label}, longer budgets]({png.name})")
+    first = json.loads((Path(next(r for r in results if not r.get("long"))["run_dir"]) / "summary.json").read_text())
     gossip = [r for r in results if r["algo"] == "noloco"]
     group_size = None
     if gossip:
         group_size = json.loads((Path(gossip[0]["run_dir"]) / "summary.json").read_text()).get("group_size")
     command = "sudo python benchmarks/throttled.py " + " ".join(
         [f"--hosts {args.hosts}", f"--rates {args.rates}", "--methods", *args.methods, f"--steps {args.steps}",
-         f"--every {args.every}", *(args.overrides or [])]  # fmt: skip
+         f"--every {args.every}", *([f"--to-target {args.to_target}"] if args.to_target else []),
+         *(args.overrides or [])]  # fmt: skip
     )
     lines = [
         "# Throttled fleet: DDP, DiLoCo and NoLoCo on rate-limited links",

@@ -42,7 +42,8 @@ def _label(run_dir: Path) -> str:
     return Path(run_dir).name
 
 
-def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None) -> Path:
+def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, target: float | None = None) -> Path:
+    """Held-out loss vs steps, wall-clock and bytes, one line per run; ``target``: a dashed reference loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,6 +80,8 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None) -> Path
     for ax, xlabel in zip(axes, xlabels):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
+        if target is not None:
+            ax.axhline(target, color="0.3", ls="--", lw=1, label=f"target {target:.3f}" if ax is axes[0] else None)
     # bytes differ by orders of magnitude between methods (DDP vs outer steps): log scale past 1 MB
     axes[2].set_xscale("symlog", linthresh=1.0)
     axes[0].set_ylabel("held-out loss (nats/token)")
