@@ -91,7 +91,8 @@ class QuantCodec(Codec):
         self.name = str(self.spec)
 
     def quantize(self, segment: torch.Tensor, generator: torch.Generator | None = None) -> Packed:
-        """``segment`` (1-D float) → :class:`Packed` (raises ``ValueError`` on NaN/Inf)."""
+        """``segment`` (1-D float) → :class:`Packed`. NaN/Inf raise ``ValueError``: here on the CPU, from the
+        payload's first use (:meth:`Packed.check`, e.g. ``to_bytes``) on CUDA, where the check is deferred."""
         return quantize(segment.detach().reshape(-1).float(), self.spec, generator=generator)
 
     def encode(self, segment: torch.Tensor) -> bytes:

@@ -41,8 +41,11 @@ then encodes, as the bytes path does.
 Bytes sent per member per call: ``2 (n-1)/n`` times the packed size of the vector, plus at most 15
 bytes of alignment per section and a 16-byte status per all-gathered segment (:func:`wire_bytes`); counted
 into ``counter`` if given. Each call also all-gathers 56 bytes per member for the check and reads
-back n status bytes (two small host synchronisations), and the quantize kernels read one flag each
-(their NaN/Inf check).
+back n status bytes (two small host synchronisations). The quantize kernels do not sync per call: on
+CUDA each payload carries its deferred NaN/Inf verdict (:meth:`~noloco.quant.Packed.check`), read for
+every payload before it is sent -- after all of a phase's encodings are queued, so the first read waits
+for the kernels and the others find them done. (With error feedback, the residual update of each
+encoding still reads its verdict at once.)
 """
 
 from __future__ import annotations
@@ -123,7 +126,12 @@ def wire_bytes(numel: int, world: int, codec: str | QuantSpec = "int4") -> int:
 
 
 def pack_into(buf: torch.Tensor, packed: Packed) -> None:
-    """Copy ``packed``'s sections into ``buf`` (uint8, at least the message size) at their offsets."""
+    """Copy ``packed``'s sections into ``buf`` (uint8, at least the message size) at their offsets.
+
+    Raises:
+        ValueError: ``packed``'s pending non-finite check fails (:meth:`~noloco.quant.Packed.check`).
+    """
+    packed.check()
     sections, nbytes = message_layout(packed.spec, packed.numel)
     if buf.dtype != torch.uint8 or buf.numel() < nbytes:
         raise ValueError(f"message buffer of {buf.numel()} {buf.dtype} is smaller than {nbytes} bytes")
@@ -151,8 +159,10 @@ def message_view(packed: Packed) -> torch.Tensor | None:
     order, which is exactly :func:`message_layout`; then the message can be sent as it is (saving a copy of
     the codes, ~8 % of the time of a 1 GiB reduction). The layout is checked here, pointer by pointer, so
     any other allocation (the torch reference, scales replaced by a new tensor) falls back to
-    :func:`pack_into`.
+    :func:`pack_into`. Like it, checks ``packed`` first (:meth:`~noloco.quant.Packed.check`: ``ValueError``
+    on a failed non-finite check), since the view is what gets sent.
     """
+    packed.check()
     sections, nbytes = message_layout(packed.spec, packed.numel)
     codes = packed.codes
     if not nbytes or codes.dtype != torch.uint8:
@@ -181,7 +191,9 @@ def encode_segment(values: torch.Tensor, spec: QuantSpec, residual: torch.Tensor
 
     With ``residual`` (fp32, ``values``' length and device; updated in place) the encoded value is
     ``values + residual`` and the residual becomes ``values + residual - decoded`` (error feedback on
-    the fused quantize kernel where one exists). Raises ``ValueError`` on NaN/Inf (quantized specs).
+    the fused quantize kernel where one exists). NaN/Inf (quantized specs) raise ``ValueError``: from
+    this call on the CPU, from the payload's :meth:`~noloco.quant.Packed.check` on CUDA's fused kernels
+    (callers check before sending); the residual is left unchanged either way.
     """
     if _is_raw(spec):
         value = values.float() if residual is None else values.float() + residual
@@ -198,7 +210,12 @@ def encode_segment(values: torch.Tensor, spec: QuantSpec, residual: torch.Tensor
 
 
 def decode_segment(out: torch.Tensor, packed: Packed, backend: str | None = None) -> None:
-    """Decode ``packed`` into ``out`` (contiguous 1-D fp32 view of ``packed.numel`` values) in place."""
+    """Decode ``packed`` into ``out`` (contiguous 1-D fp32 view of ``packed.numel`` values) in place.
+
+    Raises:
+        ValueError: ``packed``'s pending non-finite check fails (:meth:`~noloco.quant.Packed.check`).
+    """
+    packed.check()
     if packed.numel == 0:
         return
     spec = packed.spec
@@ -463,6 +480,8 @@ def allreduce_device(
             if k != me:
                 res = None if contribution is None else contribution[start:end]
                 encoded[k] = encode_segment(flat[start:end], spec, res, backend)
+        for packed in encoded.values():  # every verdict before anything is sent (deferred on CUDA)
+            packed.check()
         if n == 2:  # one message: sent as the kernel wrote it when possible
             send = message_view(encoded[1 - me])
         if send is None:
@@ -525,6 +544,7 @@ def allreduce_device(
         res = None if result is None else result[start:end]
         reduced = reduce_segment(own, received, me, op, spec, res, backend, own_is_scratch=own_is_scratch,
                                  mark=clock.mark)
+        reduced.check()  # its verdict before it is sent (deferred on CUDA)
         gather_send = message_view(reduced)
         if gather_send is None or gather_send.numel() != gather_size:
             gather_send = torch.empty(gather_size, dtype=torch.uint8, device=device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -205,6 +206,13 @@ class Packed:
     ``scales`` holds bf16 bit patterns (int16) for int formats, E8M0 bytes (uint8) for MX, and is
     ``None`` for float formats. ``zero_points`` (uint8) exists for zero-aware int, ``mins`` (bf16 bits
     as int16) for naive int. All tensors live on the device of the input.
+
+    A payload made on CUDA by a checked quantizing call may carry a *pending* non-finite check (the kernel's
+    verdict, not read yet so that the call needs no host sync; docs/quant.md, "Error handling"). :meth:`check`
+    reads it and raises ``ValueError`` if the input held NaN/±Inf; :meth:`to_bytes`, :meth:`to`,
+    :meth:`sections`, ``dequantize`` and the fused ops call it first. Reading the section attributes
+    (``codes``, ``scales``, ...) does not: code that hands them to a collective itself calls :meth:`check` first.
+    The pending check is private state: not compared, not shown, not serialized.
     """
 
     spec: QuantSpec
@@ -214,6 +222,7 @@ class Packed:
     scales: torch.Tensor | None = None
     zero_points: torch.Tensor | None = None
     mins: torch.Tensor | None = None
+    _pending: Any = field(default=None, init=False, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -231,20 +240,44 @@ class Packed:
 
         return header_nbytes(self) + self.spec.payload_nbytes(self.numel)
 
+    def check(self) -> None:
+        """Raise if the input this payload was encoded from held NaN/±Inf; a no-op when nothing is pending.
+
+        Only a payload made on CUDA by a checked call (``quantize``, ``ErrorFeedback.quantize``,
+        ``dequantize_accumulate_requantize``) can have a check pending; elsewhere the call itself raised. Reading
+        the verdict waits for the encoding kernel if it has not finished (usually it has). A clean verdict is
+        dropped (later calls cost nothing); a bad one is kept, so every later use raises again.
+
+        Raises:
+            ValueError: the encoded input held NaN/±Inf (or a group range that overflows), with the message the
+                call would have raised; the payload's bad groups are marked (bf16 NaN scale / E8M0 255) either way.
+        """
+        pending = self._pending
+        if pending is not None:
+            pending.raise_if_bad()
+            self._pending = None
+
     def sections(self) -> list[torch.Tensor]:
-        """Payload tensors in wire order (matching :meth:`QuantSpec.layout`)."""
+        """Payload tensors in wire order (matching :meth:`QuantSpec.layout`), after :meth:`check`: what is sent."""
+        self.check()
         return [getattr(self, name) for name, _, _ in self.spec.layout(self.numel)]
 
     def to(self, device: torch.device | str) -> Packed:
-        """A copy with every payload tensor on ``device``."""
+        """A copy with every payload tensor on ``device`` (after :meth:`check`)."""
+        self.check()
         move = lambda t: None if t is None else t.to(device)
         return Packed(self.spec, self.shape, self.dtype, move(self.codes), move(self.scales),
                       move(self.zero_points), move(self.mins))
 
     def to_bytes(self) -> bytes:
-        """Serialize to the versioned wire format (docs/quant.md)."""
+        """Serialize to the versioned wire format (docs/quant.md), after :meth:`check`.
+
+        Raises:
+            ValueError: a pending check finds non-finite input (:meth:`check`).
+        """
         from .wire import to_bytes
 
+        self.check()
         return to_bytes(self)
 
     @staticmethod

@@ -7,7 +7,9 @@
 
 Both follow the fixed summation order ``((acc + deq(p_1)) + deq(p_2)) + ...`` in fp32 on every
 backend. The Triton path (CUDA, or forced) handles runs of up to 4 inputs that share one spec per
-launch; inputs of other specs, rotated specs and MXFP6 go through the torch reference.
+launch; inputs of other specs, rotated specs and MXFP6 go through the torch reference. Both first check
+their inputs (:meth:`Packed.check`: a payload whose deferred non-finite check fails raises here), and the
+fused requantize on CUDA defers its own output's check like ``quantize``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def _check_inputs(numel: int, inputs: Sequence[Packed]) -> None:
     for p in inputs:
         if p.numel != numel:
             raise ValueError(f"input holds {p.numel} elements, accumulator {numel}")
+    for p in inputs:
+        p.check()
 
 
 def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backend: str | None = None
@@ -37,6 +41,9 @@ def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backen
 
     Returns:
         ``acc``.
+
+    Raises:
+        ValueError: an input's pending non-finite check fails (:meth:`Packed.check`); ``acc`` is untouched then.
     """
     if acc.dtype != torch.float32 or not acc.is_contiguous():
         raise ValueError("the accumulator must be a contiguous float32 tensor")
@@ -73,10 +80,14 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[
         acc: this hop's own fp32 contribution (not modified), or None for a pure re-encode of the sum.
         inputs: at least one Packed (the incoming partial sums), all of the same numel and device.
         spec: the format of the outgoing partial sum.
-        check_finite: as in :func:`noloco.quant.quantize` (default True: a non-finite sum raises ``ValueError``).
+        check_finite: as in :func:`noloco.quant.quantize` (default True: a non-finite sum raises ``ValueError``,
+            on CUDA's fused kernel when the returned payload is first used).
 
     Returns:
         The outgoing Packed, with the shape/dtype of ``acc`` (or of ``inputs[0]``).
+
+    Raises:
+        ValueError: an input's pending non-finite check fails, or the sum is not finite (see ``check_finite``).
     """
     spec = ops.parse_spec(spec)
     if not inputs:
@@ -96,9 +107,11 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[
                and in_spec.group == spec.group)
     if fusable:
         a = None if acc is None else ops._kernel_input(acc).float()  # no copy for a contiguous fp32 acc
-        sections = ops._triton().dequantize_accumulate_requantize(a, list(inputs), numel, spec, generator,
-                                                                  check=check_finite)
-        return Packed(spec, shape, dtype, **sections)
+        sections, pending = ops._triton().dequantize_accumulate_requantize(a, list(inputs), numel, spec, generator,
+                                                                           check=check_finite, defer=True)
+        packed = Packed(spec, shape, dtype, **sections)
+        packed._pending = pending
+        return packed
     total = (torch.zeros(numel, dtype=torch.float32, device=device) if acc is None
              else acc.detach().reshape(-1).float().clone())
     for p in inputs:

@@ -8,8 +8,9 @@ check kernel/reference agreement without a GPU). ``+hadamard`` rotation runs in 
 
 The Triton path is the hot path of every exchange, so its host work per call is kept minimal: spec strings are
 parsed once (:func:`parse_spec`), a contiguous input is passed to the kernel without copies, and the kernel
-module caches launch plans (docs/quant.md, "Host path"). ``check_finite=False`` lets trusted callers skip the one
-device read a quantizing call otherwise makes to raise on NaN/Inf input.
+module caches launch plans (docs/quant.md, "Host path"). On CUDA a checked ``quantize`` does not wait for its
+NaN/Inf verdict: the payload carries it and raises when first used (:meth:`Packed.check`, docs/quant.md "Error
+handling"). ``check_finite=False`` lets trusted callers skip the check altogether.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_flat(v: torch.Tensor, spec: QuantSpec, be: str, generator: torch.Generator | None = None,
                   check_finite: bool = True) -> dict[str, torch.Tensor]:
-    """Payload sections for flat ``v`` (already rotated if the spec says so)."""
+    """Payload sections for flat ``v`` (already rotated if the spec says so). Non-finite input raises here, on
+    every backend (the rotated and unfused paths that use this read their verdict at once)."""
     if be == "triton":
         return _triton().quantize(_kernel_input(v), spec, generator, check=check_finite)[0]
     v = v.float()
@@ -111,24 +113,28 @@ def quantize(x: torch.Tensor, spec: QuantSpec | str, *, generator: torch.Generat
         spec: a :class:`QuantSpec` or its string (``"int4"``, ``"mxfp8+hadamard"``, ...).
         generator: seeds stochastic rounding (``:stochastic`` specs); ignored otherwise.
         backend: ``"torch"``, ``"triton"`` or None (auto: Triton for CUDA tensors).
-        check_finite: True (default): NaN/Inf input raises ``ValueError`` from this call; on the Triton path
-            that costs one 4-byte device read (a sync) after the kernel. False, for trusted callers that cannot
-            afford the sync: no read; a group holding NaN/Inf is still marked in the payload (bf16 NaN scale,
-            E8M0 255), so decoding it gives NaN locally and ``Packed.from_bytes`` rejects it. The torch reference
-            always checks.
+        check_finite: True (default): NaN/Inf input is refused with ``ValueError``. On the CPU (and for rotated
+            specs) this call raises. On CUDA's fused kernels the call does not wait for the verdict (no host sync):
+            the returned payload carries it and raises the same error when first used -- :meth:`Packed.check`,
+            ``to_bytes``, ``to``, ``sections``, ``dequantize``, the fused ops. False, for trusted callers: no check;
+            a group holding NaN/Inf is still marked in the payload (bf16 NaN scale, E8M0 255), so decoding it gives
+            NaN locally and ``Packed.from_bytes`` rejects it. The torch reference always checks.
 
     Returns:
         A :class:`Packed` on ``x``'s device remembering ``x.shape`` and ``x.dtype``.
 
     Raises:
-        ValueError: ``x`` holds NaN or ±Inf (or values the format cannot represent).
+        ValueError: ``x`` holds NaN or ±Inf (or values the format cannot represent); on CUDA's fused path raised by
+            the payload's first use instead (see ``check_finite``).
     """
     spec = parse_spec(spec)
     _check_input(x)
     be = pick_backend(backend, x.device, spec)
     if be == "triton" and not spec.hadamard:  # the hot path: one kernel, no copies of a contiguous x
-        sections = _triton().quantize(_kernel_input(x), spec, generator, check=check_finite)[0]
-        return Packed(spec, tuple(x.shape), x.dtype, **sections)
+        sections, _, pending = _triton().quantize(_kernel_input(x), spec, generator, check=check_finite, defer=True)
+        packed = Packed(spec, tuple(x.shape), x.dtype, **sections)
+        packed._pending = pending
+        return packed
     flat = x.detach().reshape(-1)
     if spec.hadamard:
         intq.check_finite(flat)
@@ -142,7 +148,8 @@ def sections_of(p: Packed) -> dict[str, torch.Tensor]:
 
 
 def dequantize_flat(p: Packed, be: str) -> torch.Tensor:
-    """Flat fp32 decode of ``p``'s payload (still rotated; padded length if rotated)."""
+    """Flat fp32 decode of ``p``'s payload (still rotated; padded length if rotated), after ``p.check()``."""
+    p.check()
     n = p.spec.padded_numel(p.numel)
     if be == "triton":
         out = torch.empty(n, dtype=torch.float32, device=p.device)
@@ -156,7 +163,12 @@ def dequantize_flat(p: Packed, be: str) -> torch.Tensor:
 
 
 def dequantize(p: Packed, *, backend: str | None = None) -> torch.Tensor:
-    """Decode ``p`` to a float32 tensor of the original shape, on ``p``'s device (a new tensor)."""
+    """Decode ``p`` to a float32 tensor of the original shape, on ``p``'s device (a new tensor).
+
+    Raises:
+        ValueError: ``p`` carries a pending non-finite check that fails (:meth:`Packed.check`).
+    """
+    p.check()
     device = p.codes.device
     be = pick_backend(backend, device, p.spec)
     if be == "triton" and not p.spec.hadamard:  # the hot path: decode straight into the output's memory

@@ -31,11 +31,13 @@ torch reference.
 Non-finite input. The group statistics are NaN-propagating min/max (int zero-aware and naive) or an
 integer max over the magnitudes' bit patterns (symmetric and MX, where NaN/Inf patterns are the largest),
 so non-finite input shows in the statistics themselves at no per-element cost. A bad group gets the
-scale pattern bf16 NaN 0x7FC0 (or E8M0 255) and sets a flag word in device memory (only programs that
-see a bad group write it); a checked call reads that word once (a 4-byte copy and sync) and raises
-``ValueError`` before anything is returned. The word is persistent per (thread, device, stream) and zeroed only
-after it was found set, so a clean call neither allocates nor zeroes it. MXFP6 has no kernel (the torch reference
-serves it). Rotation (``+hadamard``) is applied by the caller around these kernels.
+scale pattern bf16 NaN 0x7FC0 (or E8M0 255), and the programs that see one store the call's id into a flag word
+in device memory, persistent per (thread, device, stream) and never zeroed per call (:mod:`.deferred`). On CUDA a
+checked call queues a 4-byte copy of the word into pinned host memory and an event, and the payload carries the
+pending verdict, read when it is first used (``Packed.check``): no host sync per call. Under the interpreter
+(CPU), and where a caller asks for an immediate answer, the word is read right after the launch and a refused
+call raises ``ValueError`` before anything is returned. MXFP6 has no kernel (the torch reference serves it).
+Rotation (``+hadamard``) is applied by the caller around these kernels.
 
 Host side. Everything that depends only on (op, spec, n, dtypes, device, launch configuration) -- grid,
 constexpr arguments, output layout -- is cached in a launch plan; a plan's compiled kernel is launched directly
@@ -59,6 +61,7 @@ import triton
 import triton.language as tl
 
 from .base import Packed, QuantSpec
+from .deferred import NON_FINITE, RING_SLOTS, FlagRing, FlagWord, HostEvent, PendingCheck
 from .intq import inv_steps, inv_sym, max_scale_bits16
 from .mx import element_params
 
@@ -342,14 +345,15 @@ def _mx_codes(v, X, EBITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr
 
 
 @triton.jit
-def _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr,
+def _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr, call_id,
            PAIRED: tl.constexpr, ODD: tl.constexpr, NEED_DEQ: tl.constexpr,
            KIND: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, STOCH: tl.constexpr,
            LEVELS: tl.constexpr, HALF: tl.constexpr, MAXB: tl.constexpr, EBITS: tl.constexpr,
            MBITS: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
            MAXMANT: tl.constexpr, MXCEIL: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr,
            INV_STEPS: tl.constexpr, INV_SYM: tl.constexpr):
-    """Quantize the tile (va[, vb]); store codes, group parameters and the non-finite flag.
+    """Quantize the tile (va[, vb]); store codes, group parameters and, if a group is bad, ``call_id`` into the
+    non-finite flag word (every bad program of a call stores the same id, so plain stores suffice).
 
     Paired: va/vb are elements 2c / 2c + 1. Flat: va holds elements c, vb is ignored.
     Returns deq(va), deq(vb) when NEED_DEQ (else va, vb).
@@ -413,7 +417,7 @@ def _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, 
     else:
         tl.store(codes_ptr + c, ca.to(tl.uint8), mask=ea)
     nbad = tl.max(tl.where(gmask & bad, 1, 0))
-    tl.store(flag_ptr, nbad, mask=nbad > 0)
+    tl.store(flag_ptr, call_id, mask=nbad > 0)
     return va, vb
 
 
@@ -421,9 +425,9 @@ def _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, 
 # kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["call_id"])
 def _quantize_kernel(x_ptr, xw_ptr, res_ptr, resw_ptr, res_out_ptr, res_outw_ptr, codes_ptr, scales_ptr, zp_ptr,
-                     mins_ptr, flag_ptr, n, nw, nb, seed,
+                     mins_ptr, flag_ptr, call_id, n, nw, nb, seed,
                      HAS_RES: tl.constexpr, PAIRED: tl.constexpr, XW: tl.constexpr, ODD: tl.constexpr,
                      I64: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, KIND: tl.constexpr,
                      BITS: tl.constexpr, MODE: tl.constexpr, STOCH: tl.constexpr, LEVELS: tl.constexpr,
@@ -445,7 +449,7 @@ def _quantize_kernel(x_ptr, xw_ptr, res_ptr, resw_ptr, res_out_ptr, res_outw_ptr
             va = va + tl.load(res_ptr + c, mask=c < n, other=0.0)
         vb = va
     gmask = g * GROUP < n
-    da, db = _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr,
+    da, db = _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr, call_id,
                     PAIRED, ODD, HAS_RES, KIND, BITS, MODE, STOCH, LEVELS, HALF, MAXB, EBITS, MBITS, BIAS,
                     EMIN, EMAX, MAXMANT, MXCEIL, MAXVAL, SUBSCALE, INV_STEPS, INV_SYM)
     if HAS_RES:
@@ -505,8 +509,8 @@ def _dequantize_kernel(out_ptr, outw_ptr, n, nw, nb,
         tl.store(out_ptr + c, y, mask=c < n)
 
 
-@triton.jit
-def _requantize_kernel(acc_ptr, accw_ptr, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr,
+@triton.jit(do_not_specialize=["call_id"])
+def _requantize_kernel(acc_ptr, accw_ptr, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr, call_id,
                        c0, s0, z0, m0, c1, s1, z1, m1, c2, s2, z2, m2, c3, s3, z3, m3,
                        K: tl.constexpr, HAS_ACC: tl.constexpr, PAIRED: tl.constexpr, ODD: tl.constexpr,
                        EVEN: tl.constexpr, I64: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr,
@@ -564,7 +568,7 @@ def _requantize_kernel(acc_ptr, accw_ptr, n, nw, nb, seed, codes_ptr, scales_ptr
         if not EVEN:
             va = tl.where(c < n, va, 0.0)
         vb = va
-    _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr,
+    _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr, call_id,
            PAIRED, ODD, False, KIND, BITS, MODE, STOCH, LEVELS, HALF, MAXB, EBITS, MBITS, BIAS,
            EMIN, EMAX, MAXMANT, MXCEIL, MAXVAL, SUBSCALE, INV_STEPS, INV_SYM)
 
@@ -574,12 +578,15 @@ def _requantize_kernel(acc_ptr, accw_ptr, n, nw, nb, seed, codes_ptr, scales_ptr
 
 #: Launch configuration per kernel: (elements per program, warps per program). A program handles
 #: max(1, elements // group) whole groups. ``benchmarks/kernels.py --sweep`` times alternatives on the GPU.
-#: Keys: kernel name / tile kind ("paired": a 4-bit side, "flat": 8-bit codes only).
+#: Keys: kernel name / tile kind ("paired": a 4-bit side, "flat": 8-bit codes only); MX quantize (groups of 32,
+#: other element arithmetic) has its own keys, ``quantize_mx/...`` (MXFP4 is paired, MXFP8 flat).
 #: Values: the fastest of (1024, 8), (2048, 4), (4096, 4), (4096, 8) on an H200 at 2^28 elements
-#: (docs/results/kernels.md).
+#: (docs/results/kernels.md); the MX quantize keys start from the int values they were tuned with before.
 CONFIG: dict[str, tuple[int, int]] = {
     "quantize/paired": (4096, 4),
     "quantize/flat": (2048, 4),
+    "quantize_mx/paired": (4096, 4),
+    "quantize_mx/flat": (2048, 4),
     "quantize_ef/paired": (1024, 8),
     "quantize_ef/flat": (4096, 8),
     "dequantize/paired": (1024, 8),
@@ -589,8 +596,6 @@ CONFIG: dict[str, tuple[int, int]] = {
 }
 
 _XW = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_NON_FINITE = ("cannot quantize: input holds non-finite values (NaN or ±Inf) or a group range that would "
-               "overflow; refusing to produce a poisoned payload")
 
 # Direct launches of compiled kernels (see _Plan.launch). Triton >= 3.3 exposes the pieces (knobs, CompiledKernel's
 # launcher); anything else, the interpreter, or NOLOCO_TRITON_DIRECT_LAUNCH=0 keeps Triton's own launcher.
@@ -759,38 +764,56 @@ def _input_consts(spec: QuantSpec) -> dict:
 
 
 # ---------------------------------------------------------------------------------- non-finite flag words
-# One zeroed int32 word per (thread, device, stream), kept for the life of the thread: a kernel that sees a
-# non-finite group writes 1 into it, a checked call reads it once after its launch (one 4-byte copy and sync) and
-# zeroes it again only when it was set, so a clean call allocates nothing and launches no zeroing kernel. Calls on
-# one stream are ordered and each checked call reads before returning, so a flag set by one call cannot leak
-# into another; other threads and streams have their own word. Unchecked calls write into a per-device scratch
-# word that is never read (their bad groups are still marked in the payload itself).
+# One int32 word per (thread, device, stream), kept for the life of the thread (deferred.FlagWord): each checked call
+# gets the next call id and its kernel stores that id into the word where a group is non-finite, so no call zeroes
+# it. On CUDA the call then queues a 4-byte copy of the word into a pinned ring slot and records an event; the
+# verdict is read when the payload is first used (Packed.check). The interpreter (CPU) reads the word at once: its
+# launches are synchronous. Unchecked calls write into a per-device scratch word that is never read (their bad
+# groups are still marked in the payload itself).
 
 _TLS = threading.local()
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
+#: device types whose checked calls defer their verdict (the tests add "cpu" to run the deferred path on the CPU)
+_DEFER_DEVICES = frozenset({"cuda"})
 
 
-def _flag(device: torch.device, check: bool) -> torch.Tensor:
-    if not check:
-        word = _SCRATCH.get(device)
-        if word is None:
-            word = _SCRATCH[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return word
+def _new_ring(device: torch.device) -> FlagRing:
+    """The ring of deferred verdicts of the current stream of ``device``."""
+    if device.type == "cuda":
+        return FlagRing(RING_SLOTS, torch.cuda.Event, torch.cuda.current_stream(device), pin_memory=True)
+    return FlagRing(RING_SLOTS, HostEvent)
+
+
+def _flag_word(device: torch.device) -> FlagWord:
+    """The flag word of this thread on ``device``'s current stream."""
     words = getattr(_TLS, "words", None)
     if words is None:
         words = _TLS.words = {}
     key = (device, _raw_stream(device.index) if device.type == "cuda" else 0)
     word = words.get(key)
     if word is None:
-        word = words[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        word = words[key] = FlagWord(device, functools.partial(_new_ring, device))
     return word
 
 
-def _raise_if_flagged(flag: torch.Tensor) -> None:
-    """Read the flag word (the one device sync of a checked call) and raise if the kernel set it."""
-    if flag.item():
-        flag.zero_()
-        raise ValueError(_NON_FINITE)
+def _scratch(device: torch.device) -> torch.Tensor:
+    word = _SCRATCH.get(device)
+    if word is None:
+        word = _SCRATCH[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return word
+
+
+def _verdict(flag: FlagWord, call_id: int, defer: bool, device: torch.device) -> PendingCheck | None:
+    """After the launch of checked call ``call_id``: its deferred verdict (``defer`` on a device that supports it),
+    or None after reading the word now and raising ``ValueError`` if the call met a non-finite group."""
+    if defer and device.type in _DEFER_DEVICES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a checked quantizing call cannot be captured in a CUDA graph (its verdict is read "
+                               "after the launch); pass check_finite=False")
+        return flag.defer(call_id)
+    if flag.is_set(call_id):
+        raise ValueError(NON_FINITE)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -825,8 +848,8 @@ def _sig(ptr_bits: int, seed: int) -> tuple[bool, bool, bool]:
 
 
 def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
-             residual: torch.Tensor | None = None, check: bool = True
-             ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+             residual: torch.Tensor | None = None, check: bool = True, defer: bool = False
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, PendingCheck | None]:
     """Quantize flat ``v`` (fp32/bf16/fp16, contiguous) with the fused kernel.
 
     Args:
@@ -834,29 +857,38 @@ def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
         spec: an int or MXFP4/MXFP8 spec (rotation already applied by the caller).
         generator: seeds stochastic rounding.
         residual: optional (n,) fp32 error-feedback residual e; then v + e is quantized.
-        check: read the non-finite flag and raise (one 4-byte device read and sync). False: no host read; bad
-            groups are still marked in the payload (bf16 NaN scale / E8M0 255), which every decoder rejects.
+        check: refuse non-finite input. False: no check at all; bad groups are still marked in the payload (bf16
+            NaN scale / E8M0 255), which every decoder rejects.
+        defer: with ``check``, on CUDA: do not read the verdict now (no host sync) but return a
+            :class:`~noloco.quant.deferred.PendingCheck` for the payload to carry. Otherwise (or on the CPU) the
+            flag word is read after the launch (a sync on CUDA) and a refused call raises here.
 
     Returns:
-        (sections, new_residual): payload sections as in ``QuantSpec.layout`` (views of one allocation); the new
-        residual ``v + e - deq(Q(v + e))`` as a fresh fp32 tensor (the input residual is not modified), or None.
+        (sections, new_residual, pending): payload sections as in ``QuantSpec.layout`` (views of one allocation);
+        the new residual ``v + e - deq(Q(v + e))`` as a fresh fp32 tensor (the input residual is not modified), or
+        None; the deferred verdict, or None.
 
     Raises:
-        ValueError: non-finite input (``check`` only).
+        ValueError: non-finite input (``check`` and not deferred).
     """
     n = v.numel()
     dev = v.device
     has_res = residual is not None
     paired = spec.bits == 4
-    cfg_key = ("quantize_ef/" if has_res else "quantize/") + ("paired" if paired else "flat")
-    cfg = CONFIG[cfg_key]
+    cfg = CONFIG[quantize_config_key(spec, has_res)]
     plan = _plan(("q", spec, n, v.dtype, has_res, dev, cfg), lambda: _Plan(
         _quantize_kernel, n, spec.group, cfg, paired, dict(_encode_consts(spec), HAS_RES=has_res, XW=_XW[v.dtype]),
         spec))
     sections = plan.alloc(dev)
     res_out = torch.empty(n, dtype=torch.float32, device=dev) if has_res else None
+    pending = None
     if n:
-        flag = _flag(dev, check)
+        if check:
+            word = _flag_word(dev)
+            call_id = word.next_id()
+            flag = word.word
+        else:
+            flag, call_id = _scratch(dev), 1
         codes = sections["codes"]
         scales = sections["scales"]
         seed = _seed(spec, generator)
@@ -880,10 +912,16 @@ def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
                 res = resw = rout = routw = v
                 bits = v.data_ptr()
         _run(plan, (v, vw, res, resw, rout, routw, codes, scales, sections.get("zero_points", codes),
-                    sections.get("mins", codes), flag, n, n // 2, (n + 1) // 2, seed), _sig(bits, seed), dev)
+                    sections.get("mins", codes), flag, call_id, n, n // 2, (n + 1) // 2, seed), _sig(bits, seed), dev)
         if check:
-            _raise_if_flagged(flag)
-    return sections, res_out
+            pending = _verdict(word, call_id, defer, dev)
+    return sections, res_out, pending
+
+
+def quantize_config_key(spec: QuantSpec, error_feedback: bool = False) -> str:
+    """The :data:`CONFIG` key of the quantize kernel for ``spec`` (with or without an error-feedback residual)."""
+    op = "quantize_ef/" if error_feedback else ("quantize_mx/" if spec.kind == "mx" else "quantize/")
+    return op + ("paired" if spec.bits == 4 else "flat")
 
 
 def _input_args(inputs: list[Packed]) -> tuple[list[torch.Tensor], int]:
@@ -924,11 +962,11 @@ def dequantize_accumulate(out: torch.Tensor, inputs: list[Packed], accumulate: b
 
 
 def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: list[Packed], n: int, spec: QuantSpec,
-                                     generator: torch.Generator | None = None, check: bool = True
-                                     ) -> dict[str, torch.Tensor]:
-    """Sections of Q(acc + deq(inputs[0]) + ...); inputs share one spec whose group equals ``spec``'s.
+                                     generator: torch.Generator | None = None, check: bool = True,
+                                     defer: bool = False) -> tuple[dict[str, torch.Tensor], PendingCheck | None]:
+    """(sections, pending) of Q(acc + deq(inputs[0]) + ...); inputs share one spec whose group equals ``spec``'s.
 
-    ``check`` as in :func:`quantize`.
+    ``check``, ``defer`` and ``pending`` as in :func:`quantize`.
     """
     dev = inputs[0].codes.device
     in_spec = inputs[0].spec
@@ -945,8 +983,14 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: list[Pack
 
     plan = _plan(("r", in_spec, spec, n, k, has_acc, dev, cfg), build)
     sections = plan.alloc(dev)
+    pending = None
     if n:
-        flag = _flag(dev, check)
+        if check:
+            word = _flag_word(dev)
+            call_id = word.next_id()
+            flag = word.word
+        else:
+            flag, call_id = _scratch(dev), 1
         codes = sections["codes"]
         args, bits = _input_args(inputs)
         if has_acc:
@@ -958,8 +1002,8 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: list[Pack
             a = aw = codes
         seed = _seed(spec, generator)
         _run(plan, (a, aw, n, n // 2, (n + 1) // 2, seed, codes, sections["scales"],
-                    sections.get("zero_points", codes), sections.get("mins", codes), flag, *args),
+                    sections.get("zero_points", codes), sections.get("mins", codes), flag, call_id, *args),
              _sig(bits, seed), dev)
         if check:
-            _raise_if_flagged(flag)
-    return sections
+            pending = _verdict(word, call_id, defer, dev)
+    return sections, pending

@@ -147,6 +147,43 @@ def test_kernel_output_is_sent_as_it_is_and_other_layouts_are_copied():
         assert torch.equal(dequantize(unpack(buf, spec, 1001)), dequantize(reference))
 
 
+def _defer_on_cpu(monkeypatch=None):
+    """Checked Triton calls on CPU tensors defer their non-finite verdict as on CUDA (noloco.quant.deferred)."""
+    import threading
+
+    from noloco.quant import triton_kernels as tk
+
+    values = {"_DEFER_DEVICES": frozenset({"cpu", "cuda"}), "_TLS": threading.local()}
+    for name, value in values.items():
+        if monkeypatch is None:
+            setattr(tk, name, value)
+        else:
+            monkeypatch.setattr(tk, name, value)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("codec", ["int4", "int8", "mxfp4"])
+def test_a_deferred_verdict_is_read_before_a_payload_is_packed_or_decoded(device, codec, monkeypatch):
+    if device == "cpu":
+        _defer_on_cpu(monkeypatch)
+    spec = get_codec(codec).spec
+    x = torch.randn(1001, device=device)
+    x[700] = float("nan")
+    packed = encode_segment(x, spec, None, "triton")  # no raise: the verdict is pending
+    buf = torch.empty(message_layout(spec, 1001)[1], dtype=torch.uint8, device=device)
+    for use in (lambda: message_view(packed), lambda: pack_into(buf, packed),
+                lambda: decode_segment(torch.empty(1001, device=device), packed, "triton")):
+        with pytest.raises(ValueError, match="non-finite"):
+            use()
+    residual = torch.randn(1001, device=device) * 1e-3
+    before = residual.clone()
+    with pytest.raises(ValueError, match="non-finite"):
+        encode_segment(x, spec, residual, "triton").check()
+    assert torch.equal(residual, before)  # a refused encoding leaves the residual as it was
+    clean = encode_segment(x.nan_to_num(), spec, None, "triton")
+    assert message_view(clean) is not None
+
+
 # ---- gloo processes ------------------------------------------------------------------------------------
 
 _CASES = [  # (numel, codec, op, dtype): tails, fewer values than members, every codec family
@@ -263,6 +300,38 @@ def test_disagreements_and_non_finite_input_fail_on_every_member_without_hanging
         assert kinds[1:] == [RemoteFailure.__name__] * (world - 1), kinds
     for r in results:
         assert torch.equal(r["after"], torch.full((100,), 1.0))
+
+
+def _deferred_failures(t, world):
+    """NaN/Inf on member 0 with the Triton kernels' deferred verdicts: every member still fails, nobody hangs."""
+    _defer_on_cpu()
+    out = {}
+    scenarios = {"nan sent": (990, "mean"), "nan owned": (3, "mean"), "nan owned, fused requantize": (3, "sum")}
+    for name, (where, op) in scenarios.items():
+        x = torch.randn(1000)
+        if t.rank == 0:
+            x[where] = float("nan") if name == "nan sent" else float("inf")
+        try:
+            allreduce_device(x, codec="int4", op=op, min_compress_numel=0, backend="triton")
+            out[name] = ("ok", "")
+        except Exception as exc:  # noqa: BLE001 - returned for inspection
+            out[name] = (type(exc).__name__, str(exc))
+    x = _inputs(world, 1024, seed=11)[t.rank]
+    out["after"] = (allreduce_device(x, codec="int4", min_compress_numel=0, backend="triton"),
+                    allreduce(x, t, codec="int4", min_compress_numel=0, tag="after"))
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the interpreted kernels on CPU")
+def test_deferred_non_finite_verdicts_fail_every_member_before_anything_is_sent():
+    world = 3
+    results = launch_local(_deferred_failures, world, world, timeout=240)
+    for name in ("nan sent", "nan owned", "nan owned, fused requantize"):
+        kinds = [r[name][0] for r in results]
+        assert kinds[0] == "ValueError" and "non-finite" in results[0][name][1], results[0][name]
+        assert kinds[1:] == [RemoteFailure.__name__] * (world - 1), (name, kinds)
+    for r in results:
+        assert torch.equal(r["after"][0], r["after"][1]) and torch.equal(r["after"][0], results[0]["after"][0])
 
 
 # ---- DDP hook, device path over gloo --------------------------------------------------------------------

@@ -33,7 +33,8 @@ def compile_plan(kernel, plan, types):
     names = kernel.arg_names
     consts = dict(zip(names[plan.n_runtime:], plan.consts))
     sig = {nm: ("constexpr" if nm in consts else types[nm]) for nm in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names[:plan.n_runtime]) if nm != "seed"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names[:plan.n_runtime])
+             if nm not in ("seed", "call_id")}
     src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items()}, attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=plan.num_warps, enable_fp_fusion=False))
@@ -50,7 +51,7 @@ def inputs(spec):
 def quantize(name, xd, has_res):
     spec = QuantSpec.parse(name)
     paired = spec.bits == 4
-    cfg = tk.CONFIG[("quantize_ef/" if has_res else "quantize/") + ("paired" if paired else "flat")]
+    cfg = tk.CONFIG[tk.quantize_config_key(spec, has_res)]
     dt = getattr(torch, xd)
     plan = tk._Plan(tk._quantize_kernel, N, spec.group, cfg, paired,
                     dict(tk._encode_consts(spec), HAS_RES=has_res, XW=tk._XW[dt]), spec)
@@ -59,8 +60,8 @@ def quantize(name, xd, has_res):
     r = "*i64" if paired else "*fp32"
     compile_plan(tk._quantize_kernel, plan, dict(
         x_ptr=x, xw_ptr=w, res_ptr="*fp32", resw_ptr=r, res_out_ptr="*fp32", res_outw_ptr=r, codes_ptr="*u8",
-        scales_ptr=SC[spec.kind], zp_ptr="*u8", mins_ptr="*i16", flag_ptr="*i32", n="i32", nw="i32", nb="i32",
-        seed="i32"))
+        scales_ptr=SC[spec.kind], zp_ptr="*u8", mins_ptr="*i16", flag_ptr="*i32", call_id="i32", n="i32", nw="i32",
+        nb="i32", seed="i32"))
 
 
 def dequantize(name, k, accum):
@@ -81,7 +82,8 @@ def requantize(in_name, name):
                     dict(tk._input_consts(ispec), **tk._encode_consts(spec), K=2, HAS_ACC=True, EVEN=True), spec)
     compile_plan(tk._requantize_kernel, plan, dict(
         inputs(ispec), acc_ptr="*fp32", accw_ptr="*i64" if paired else "*fp32", n="i32", nw="i32", nb="i32",
-        seed="i32", codes_ptr="*u8", scales_ptr=SC[spec.kind], zp_ptr="*u8", mins_ptr="*i16", flag_ptr="*i32"))
+        seed="i32", codes_ptr="*u8", scales_ptr=SC[spec.kind], zp_ptr="*u8", mins_ptr="*i16", flag_ptr="*i32",
+        call_id="i32"))
 
 
 quantize("int4", "bfloat16", False)

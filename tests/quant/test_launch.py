@@ -1,5 +1,5 @@
 """The host side of the Triton path: cached launch plans, direct launches of compiled kernels, one allocation per
-payload, the persistent non-finite flag and ``check_finite``.
+payload, the persistent non-finite flag and ``check_finite`` (the deferred check: test_deferred.py).
 
 Under ``TRITON_INTERPRET=1`` Triton's launcher returns no compiled kernel, so the direct-launch path is exercised
 here with a stand-in CompiledKernel whose ``run`` executes the interpreted kernel with exactly the arguments the
@@ -232,12 +232,12 @@ def test_unchecked_calls_mark_bad_groups_and_never_trip_a_checked_call(spec, gro
 def test_flag_words_are_per_thread():
     dev = torch.device("cpu")
     words = []
-    t = threading.Thread(target=lambda: words.append(tk._flag(dev, True)))
+    t = threading.Thread(target=lambda: words.append(tk._flag_word(dev)))
     t.start()
     t.join()
-    mine = tk._flag(dev, True)
-    assert mine is tk._flag(dev, True) and words[0] is not mine
-    assert tk._flag(dev, False) is not mine
+    mine = tk._flag_word(dev)
+    assert mine is tk._flag_word(dev) and words[0] is not mine
+    assert tk._scratch(dev) is not mine.word
 
 
 # ------------------------------------------------------------------------------------------------------- GPU
@@ -285,6 +285,6 @@ def test_gpu_unchecked_quantize_does_not_sync_and_marks_bad_groups():
     with pytest.raises(PayloadError):
         Packed.from_bytes(p.to_bytes())
     with pytest.raises(ValueError, match="non-finite"):
-        quantize(x, "int4")
+        quantize(x, "int4").check()  # checked: deferred to the payload's first use on CUDA
     y = torch.randn(1 << 20, device="cuda")
     assert _same(quantize(y, "int4"), quantize(y, "int4", backend="torch"))
