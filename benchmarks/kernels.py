@@ -61,9 +61,11 @@ FORMATS = ["int4", "int8", "mxfp4", "mxfp8"]
 OPS = ["quantize", "quantize+ef", "dequantize", "deq-acc(k=2)", "deq-acc-requant"]
 SWEEP_CANDIDATES = [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8)]
 SWEEP_ROWS = {  # CONFIG key -> (format, input dtype, op) rows whose time decides it
-    "quantize/paired": [("int4", "bfloat16", "quantize"), ("int4", "float32", "quantize")],
+    "quantize/paired": [("int4", "bfloat16", "quantize")],
+    "quantize/paired:fp32": [("int4", "float32", "quantize")],
     "quantize/flat": [("int8", "bfloat16", "quantize"), ("int8", "float32", "quantize")],
     "quantize_mx/paired": [("mxfp4", "bfloat16", "quantize")],
+    "quantize_mx/paired:fp32": [("mxfp4", "float32", "quantize")],
     "quantize_mx/flat": [("mxfp8", "bfloat16", "quantize")],
     "quantize_ef/paired": [("int4", "float32", "quantize+ef"), ("mxfp4", "bfloat16", "quantize+ef")],
     "quantize_ef/flat": [("int8", "float32", "quantize+ef"), ("mxfp8", "bfloat16", "quantize+ef")],

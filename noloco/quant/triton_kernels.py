@@ -579,20 +579,25 @@ def _requantize_kernel(acc_ptr, accw_ptr, n, nw, nb, seed, codes_ptr, scales_ptr
 #: Launch configuration per kernel: (elements per program, warps per program). A program handles
 #: max(1, elements // group) whole groups. ``benchmarks/kernels.py --sweep`` times alternatives on the GPU.
 #: Keys: kernel name / tile kind ("paired": a 4-bit side, "flat": 8-bit codes only); MX quantize (groups of 32,
-#: other element arithmetic) has its own keys, ``quantize_mx/...`` (MXFP4 is paired, MXFP8 flat).
-#: Values: the fastest of (1024, 8), (2048, 4), (4096, 4), (4096, 8) on an H200 at 2^28 elements
-#: (docs/results/kernels.md); the MX quantize keys start from the int values they were tuned with before.
+#: other element arithmetic) has its own keys, ``quantize_mx/...`` (MXFP4 is paired, MXFP8 flat). A ``:fp32``
+#: key, where present, serves fp32 input (:func:`quantize_config_key`): the paired quantize kernels' best tile
+#: differs by input width (H200, 2^28: int4 from bf16 0.178 ms at (4096, 4) against 0.217 ms at (4096, 8); from
+#: fp32 0.275 ms at (2048, 4) against 0.328 ms at (4096, 4)).
+#: Values: the fastest of the sweep's candidates (``SWEEP_CANDIDATES`` in benchmarks/kernels.py) on an H200 at
+#: 2^28 elements, each key timed on its own rows (``--sweep --triton-only``, results in docs/results/kernels.json).
 CONFIG: dict[str, tuple[int, int]] = {
     "quantize/paired": (4096, 4),
-    "quantize/flat": (2048, 4),
+    "quantize/paired:fp32": (2048, 4),
+    "quantize/flat": (4096, 4),
     "quantize_mx/paired": (4096, 4),
-    "quantize_mx/flat": (2048, 4),
-    "quantize_ef/paired": (1024, 8),
-    "quantize_ef/flat": (4096, 8),
-    "dequantize/paired": (1024, 8),
-    "dequantize/flat": (4096, 4),
+    "quantize_mx/paired:fp32": (2048, 4),
+    "quantize_mx/flat": (8192, 8),
+    "quantize_ef/paired": (1024, 4),
+    "quantize_ef/flat": (1024, 8),
+    "dequantize/paired": (1024, 4),
+    "dequantize/flat": (1024, 4),
     "requantize/paired": (2048, 4),
-    "requantize/flat": (4096, 8),
+    "requantize/flat": (4096, 4),
 }
 
 _XW = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -875,7 +880,7 @@ def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
     dev = v.device
     has_res = residual is not None
     paired = spec.bits == 4
-    cfg = CONFIG[quantize_config_key(spec, has_res)]
+    cfg = CONFIG[quantize_config_key(spec, has_res, v.dtype)]
     plan = _plan(("q", spec, n, v.dtype, has_res, dev, cfg), lambda: _Plan(
         _quantize_kernel, n, spec.group, cfg, paired, dict(_encode_consts(spec), HAS_RES=has_res, XW=_XW[v.dtype]),
         spec))
@@ -918,10 +923,14 @@ def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
     return sections, res_out, pending
 
 
-def quantize_config_key(spec: QuantSpec, error_feedback: bool = False) -> str:
-    """The :data:`CONFIG` key of the quantize kernel for ``spec`` (with or without an error-feedback residual)."""
+def quantize_config_key(spec: QuantSpec, error_feedback: bool = False, dtype: torch.dtype | None = None) -> str:
+    """The :data:`CONFIG` key of the quantize kernel for ``spec`` (with or without an error-feedback residual) and
+    input ``dtype``: ``<key>:fp32`` where CONFIG has one for fp32 input (the best tile differs from 16-bit input's)."""
     op = "quantize_ef/" if error_feedback else ("quantize_mx/" if spec.kind == "mx" else "quantize/")
-    return op + ("paired" if spec.bits == 4 else "flat")
+    key = op + ("paired" if spec.bits == 4 else "flat")
+    if dtype == torch.float32 and key + ":fp32" in CONFIG:
+        key += ":fp32"
+    return key
 
 
 def _input_args(inputs: list[Packed]) -> tuple[list[torch.Tensor], int]:

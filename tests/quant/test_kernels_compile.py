@@ -51,8 +51,8 @@ def inputs(spec):
 def quantize(name, xd, has_res):
     spec = QuantSpec.parse(name)
     paired = spec.bits == 4
-    cfg = tk.CONFIG[tk.quantize_config_key(spec, has_res)]
     dt = getattr(torch, xd)
+    cfg = tk.CONFIG[tk.quantize_config_key(spec, has_res, dt)]
     plan = tk._Plan(tk._quantize_kernel, N, spec.group, cfg, paired,
                     dict(tk._encode_consts(spec), HAS_RES=has_res, XW=tk._XW[dt]), spec)
     x = "*bf16" if xd == "bfloat16" else "*fp32"

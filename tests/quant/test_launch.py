@@ -18,6 +18,7 @@ from noloco.quant import (
     ErrorFeedback,
     Packed,
     PayloadError,
+    QuantSpec,
     dequantize,
     dequantize_accumulate,
     dequantize_accumulate_requantize,
@@ -53,10 +54,20 @@ def test_a_changed_launch_configuration_builds_a_new_plan(monkeypatch):
     want = quantize(x, "int4", backend="torch")
     assert _same(quantize(x, "int4", backend="triton"), want)
     before = {k for k in tk._PLANS if k[0] == "q"}
-    monkeypatch.setitem(tk.CONFIG, "quantize/paired", (1024, 8))
+    monkeypatch.setitem(tk.CONFIG, tk.quantize_config_key(QuantSpec.parse("int4"), False, x.dtype), (1024, 8))
     assert _same(quantize(x, "int4", backend="triton"), want)
     new = {k for k in tk._PLANS if k[0] == "q"} - before
     assert any(k[-1] == (1024, 8) for k in new)
+
+
+def test_fp32_input_gets_its_own_launch_configuration_where_one_is_tuned(monkeypatch):
+    int4, int8 = QuantSpec.parse("int4"), QuantSpec.parse("int8")
+    assert tk.quantize_config_key(int4, False, torch.bfloat16) == "quantize/paired"
+    assert tk.quantize_config_key(int4, False, torch.float32) == "quantize/paired:fp32"
+    assert tk.quantize_config_key(int8, False, torch.float32) == "quantize/flat"  # no :fp32 entry: the shared one
+    assert tk.quantize_config_key(int4, True, torch.float32) == "quantize_ef/paired"
+    monkeypatch.delitem(tk.CONFIG, "quantize/paired:fp32")
+    assert tk.quantize_config_key(int4, False, torch.float32) == "quantize/paired"
 
 
 def test_parsed_specs_are_cached_and_equal_to_a_fresh_parse():
