@@ -89,9 +89,13 @@ def method_overrides(method: str) -> list[str]:
 
 
 def method_label(algo: str, codec: str, momentum: float | None) -> str:
-    """The method key of a finished run: ``algo/codec``, plus ``/outer.momentum=m`` when it was set."""
+    """The method key of a finished run: ``algo/codec``, plus ``/outer.momentum=m`` when the run's outer momentum
+    is not its algorithm's default (0.9 for DiLoCo, 0.5 for NoLoCo; DDP has none)."""
     label = f"{algo}/{codec}"
-    return label if momentum is None else f"{label}/outer.momentum={momentum:g}"
+    default = {"diloco": 0.9, "noloco": 0.5}.get(algo)
+    if momentum is None or default is None or momentum == default:
+        return label
+    return f"{label}/outer.momentum={momentum:g}"
 
 
 LONG = "-long"  # run-name suffix of the longer-budget (time-to-target) runs
@@ -128,7 +132,7 @@ def time_to(points: list[tuple], target: float) -> float | None:
 
 
 def _momentum(run_dir: Path) -> float | None:
-    """``outer.momentum`` as the run's config set it (None: the algorithm's default)."""
+    """``outer.momentum`` of the run (its config.yaml holds the resolved value), or None without a config."""
     config = run_dir / "config.yaml"
     if not config.exists():
         return None
