@@ -179,7 +179,7 @@ def _speedup(mine: float | None, theirs: float | None, their_wall: float) -> tup
         return None, "not reached"
     if theirs is None:
         ratio = their_wall / mine if mine else float("inf")
-        return ratio, f"> {ratio:.1f}× (they never reach it)"
+        return ratio, f"> {ratio:.2f}× (a bound: they never reach it)"
     ratio = theirs / mine if mine else float("inf")
     return ratio, f"{ratio:.1f}×"
 
@@ -298,8 +298,8 @@ def main() -> int:
     parser.add_argument("--hosts", default="4,8", help="host counts, comma-separated")
     parser.add_argument("--rates", default="50mbit,500mbit", help="per-host rates (tc units), comma-separated")
     parser.add_argument("--methods", nargs="+", default=METHODS, help="algo/codec entries")
-    parser.add_argument("--steps", type=int, default=150, help="inner steps per worker (the token budget)")
-    parser.add_argument("--every", type=int, default=10, help="H, inner steps between outer rounds")
+    parser.add_argument("--steps", type=int, default=120, help="inner steps per worker (the token budget)")
+    parser.add_argument("--every", type=int, default=20, help="H, inner steps between outer rounds")
     parser.add_argument("--to-target", type=int, default=0, metavar="STEPS",
                         help="then, at the slowest rate, run every method but DDP again with a budget of STEPS "
                              "inner steps, to measure when it reaches DDP-fp32's final loss (0: off)")  # fmt: skip
@@ -363,12 +363,14 @@ def main() -> int:
         label = f"{hosts} hosts, {rate_label(rate)} per host"
         if group:
             png = args.out / f"{args.name}-{hosts}h-{rate_label(rate)}.png"
-            plot_runs([Path(r["run_dir"]) for r in group], png, title=label, target=target)
+            plot_runs([Path(r["run_dir"]) for r in group], png, title=label, target=target,
+                      labels=[r["method"] for r in group])  # fmt: skip
             pictures.append(f"![{label}]({png.name})")
         longer = [r for r in everything if r.get("long")]
         if longer:
             png = args.out / f"{args.name}-{hosts}h-{rate_label(rate)}-long.png"
             plot_runs([Path(r["run_dir"]) for r in ddp + longer], png, target=target,
+                      labels=[r["method"] + ("" if r in ddp else f" ({r['steps']} steps)") for r in ddp + longer],
                       title=f"{label}: longer budgets, time to DDP-fp32's final loss")  # fmt: skip
             pictures.append(f"![{label}, longer budgets]({png.name})")
     first = json.loads((Path(next(r for r in results if not r.get("long"))["run_dir"]) / "summary.json").read_text())

@@ -42,8 +42,10 @@ def _label(run_dir: Path) -> str:
     return Path(run_dir).name
 
 
-def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, target: float | None = None) -> Path:
-    """Held-out loss vs steps, wall-clock and bytes, one line per run; ``target``: a dashed reference loss."""
+def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, target: float | None = None,
+              labels: list[str] | None = None) -> Path:
+    """Held-out loss vs steps, wall-clock and bytes, one line per run; ``target``: a dashed reference loss;
+    ``labels``: one legend entry per run (default: algorithm, codec and workers from its summary)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,7 +77,7 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, target:
                 lw=2,
                 marker="o",
                 ms=3,
-                label=_label(Path(run_dir)) if col == 0 else None,
+                label=(labels[index] if labels else _label(Path(run_dir))) if col == 0 else None,
             )
     for ax, xlabel in zip(axes, xlabels):
         ax.set_xlabel(xlabel)
@@ -84,6 +86,7 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, target:
             ax.axhline(target, color="0.3", ls="--", lw=1, label=f"target {target:.3f}" if ax is axes[0] else None)
     # bytes differ by orders of magnitude between methods (DDP vs outer steps): log scale past 1 MB
     axes[2].set_xscale("symlog", linthresh=1.0)
+    axes[2].set_xlim(left=0)
     axes[0].set_ylabel("held-out loss (nats/token)")
     axes[0].legend(fontsize=8)
     if title:

@@ -61,7 +61,7 @@ def test_longer_budgets_give_time_to_target_and_bound_a_method_that_never_reache
     vs_ddp = checks["NoLoCo-int4 reaches the target ≥ 5.0× sooner than ddp/fp32 (longer budgets)"]
     assert vs_ddp["met"] and vs_ddp["value"] == "7.1×"  # 500 s / 70 s
     vs_diloco = checks["NoLoCo-int4 reaches the target ≥ 1.5× sooner than diloco/fp32 (longer budgets)"]
-    assert vs_diloco["met"] and vs_diloco["value"].startswith("> 4.3×")  # a bound from DiLoCo's whole 300 s run
+    assert vs_diloco["met"] and vs_diloco["value"].startswith("> 4.29×")  # a bound from DiLoCo's whole 300 s run
     assert long4["step_to_target"] == pytest.approx(350) and long4["bytes_to_target"] == pytest.approx(10e6)
     row = next(line for line in lines if line.startswith("| noloco/int4 | 400 |"))
     assert "| 350 | 70.0 | 7.1× | 10.00 |" in row
