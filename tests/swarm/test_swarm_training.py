@@ -60,9 +60,10 @@ def _outer_rounds_done(swarm, name: str) -> int:
 
 
 def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_live_weights(swarm):
-    # long enough that the survivors are still training when the late peer is up (~20 s, more on busy
-    # cores): with 200 steps a CI rehearsal saw them finish first, leaving the late peer nobody to join
-    steps = 400
+    # long enough that the survivors are still training when the late peer is up: a step takes ~0.045 s
+    # here, and a peer's start (torch, hivemind, its DHT) 20-50 s on busy cores. CI rehearsals saw the
+    # survivors finish first with 200 and with 400 steps (17 s of training), leaving nobody to join from.
+    steps = 1500
     common = (f"steps={steps}", "outer.every=10")
     swarm.peer("0", *common, "peer.rank=0", "peer.wait_for_peers=2")
     bootstrap = swarm.maddrs("0")[0]
