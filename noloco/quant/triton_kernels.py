@@ -801,6 +801,15 @@ def _flag_word(device: torch.device) -> FlagWord:
     return word
 
 
+def _flag_args(device: torch.device, check: bool) -> tuple[FlagWord | None, torch.Tensor, int]:
+    """(flag word, its tensor, the call's id) of a checked launch; an unchecked one writes a never-read scratch
+    word with id 1."""
+    if not check:
+        return None, _scratch(device), 1
+    word = _flag_word(device)
+    return word, word.word, word.next_id()
+
+
 def _scratch(device: torch.device) -> torch.Tensor:
     word = _SCRATCH.get(device)
     if word is None:
@@ -888,12 +897,7 @@ def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None
     res_out = torch.empty(n, dtype=torch.float32, device=dev) if has_res else None
     pending = None
     if n:
-        if check:
-            word = _flag_word(dev)
-            call_id = word.next_id()
-            flag = word.word
-        else:
-            flag, call_id = _scratch(dev), 1
+        word, flag, call_id = _flag_args(dev, check)
         codes = sections["codes"]
         scales = sections["scales"]
         seed = _seed(spec, generator)
@@ -994,12 +998,7 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: list[Pack
     sections = plan.alloc(dev)
     pending = None
     if n:
-        if check:
-            word = _flag_word(dev)
-            call_id = word.next_id()
-            flag = word.word
-        else:
-            flag, call_id = _scratch(dev), 1
+        word, flag, call_id = _flag_args(dev, check)
         codes = sections["codes"]
         args, bits = _input_args(inputs)
         if has_acc:
