@@ -375,6 +375,22 @@ def measure_triton_rows(info: dict, dtypes, n: int, ceiling: float, quick: bool,
             torch.cuda.empty_cache()
 
 
+def _baseline_row(row: dict, make_fn, nbytes: int, ceiling: float, device: str, warmup: int,
+                  setup_key: str | None = None) -> dict:
+    """``row`` with the timing of ``make_fn()`` (a torch reference op, eager or compiled), or with the error it
+    raised; ``setup_key``: where to record the seconds from building the op to the end of its timing."""
+    try:
+        t0 = time.time()
+        fn = make_fn()
+        t = timeit(fn, device, reps=3, warmup=warmup)
+        row.update(ms=t * 1e3, GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / 1e9 / ceiling, bytes=nbytes)
+        if setup_key:
+            row[setup_key] = time.time() - t0
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {err}"[:200]
+    return row
+
+
 def measure_baselines(info: dict, dtypes, n: int, ceiling: float, args, t_start: float, device: str = "cuda"
                       ) -> None:
     """torch eager (every row) then torch.compile (COMPILE_ORDER) of the reference, until the time budget."""
@@ -389,14 +405,9 @@ def measure_baselines(info: dict, dtypes, n: int, ceiling: float, args, t_start:
                 if time.time() - t_start > args.budget:
                     skipped += 1
                     continue
-                nbytes = op_bytes(op, spec, n, x.element_size())
-                row = _row(fmt, dtype, op, "torch")
-                try:
-                    t = timeit(make_op(op, spec, x, "torch"), device, reps=3, warmup=1)
-                    row.update(ms=t * 1e3, GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / 1e9 / ceiling,
-                               bytes=nbytes)
-                except Exception as err:
-                    row["error"] = f"{type(err).__name__}: {err}"[:200]
+                eager = lambda op=op, spec=spec, x=x: make_op(op, spec, x, "torch")  # noqa: E731
+                row = _baseline_row(_row(fmt, dtype, op, "torch"), eager, op_bytes(op, spec, n, x.element_size()),
+                                    ceiling, device, warmup=1)
                 info["rows"].append(row)
                 _print_row(row)
         del x
@@ -414,17 +425,14 @@ def measure_baselines(info: dict, dtypes, n: int, ceiling: float, args, t_start:
             if dt not in x:
                 x[dt] = make_input(n, dtype, device)
             spec = QuantSpec.parse(fmt)
-            nbytes = op_bytes(op, spec, n, x[dt].element_size())
-            row = _row(fmt, dtype, op, "torch.compile")
-            try:
+
+            def compiled(op=op, spec=spec, dt=dt):
                 torch._dynamo.reset()  # a fresh cache per row, or later rows would hit the recompile limit
-                t0 = time.time()
-                fn = torch.compile(make_op(op, spec, x[dt], "torch"))
-                t = timeit(fn, device, reps=3, warmup=2)
-                row.update(ms=t * 1e3, GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / 1e9 / ceiling,
-                           bytes=nbytes, compile_s=time.time() - t0)
-            except Exception as err:
-                row["error"] = f"{type(err).__name__}: {err}"[:200]
+                return torch.compile(make_op(op, spec, x[dt], "torch"))
+
+            row = _baseline_row(_row(fmt, dtype, op, "torch.compile"), compiled,
+                                op_bytes(op, spec, n, x[dt].element_size()), ceiling, device, warmup=2,
+                                setup_key="compile_s")
             info["rows"].append(row)
             _print_row(row)
         del x

@@ -184,6 +184,15 @@ def _speedup(mine: float | None, theirs: float | None, their_wall: float) -> tup
     return ratio, f"{ratio:.1f}×"
 
 
+def _in_order(by_method: dict) -> list[str]:
+    """The methods of ``by_method`` in :data:`METHODS` order, others after."""
+    return [m for m in METHODS if m in by_method] + [m for m in by_method if m not in METHODS]
+
+
+def _idle(r: dict) -> str:
+    return "–" if r["idle_fraction"] is None else f"{100 * r['idle_fraction']:.0f}%"
+
+
 def analyse(results: list[dict]) -> tuple[list[str], dict]:
     """Markdown tables per (hosts, rate), time-to-target and the issue's targets.
 
@@ -219,10 +228,10 @@ def analyse(results: list[dict]) -> tuple[list[str], dict]:
                 "| time to common target (s) | idle fraction |",
                 "|---|---|---|---|---|---|---|",
             ]
-        for method in [m for m in METHODS if m in by_method] + [m for m in by_method if m not in METHODS]:
+        for method in _in_order(by_method):
             r = by_method[method]
             ttt = "not reached" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
-            idle = "–" if r["idle_fraction"] is None else f"{100 * r['idle_fraction']:.0f}%"
+            idle = _idle(r)
             lines.append(
                 f"| {method} | {r['final_eval_loss']:.4f} | {r['wall_seconds']:.1f} | "
                 f"{r['bytes_sent_per_worker'] / 1e6:.2f} | {ttt} | {r['time_to_common']:.1f} | {idle} |"
@@ -238,10 +247,10 @@ def analyse(results: list[dict]) -> tuple[list[str], dict]:
                 "| MB sent to target | final held-out loss | idle fraction |",
                 "|---|---|---|---|---|---|---|---|",
             ]
-            for method in [m for m in METHODS if m in longer] + [m for m in longer if m not in METHODS]:
+            for method in _in_order(longer):
                 r = longer[method]
                 _, vs = _speedup(r["time_to_target"], ddp["time_to_target"], ddp["wall_seconds"])
-                idle = "–" if r["idle_fraction"] is None else f"{100 * r['idle_fraction']:.0f}%"
+                idle = _idle(r)
                 if r["time_to_target"] is None:
                     at = ttt = mb = "not reached"
                 else:
