@@ -396,8 +396,8 @@ def main() -> int:
         "# Throttled fleet: DDP, DiLoCo and NoLoCo on rate-limited links",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {machine()}; every host is a network namespace on this one machine, so all workers "
-        "share its cores.  ",
+        f"Machine: {machine()}; every host is a network namespace on this one machine, so the workers "
+        "share its cores (each runs cores ÷ hosts torch threads).  ",
         f"Date: {time.strftime('%Y-%m-%d')}  ",
         f"Setting: {first['params'] / 1e6:.2f}M-parameter model, {first['steps']} inner steps per worker, "
         f"H = {first['outer_every']} for DiLoCo and NoLoCo (NoLoCo groups of {group_size}), same data, "
