@@ -52,8 +52,8 @@ from noloco.fleet.launcher import launch  # noqa: E402
 from noloco.fleet.netns import FleetError, is_root, parse_rate  # noqa: E402
 from noloco.train.plots import _eval_curves, plot_runs  # noqa: E402
 
-METHODS = ["ddp/fp32", "diloco/fp32", "diloco/fp32/outer.momentum=0.5", "diloco/int4", "noloco/fp32", "noloco/int8",
-           "noloco/int4"]
+METHODS = ["ddp/fp32", "diloco/fp32", "diloco/fp32/outer.momentum=0.5", "diloco/int4", "diloco/int4/outer.momentum=0.5",
+           "noloco/fp32", "noloco/int8", "noloco/int4"]
 # DiLoCo runs twice: with its paper's outer momentum 0.9 (the DESIGN default, tuned for runs of thousands of
 # steps) and with NoLoCo's 0.5, which is much better over a few dozen outer rounds (in-process, 4 workers,
 # H = 20: DDP's 120-step loss reached at step ~140 with 0.5, not within 480 steps with 0.9).
