@@ -608,8 +608,8 @@ def cpu_markdown(info: dict) -> str:
     """The ``## CPU`` section of docs/results/kernels.md."""
     lines = ["## CPU: the path used on CPU (torch reference)", "",
              f"Command: `{info['command']}` on {info['machine']} ({info['cpu_count']} cores, torch {info['torch']}, "
-             f"n = {info['n']} fp32). Copy ceiling measured {info['copy_GBps']:.0f} GB/s. Throughput in MB/s of "
-             "bytes read + written:", "",
+             f"n = {info['n']} fp32). Copy ceiling measured {info['copy_GBps']:.0f} GB/s. Each row is the median "
+             "of 9 calls after 2 warm-up calls; throughput in MB/s of bytes read + written:", "",
              "| format | op | ms | MB/s |", "|---|---|---:|---:|"]
     for r in info["rows"]:
         if "error" in r:
@@ -649,7 +649,7 @@ def run_cpu(args) -> dict:
             nbytes = op_bytes(op, spec, n, 4)
             row = _row(fmt, torch.float32, op, "torch")
             try:
-                t = timeit(make_op(op, spec, x, "torch"), "cpu", reps=3, warmup=1)
+                t = timeit(make_op(op, spec, x, "torch"), "cpu", reps=9, warmup=2)
                 row.update(ms=t * 1e3, GBps=nbytes / t / 1e9, bytes=nbytes)
             except Exception as err:
                 row["error"] = f"{type(err).__name__}: {err}"[:200]
