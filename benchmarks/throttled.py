@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from noloco.fleet.launcher import launch  # noqa: E402
+from noloco.fleet.launcher import host_cpu_sets, launch  # noqa: E402
 from noloco.fleet.netns import FleetError, is_root, parse_rate  # noqa: E402
 from noloco.train.plots import _eval_curves, plot_runs  # noqa: E402
 
@@ -312,6 +312,8 @@ def main() -> int:
     parser.add_argument("--to-target", type=int, default=0, metavar="STEPS",
                         help="then, at the slowest rate, run every method but DDP again with a budget of STEPS "
                              "inner steps, to measure when it reaches DDP-fp32's final loss (0: off)")  # fmt: skip
+    parser.add_argument("--cpus-per-host", type=int, default=None, metavar="N",
+                        help="pin each host's worker to N cores of its own (noloco-fleet --cpus-per-host)")
     parser.add_argument("--runs", type=Path, default=Path("runs/throttled"))
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--name", default="throttled")
@@ -332,6 +334,12 @@ def main() -> int:
         rates = [r.strip() for r in args.rates.split(",")]
         for rate in rates:
             parse_rate(rate)  # fail before any run on a typo
+        if args.cpus_per_host is not None:
+            try:
+                host_cpu_sets(max(hosts_list), args.cpus_per_host)  # enough cores for the largest fleet?
+            except FleetError as exc:
+                print(exc, file=sys.stderr)
+                return 2
         slowest = min(rates, key=parse_rate)
         plan = [(hosts, rate, method, args.steps) for hosts in hosts_list for rate in rates for method in args.methods]
         if args.to_target:
@@ -346,7 +354,8 @@ def main() -> int:
             print(f"== [{done}/{total}] {name} ({time.monotonic() - started:.0f} s so far)", flush=True)
             try:
                 with open(os.devnull, "w") as quiet:
-                    result = launch(command, hosts, rate=rate, run_dir=folder, name=name, out=quiet)
+                    result = launch(command, hosts, rate=rate, run_dir=folder, name=name, out=quiet,
+                                    cpus_per_host=args.cpus_per_host)  # fmt: skip
             except FleetError as exc:
                 print(exc, file=sys.stderr)
                 return 2
@@ -390,14 +399,16 @@ def main() -> int:
     command = "sudo python benchmarks/throttled.py " + " ".join(
         [f"--hosts {args.hosts}", f"--rates {args.rates}", "--methods", *args.methods, f"--steps {args.steps}",
          f"--every {args.every}", *([f"--to-target {args.to_target}"] if args.to_target else []),
+         *([f"--cpus-per-host {args.cpus_per_host}"] if args.cpus_per_host else []),
          *(args.overrides or [])]  # fmt: skip
     )
     lines = [
         "# Throttled fleet: DDP, DiLoCo and NoLoCo on rate-limited links",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {machine()}; every host is a network namespace on this one machine, so the workers "
-        "share its cores (each runs cores ÷ hosts torch threads).  ",
+        f"Machine: {machine()}; every host is a network namespace on this one machine, "
+        + (f"its worker pinned to {args.cpus_per_host} cores of its own.  " if args.cpus_per_host else
+           "so the workers share its cores (each runs cores ÷ hosts torch threads).  "),
         f"Date: {time.strftime('%Y-%m-%d')}  ",
         f"Setting: {first['params'] / 1e6:.2f}M-parameter model, {first['steps']} inner steps per worker, "
         f"H = {first['outer_every']} for DiLoCo and NoLoCo (NoLoCo groups of {group_size}), same data, "

@@ -26,6 +26,7 @@ not delayed). It applies to noloco's exchanges, not to other traffic of the comm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -58,7 +59,8 @@ NOT_ROOT = (
 
 @dataclass
 class FleetResult:
-    """What a launch returns: exit status, per-worker exit codes, run folder, summary, link stats."""
+    """What a launch returns: exit status, per-worker exit codes, run folder, summary, link stats, and each host's
+    cores when they were pinned (``cpus_per_host``)."""
 
     returncode: int
     exit_codes: list[int | None]
@@ -67,6 +69,7 @@ class FleetResult:
     summary: dict | None = None
     link_stats: list[dict] = field(default_factory=list)
     prefix: str = ""
+    cpus: list[list[int]] | None = None
 
 
 def _is_train_command(command: list[str]) -> bool:
@@ -142,6 +145,7 @@ def launch(
     name: str | None = None,
     prefix: str | None = None,
     local_world_size: int | None = None,
+    cpus_per_host: int | None = None,
     grace: float = 10.0,
     queue: str | float = "100ms",
     out: TextIO | None = None,
@@ -152,6 +156,10 @@ def launch(
     ``queue``: tbf's queue bound (packets that would wait longer are dropped), ``"100ms"`` or seconds.
     ``local_world_size``: ``LOCAL_WORLD_SIZE`` given to every worker (torch threads = cores / it);
     default ``hosts``, since all hosts share this machine's cores.
+    ``cpus_per_host``: pin host i's worker to its own ``cpus_per_host`` cores (the i-th slice of the launcher's
+    CPU affinity), so that hosts do not compete for cores as separate machines would not; ``LOCAL_WORLD_SIZE``
+    then defaults to 1 (torch threads = the host's cores). Refused when the machine has fewer than
+    ``hosts * cpus_per_host`` usable cores.
     Raises :class:`~noloco.fleet.netns.FleetError` when not root, tools are missing or setup fails.
     """
     out = out or sys.stdout
@@ -170,6 +178,7 @@ def launch(
         rate_bps = None
     else:
         rate_bps = float(rate) if isinstance(rate, (int, float)) else parse_rate(rate)
+    cpu_sets = host_cpu_sets(hosts, cpus_per_host) if cpus_per_host is not None else None
     prefix = prefix or f"nlc{os.getpid()}"
     name = name or time.strftime(f"fleet-{hosts}h-%Y%m%d-%H%M%S")
     command, folder = _with_run_folder(list(command), Path(run_dir).absolute(), name)
@@ -181,7 +190,8 @@ def launch(
     codes: list[int | None] = [None] * hosts
     lock = threading.Lock()
     started = time.perf_counter()
-    result = FleetResult(returncode=1, exit_codes=codes, wall_seconds=0.0, run_dir=folder, prefix=prefix)
+    result = FleetResult(returncode=1, exit_codes=codes, wall_seconds=0.0, run_dir=folder, prefix=prefix,
+                         cpus=[sorted(cpus) for cpus in cpu_sets] if cpu_sets else None)  # fmt: skip
     try:
         fleet.up()
         shaping = f"{rate_bps / 1e6:g} Mbit/s each way (ingress via {fleet.ingress_mode})" if rate_bps else "unshaped"
@@ -195,7 +205,7 @@ def launch(
                 "WORLD_SIZE": str(hosts),
                 "MASTER_ADDR": fleet.ip(0),
                 "MASTER_PORT": str(port),
-                "LOCAL_WORLD_SIZE": str(local_world_size or hosts),
+                "LOCAL_WORLD_SIZE": str(local_world_size or (1 if cpu_sets else hosts)),
                 "GLOO_SOCKET_IFNAME": IFNAME,
                 "TP_SOCKET_IFNAME": IFNAME,
                 "PYTHONUNBUFFERED": "1",
@@ -205,10 +215,11 @@ def launch(
             log = open(folder / f"fleet.h{host}.log", "w") if folder is not None else None  # noqa: SIM115
             if log is not None:
                 logs.append(log)
-            proc = fleet.popen(
-                host, command, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                text=True, bufsize=1, errors="replace",
+            start = functools.partial(
+                fleet.popen, host, command, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, text=True, bufsize=1, errors="replace",
             )  # fmt: skip
+            proc = _pinned(cpu_sets[host], start) if cpu_sets is not None else start()
             procs.append(proc)
             thread = threading.Thread(target=_stream, args=(proc, host, out, log, lock), daemon=True)
             thread.start()
@@ -242,6 +253,7 @@ def launch(
                 "rate_bps": rate_bps,
                 "ingress": fleet.ingress_mode,
                 "queue_seconds": queue_s,
+                "cpus": result.cpus,
                 "command": command,
                 "exit_codes": codes,
                 "wall_seconds": result.wall_seconds,
@@ -254,6 +266,35 @@ def launch(
         for log in logs:
             log.close()
         fleet.down()
+
+
+def _pinned(cpus: set[int], start):
+    """``start()`` with this thread's CPU affinity set to ``cpus``, so the process it forks (``ip netns exec``,
+    which execs the worker) and all of that worker's threads inherit it; the thread's own affinity is restored.
+    (No ``preexec_fn``: that is unsafe while the launcher's log threads run.)"""
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        return start()
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+def host_cpu_sets(hosts: int, cpus_per_host: int) -> list[set[int]]:
+    """Disjoint core sets, ``cpus_per_host`` each, for ``hosts`` hosts, taken in order from the cores this process
+    may use. Raises :class:`FleetError` when there are not enough."""
+    if cpus_per_host < 1:
+        raise FleetError(f"noloco-fleet: --cpus-per-host must be >= 1, got {cpus_per_host}")
+    try:
+        usable = sorted(os.sched_getaffinity(0))
+    except AttributeError as exc:  # pragma: no cover - Linux always has it
+        raise FleetError("noloco-fleet: --cpus-per-host needs os.sched_setaffinity (Linux)") from exc
+    if hosts * cpus_per_host > len(usable):
+        raise FleetError(
+            f"noloco-fleet: {hosts} hosts x {cpus_per_host} cores need {hosts * cpus_per_host} cores, "
+            f"this machine lets us use {len(usable)}; lower --cpus-per-host or leave it out to share the cores"
+        )
+    return [set(usable[i * cpus_per_host : (i + 1) * cpus_per_host]) for i in range(hosts)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default=None, help="namespace name prefix (default nlc<pid>)")
     parser.add_argument("--local-world-size", type=int, default=None,
                         help="LOCAL_WORLD_SIZE per worker (torch threads = cores / it; default --hosts)")
+    parser.add_argument("--cpus-per-host", type=int, default=None, metavar="N",
+                        help="pin each host's worker to N cores of its own (default: all hosts share every core)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds the others get after a worker fails")
     parser.add_argument("--cleanup", action="store_true",
                         help="remove the namespaces of launchers that died without cleaning up, then exit")
@@ -298,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = launch(
             command, args.hosts, rate=args.rate, latency=args.latency, port=args.port, run_dir=args.run_dir,
-            name=args.name, prefix=args.prefix, local_world_size=args.local_world_size, grace=args.grace,
+            name=args.name, prefix=args.prefix, local_world_size=args.local_world_size,
+            cpus_per_host=args.cpus_per_host, grace=args.grace,
             queue=args.queue,
         )  # fmt: skip
     except (FleetError, ValueError) as exc:

@@ -68,6 +68,15 @@ def default_run_name(cfg: DictConfig) -> str:
     return f"{cfg.outer.algo}-{cfg.comm.codec}-w{cfg.workers}-{stamp}"
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, cgroups' cpusets, ``noloco-fleet
+    --cpus-per-host``) where the OS reports one, else ``os.cpu_count()``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS and Windows have no affinity call
+        return os.cpu_count() or 1
+
+
 def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False):
     """Create the run folder, load or build the tokenized corpus, set torch threads, announce the run."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +86,7 @@ def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False):
     # threads share the cores: local workers are threads of this process; torch workers are processes,
     # LOCAL_WORLD_SIZE of them on this host (set by torchrun and by the local launcher)
     per_process = cfg.workers if cfg.backend == "local" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // per_process))
+    torch.set_num_threads(cfg.threads or max(1, usable_cores() // per_process))
     params = build_model(cfg, corpus.vocab_size).num_parameters()
     if not quiet:
         print(

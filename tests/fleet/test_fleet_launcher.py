@@ -183,3 +183,43 @@ def test_latency_reaches_the_workers_and_delays_every_message(tmp_path):
     assert latency == 0.1
     assert all(0.2 <= rtt < 1.0 for rtt in rtts), rtts  # each round trip: two one-way latencies
     assert _leftovers(prefix) == []
+
+
+AFFINITY = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from noloco.train.runner import usable_cores
+print("CPUS", json.dumps(sorted(os.sched_getaffinity(0))), usable_cores(), os.environ["LOCAL_WORLD_SIZE"], flush=True)
+"""
+
+
+@needs_root
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores")
+def test_cpus_per_host_pins_each_worker_to_cores_of_its_own(tmp_path):
+    prefix, out = _prefix(), io.StringIO()
+    usable = sorted(os.sched_getaffinity(0))
+    result = launch([sys.executable, "-c", AFFINITY, str(REPO)], hosts=2, cpus_per_host=1, prefix=prefix, out=out,
+                    run_dir=tmp_path, name="pinned")  # fmt: skip
+    assert result.returncode == 0, out.getvalue()[-3000:]
+    seen = {}
+    for line in out.getvalue().splitlines():
+        if "CPUS" in line:
+            host = int(line[2 : line.index("]")])
+            cpus, cores, local_world = line.split("CPUS ")[1].rsplit(" ", 2)
+            seen[host] = (json.loads(cpus), int(cores), local_world)
+    # host i gets the i-th core of the launcher's own set; torch would use exactly that one core
+    assert seen == {0: ([usable[0]], 1, "1"), 1: ([usable[1]], 1, "1")}
+    assert result.cpus == [[usable[0]], [usable[1]]]
+    assert sorted(os.sched_getaffinity(0)) == usable  # the launcher's own thread got its cores back
+    assert _leftovers(prefix) == []
+
+
+def test_cpus_per_host_beyond_the_machine_is_refused_before_anything_is_built(monkeypatch, capsys):
+    monkeypatch.setattr(launcher, "is_root", lambda: True)
+    monkeypatch.setattr(launcher, "missing_tools", lambda: [])
+    too_many = len(os.sched_getaffinity(0)) + 1
+    code = launcher.main(["--hosts", "1", "--cpus-per-host", str(too_many), "--prefix", "nlcnever", "--", "true"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"need {too_many} cores" in err and "--cpus-per-host" in err
+    assert not any(ns.startswith("nlcnever") for ns in list_namespaces())
