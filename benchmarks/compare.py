@@ -3,12 +3,20 @@
     python benchmarks/compare.py                         # noloco, diloco, ddp, avg on the default run
     python benchmarks/compare.py --algos noloco diloco -- steps=120 workers=8
     python benchmarks/compare.py --algos noloco/fp32 noloco/int8 noloco/int4/int8 --name codecs
+    python benchmarks/compare.py --algos noloco/int4 noloco/int4/outer.lr=0.9 diloco/int4/outer.momentum=0.5 \\
+        --target 5.1235 --name tuning -- steps=300
 
-Each entry is ``algo[/codec[/slow_codec]]`` (codec: ``comm.codec``; slow_codec: ``comm.slow_codec``).
+Each entry is ``algo[/codec[/slow_codec]][/key=value...]`` (codec: ``comm.codec``; slow_codec:
+``comm.slow_codec``; each ``key=value`` a config override of that entry alone, applied after the
+overrides common to every run, as in ``benchmarks/throttled.py``'s methods).
 
 Runs each algorithm through the same entry point as ``train.py`` (the in-process backend), then
 writes ``docs/results/compare.md`` (a table with the command and machine) and
-``docs/results/compare.png`` (held-out loss vs steps, wall-clock and bytes; one line per algorithm).
+``docs/results/compare.png`` (held-out loss vs steps, wall-clock and bytes; one line per entry; past ten
+entries, ``compare-2.png``, … too, the entries split evenly over them, each figure repeating the first entry).
+``--target LOSS`` adds, per entry, the inner step at which the mean held-out loss over workers first
+reaches LOSS (linear in between evaluations), with the wall-clock and MB sent per worker at that point,
+and draws LOSS as a dashed line.
 """
 
 from __future__ import annotations
@@ -17,29 +25,120 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import time
 from pathlib import Path
 
 import torch
 
-from noloco.train.config import load_config
-from noloco.train.plots import plot_runs
+from noloco.train.config import ALGOS, ConfigError, load_config
+from noloco.train.plots import _eval_curves, plot_runs, reach
 from noloco.train.runner import run
+
+TITLE = "Algorithm comparison on the default budget"
+# Outer-optimizer knobs an entry may vary; --from-runs names a run by those that differ from the defaults.
+KNOBS = ("outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every")
 
 
 def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU"
 
 
+def parse_entry(entry: str) -> list[str]:
+    """``algo[/codec[/slow_codec]][/key=value...]`` → the config overrides of that entry.
+
+    Raises ``ValueError`` with one line for an unknown algorithm, more than two codecs, a codec after an
+    override, or an empty part (``noloco//int4``, ``noloco/int4/=3``).
+    """
+    algo, *parts = entry.split("/")
+    if algo not in ALGOS:
+        hint = " (config overrides common to every run go after --)" if "=" in algo else ""
+        raise ValueError(f"entry {entry!r}: {algo!r} is not an algorithm ({', '.join(ALGOS)}){hint}")
+    overrides = [f"outer.algo={algo}"]
+    codecs, extra = [], []
+    for part in parts:
+        key, equals, _ = part.partition("=")
+        if not key or (equals and not key.strip()):
+            raise ValueError(f"entry {entry!r}: empty part; expected algo[/codec[/slow_codec]][/key=value...]")
+        if equals:
+            extra.append(part)
+        elif extra:
+            raise ValueError(f"entry {entry!r}: codec {part!r} after a key=value override; codecs come first")
+        else:
+            codecs.append(part)
+    if len(codecs) > 2:
+        raise ValueError(f"entry {entry!r}: {len(codecs)} codecs; at most two (codec and slow_codec)")
+    overrides += [f"comm.{key}={codec}" for key, codec in zip(("codec", "slow_codec"), codecs)]
+    return overrides + extra
+
+
+def run_name(entry: str) -> str:
+    """The run folder's name stem of an entry: ``noloco/int4/outer.lr=0.9`` → ``noloco-int4-outer.lr-0.9``."""
+    return entry.replace("/", "-").replace(":", "").replace("=", "-")
+
+
+def entry_of_run(run_dir: Path) -> str:
+    """The entry that names a finished run: ``algo/codec[/slow_codec]`` from its summary (the slow codec when it
+    differs from the codec), then ``/key=value`` for each of :data:`KNOBS` whose value in the run's
+    ``config.yaml`` differs from the defaults of its algorithm."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    slow = summary.get("slow_codec")
+    entry = f"{summary['algo']}/{summary['codec']}" + (f"/{slow}" if slow and slow != summary["codec"] else "")
+    config = run_dir / "config.yaml"
+    if not config.exists():
+        return entry
+    from omegaconf import OmegaConf
+
+    ran, default = OmegaConf.load(config), load_config([f"outer.algo={summary['algo']}"])
+    for key in KNOBS:
+        value = OmegaConf.select(ran, key)
+        if value is not None and value != OmegaConf.select(default, key):
+            entry += f"/{key}={value:g}"
+    return entry
+
+
+def figures(entries: int, per_figure: int = 10) -> list[list[int]]:
+    """Entry indices per figure: one figure for up to ``per_figure`` entries (matplotlib's ten colours); past that,
+    the entries after the first split evenly, in order, over the fewest figures of at most ``per_figure`` lines,
+    each figure starting with entry 0 as the reference."""
+    if entries <= per_figure:
+        return [list(range(entries))]
+    count = -(-(entries - 1) // (per_figure - 1))
+    size, longer = divmod(entries - 1, count)
+    chunks, start = [], 1
+    for index in range(count):
+        end = start + size + (index < longer)
+        chunks.append([0, *range(start, end)])
+        start = end
+    return chunks
+
+
+def _values(summaries: list[dict], key: str) -> str:
+    """``summaries``' common value of ``key``, or each value and "per entry" when the entries differ."""
+    values = sorted({s[key] for s in summaries})
+    return str(values[0]) if len(values) == 1 else f"{', '.join(map(str, values))} (per entry)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--algos", nargs="+", default=["noloco", "diloco", "ddp", "avg"], help="entries algo[/codec[/slow_codec]]"
+        "--algos",
+        nargs="+",
+        default=["noloco", "diloco", "ddp", "avg"],
+        help="entries algo[/codec[/slow_codec]][/key=value...]",
     )
     parser.add_argument("--name", default="compare", help="output name: docs/results/<name>.md/.png/.json")
+    parser.add_argument("--title", default=TITLE, help="heading of the markdown report")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--runs", type=Path, default=Path("runs/compare"))
     parser.add_argument("--note", default="", help="a sentence added under the table (e.g. about the machine)")
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        metavar="LOSS",
+        help="report the step (and wall-clock, MB sent) at which each entry's held-out loss first reaches LOSS",
+    )
     parser.add_argument(
         "--from-runs",
         nargs="+",
@@ -55,49 +154,80 @@ def main() -> None:
     if args.from_runs:
         run_dirs = list(args.from_runs)
         summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
-        args.algos = [
-            f"{s['algo']}/{s['codec']}" + (f"/{s['slow_codec']}" if s.get("slow_codec") else "") for s in summaries
-        ]
-    for entry in [] if args.from_runs else args.algos:
-        algo, *codecs = entry.split("/")
-        extra = [f"outer.algo={algo}"]
-        if codecs:
-            extra.append(f"comm.codec={codecs[0]}")
-        if len(codecs) > 1:
-            extra.append(f"comm.slow_codec={codecs[1]}")
-        label = entry.replace("/", "-").replace(":", "")
-        cfg = load_config([*args.overrides, *extra, f"run.dir={args.runs}", f"run.name={label}-{stamp}"])
-        print(f"== {entry}", flush=True)
-        summaries.append(run(cfg))
-        run_dirs.append(Path(summaries[-1]["run_dir"]))
+        args.algos = [entry_of_run(d) for d in run_dirs]
+    else:
+        configs = []
+        for entry in args.algos:  # every entry checked before the first run starts
+            try:
+                extra = parse_entry(entry)
+                configs.append(load_config([*args.overrides, *extra, f"run.dir={args.runs}",
+                                            f"run.name={run_name(entry)}-{stamp}"]))  # fmt: skip
+            except (ValueError, ConfigError) as exc:
+                parser.error(f"{entry}: {exc}" if isinstance(exc, ConfigError) else str(exc))
+        for entry, cfg in zip(args.algos, configs):
+            print(f"== {entry}", flush=True)
+            summaries.append(run(cfg))
+            run_dirs.append(Path(summaries[-1]["run_dir"]))
+    for entry, summary in zip(args.algos, summaries):
+        summary["entry"] = entry
 
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_runs(run_dirs, args.out / f"{args.name}.png", title="held-out loss, same budget")
+    pictures = []
+    for index, chunk in enumerate(figures(len(run_dirs))):
+        png = args.out / (f"{args.name}.png" if index == 0 else f"{args.name}-{index + 1}.png")
+        plot_runs([run_dirs[i] for i in chunk], png, title="held-out loss, same budget", target=args.target,
+                  labels=[args.algos[i] for i in chunk])  # fmt: skip
+        pictures.append(f"![held-out loss vs steps, wall-clock and bytes]({png.name})")
     command = "python benchmarks/compare.py " + " ".join(
-        ["--algos", *args.algos, "--name", args.name, *(["--", *args.overrides] if args.overrides else [])]
+        [
+            "--algos",
+            *args.algos,
+            "--name",
+            args.name,
+            *([f"--title {shlex.quote(args.title)}"] if args.title != TITLE else []),
+            *([f"--runs {args.runs}"] if args.runs != Path("runs/compare") else []),
+            *([f"--target {args.target:g}"] if args.target is not None else []),
+            *(["--", *args.overrides] if args.overrides else []),
+        ]
     )
     unigram = summaries[0]["unigram_eval_loss"]
     lines = [
-        "# Algorithm comparison on the default budget",
+        f"# {args.title}",
         "",
         f"Command: `{command}`  ",
         f"Machine: {machine()}  ",
         f"Date: {time.strftime('%Y-%m-%d')}  ",
-        f"Setting: {summaries[0]['workers']} workers, {summaries[0]['steps']} inner steps each, "
-        f"H = {summaries[0]['outer_every']}, {summaries[0]['params'] / 1e6:.2f}M-parameter model. "
+        f"Setting: {summaries[0]['workers']} workers, {_values(summaries, 'steps')} inner steps each, "
+        f"H = {_values(summaries, 'outer_every')}, {summaries[0]['params'] / 1e6:.2f}M-parameter model. "
         f"Unigram baseline held-out loss: {unigram:.4f}.",
-        "",
-        "| algorithm | codec (Δ / φ) | final held-out loss | consensus distance | MB sent per worker | wall (s) |",
-        "|---|---|---|---|---|---|",
     ]
-    for s in summaries:
-        lines.append(
-            f"| {s['algo']} | {s['codec']} / {s.get('slow_codec') or s['codec']} | {s['final_eval_loss']:.4f} | "
+    header = "| entry | codec (Δ / φ) | final held-out loss | consensus distance | MB sent per worker | wall (s) |"
+    if args.target is not None:
+        lines += [
+            "",
+            f"Target: held-out loss {args.target:g}. Step at target = the first inner step at which the mean "
+            "held-out loss over workers reaches it, interpolated linearly between evaluations; wall-clock "
+            "(slowest worker) and MB sent per worker at that point likewise.",
+        ]
+        header += " step at target | wall at target (s) | MB sent at target |"
+    lines += ["", header, "|---" * header.count(" | ") + "|---|"]
+    for s, run_dir in zip(summaries, run_dirs):
+        row = (
+            f"| {s['entry']} | {s['codec']} / {s.get('slow_codec') or s['codec']} | {s['final_eval_loss']:.4f} | "
             f"{s['consensus_distance']:.2e} | {s['bytes_sent_per_worker'] / 1e6:.1f} | {s['wall_seconds']:.0f} |"
         )
+        if args.target is not None:
+            hit = reach(_eval_curves(Path(run_dir))[1], args.target)
+            s["target"] = args.target
+            s["step_to_target"], s["wall_to_target"], s["bytes_to_target"] = hit or (None, None, None)
+            row += " not reached | – | – |" if hit is None else f" {hit[0]:.0f} | {hit[1]:.1f} | {hit[2] / 1e6:.2f} |"
+        lines.append(row)
+    if args.from_runs:
+        lines += ["", "Table and plot redrawn with `--from-runs` from finished run folders; the command above reruns "
+                  "every entry (common overrides as given to the redraw)."]  # fmt: skip
     if args.note:
         lines += ["", args.note]
-    lines += ["", f"![held-out loss vs steps, wall-clock and bytes]({args.name}.png)", ""]
+    lines += ["", *pictures, ""]
     (args.out / f"{args.name}.md").write_text("\n".join(lines))
     (args.out / f"{args.name}.json").write_text(json.dumps(summaries, indent=1))
     print("\n".join(lines))

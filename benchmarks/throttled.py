@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from noloco.fleet.launcher import host_cpu_sets, launch  # noqa: E402
 from noloco.fleet.netns import FleetError, is_root, parse_rate  # noqa: E402
-from noloco.train.plots import _eval_curves, plot_runs  # noqa: E402
+from noloco.train.plots import _eval_curves, plot_runs, reach  # noqa: E402
 
 METHODS = ["ddp/fp32", "diloco/fp32", "diloco/fp32/outer.momentum=0.5", "diloco/int4", "diloco/int4/outer.momentum=0.5",
            "noloco/fp32", "noloco/int8", "noloco/int4"]
@@ -108,21 +108,6 @@ def machine() -> str:
 def curve(run_dir: Path) -> list[tuple]:
     """Mean over workers per eval step: ``(step, wall of the slowest worker, bytes sent, loss)``."""
     return _eval_curves(run_dir)[1]
-
-
-def reach(points: list[tuple], target: float) -> tuple[float, float, float] | None:
-    """``(step, wall, bytes sent)`` at which the mean held-out loss first reaches ``target`` (linear in
-    between evaluations), or None when it never does."""
-    previous = None
-    for point in points:
-        loss = point[3]
-        if loss <= target:
-            if previous is None or previous[3] == loss:
-                return point[0], point[1], point[2]
-            frac = (previous[3] - target) / (previous[3] - loss)
-            return tuple(a + (b - a) * frac for a, b in zip(previous[:3], point[:3]))  # type: ignore[return-value]
-        previous = point
-    return None
 
 
 def time_to(points: list[tuple], target: float) -> float | None:

@@ -34,6 +34,22 @@ def _eval_curves(run_dir: Path) -> tuple[dict[int, list[tuple]], list[tuple]]:
     return per_worker, mean
 
 
+def reach(points: list[tuple], target: float) -> tuple[float, float, float] | None:
+    """``(step, wall, bytes sent)`` at which the mean held-out loss first reaches ``target``, linear in between
+    evaluations, or None when it never does. ``points``: ``(step, wall, bytes sent, loss)`` per evaluation in step
+    order, as the mean curve of :func:`_eval_curves` gives them."""
+    previous = None
+    for point in points:
+        loss = point[3]
+        if loss <= target:
+            if previous is None or previous[3] == loss:
+                return point[0], point[1], point[2]
+            frac = (previous[3] - target) / (previous[3] - loss)
+            return tuple(a + (b - a) * frac for a, b in zip(previous[:3], point[:3]))  # type: ignore[return-value]
+        previous = point
+    return None
+
+
 def _label(run_dir: Path) -> str:
     summary = Path(run_dir) / "summary.json"
     if summary.exists():

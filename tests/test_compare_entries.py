@@ -1,0 +1,76 @@
+"""benchmarks/compare.py without training: entries with per-entry overrides, run names, time to a target loss."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("compare_benchmark", ROOT / "benchmarks" / "compare.py")
+compare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare)
+
+
+def test_plain_entries_give_the_same_overrides_as_before():
+    assert compare.parse_entry("noloco") == ["outer.algo=noloco"]
+    assert compare.parse_entry("ddp/fp32") == ["outer.algo=ddp", "comm.codec=fp32"]
+    assert compare.parse_entry("noloco/int4/int8") == ["outer.algo=noloco", "comm.codec=int4", "comm.slow_codec=int8"]
+    assert compare.parse_entry("noloco/int4:g64") == ["outer.algo=noloco", "comm.codec=int4:g64"]
+
+
+def test_key_value_parts_after_the_codecs_are_overrides_of_that_entry():
+    assert compare.parse_entry("diloco/int4/outer.momentum=0.5") == [
+        "outer.algo=diloco", "comm.codec=int4", "outer.momentum=0.5"]  # fmt: skip
+    assert compare.parse_entry("noloco/int4/int8/outer.lr=0.9/outer.pull=0.9") == [
+        "outer.algo=noloco", "comm.codec=int4", "comm.slow_codec=int8", "outer.lr=0.9", "outer.pull=0.9"]  # fmt: skip
+    # overrides without a codec keep the default codec
+    assert compare.parse_entry("noloco/outer.every=10") == ["outer.algo=noloco", "outer.every=10"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ("nolcoo/int4", "not an algorithm"),
+        ("steps=300", "after --"),  # a common override typed among the entries
+        ("noloco/int4/int8/fp32", "at most two"),
+        ("noloco/outer.lr=0.9/int4", "codecs come first"),
+        ("noloco//int4", "empty part"),
+        ("noloco/int4/=0.9", "empty part"),
+    ],
+)
+def test_a_bad_entry_is_refused_with_one_line_naming_it(entry, says):
+    with pytest.raises(ValueError, match=says) as caught:
+        compare.parse_entry(entry)
+    assert entry in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_run_names_are_plain_folder_names():
+    assert compare.run_name("noloco/int4/int8") == "noloco-int4-int8"
+    assert compare.run_name("noloco/int4:g64") == "noloco-int4g64"
+    assert compare.run_name("noloco/int4/outer.lr=0.9") == "noloco-int4-outer.lr-0.9"
+
+
+def test_reach_interpolates_between_evaluations_and_says_when_never_reached():
+    points = [(0, 0.0, 0.0, 8.0), (10, 10.0, 100.0, 6.0), (20, 30.0, 300.0, 5.0)]
+    assert compare.reach(points, 8.0) == (0, 0.0, 0.0)
+    assert compare.reach(points, 7.0) == pytest.approx((5.0, 5.0, 50.0))
+    assert compare.reach(points, 5.5) == pytest.approx((15.0, 20.0, 200.0))
+    assert compare.reach(points, 5.0) == pytest.approx((20.0, 30.0, 300.0))
+    assert compare.reach(points, 4.9) is None
+    assert compare.reach([], 5.0) is None
+    # a loss that rises again after reaching the target: the first crossing counts
+    assert compare.reach([(0, 0.0, 0.0, 6.0), (10, 1.0, 1.0, 4.0), (20, 2.0, 2.0, 7.0)], 5.0)[0] == pytest.approx(5.0)
+
+
+def test_figures_hold_at_most_ten_lines_split_evenly_and_repeat_the_first_entry():
+    assert compare.figures(3) == [[0, 1, 2]]
+    assert compare.figures(10) == [list(range(10))]
+    assert compare.figures(11) == [[0, 1, 2, 3, 4, 5], [0, 6, 7, 8, 9, 10]]
+    for entries in range(11, 40):
+        chunks = compare.figures(entries)
+        assert all(len(c) <= 10 and c[0] == 0 for c in chunks)
+        assert [i for c in chunks for i in c[1:]] == list(range(1, entries))  # each once, in order
+        assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
+        assert len(chunks) == -(-(entries - 1) // 9)  # the fewest figures
