@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from noloco.fleet.launcher import host_cpu_sets, launch  # noqa: E402
 from noloco.fleet.netns import FleetError, is_root, parse_rate  # noqa: E402
+from noloco.train.config import load_config  # noqa: E402
 from noloco.train.plots import _eval_curves, plot_runs, reach  # noqa: E402
 
 METHODS = ["ddp/fp32", "diloco/fp32", "diloco/fp32/outer.momentum=0.5", "diloco/int4", "diloco/int4/outer.momentum=0.5",
@@ -90,10 +91,11 @@ def method_overrides(method: str) -> list[str]:
 
 def method_label(algo: str, codec: str, momentum: float | None) -> str:
     """The method key of a finished run: ``algo/codec``, plus ``/outer.momentum=m`` when the run's outer momentum
-    is not its algorithm's default (0.9 for DiLoCo, 0.5 for NoLoCo; DDP has none)."""
+    is not its algorithm's default (the config's: 0.9 for DiLoCo, 0.5 for NoLoCo; DDP uses none)."""
     label = f"{algo}/{codec}"
-    default = {"diloco": 0.9, "noloco": 0.5}.get(algo)
-    if momentum is None or default is None or momentum == default:
+    if momentum is None or algo not in ("diloco", "noloco"):
+        return label
+    if momentum == load_config([f"outer.algo={algo}"]).outer.momentum:
         return label
     return f"{label}/outer.momentum={momentum:g}"
 
