@@ -31,10 +31,28 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
-def _smoke() -> list[str]:
-    from noloco.train.config import SMOKE  # lazily: GPU machines run tests/quant without omegaconf
+# A seconds-long run on the real default corpus: for smoke tests of any backend.
+SMOKE = (
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "data.vocab_size=512",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "eval.batches=2",
+    "log.progress=false",
+    "inner.warmup=5",
+)
 
+
+def _smoke() -> list[str]:
     return list(SMOKE)
+
+
+@pytest.fixture(scope="session")
+def smoke_overrides() -> list[str]:
+    """:data:`SMOKE` as a list, for session-scoped fixtures of other folders."""
+    return _smoke()
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """``allreduce``: one entry point for every reduction inside a group, over any transport.
 
-Algorithms: ``two_phase`` (reduce-scatter to owners, one encoding of the reduced segment; the Echo
-two-phase scheme, DESIGN §3.4), ``ring`` (multi-hop partial sums in a widening format, after DynamiQ,
+Reductions: ``two_phase`` (reduce-scatter to owners, one encoding of the reduced segment; the Echo
+two-phase scheme, docs/design.md §3.4), ``ring`` (multi-hop partial sums in a widening format, after DynamiQ,
 arXiv 2602.08923) and ``naive_ring`` (re-encode every hop; the ablation). Codecs: ``fp32`` (exact) and
 every :mod:`noloco.quant` spec (``int4``, ``int8``, ``mxfp4``, ``bf16``, ``int4:g64``, ...).
 
@@ -25,16 +25,19 @@ the call runs in fp32 whatever the codec; every member makes the same choice fro
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 from noloco.collectives.codec import Codec, Fp32Codec, get_codec
-from noloco.collectives.feedback import ReductionErrorFeedback
 from noloco.collectives.protocol import DTYPE_CODES, NORM_FLOOR_RMS, CallInfo, Exchange, NormBound, NormRejections
+from noloco.collectives.residuals import ReductionErrorFeedback
 from noloco.collectives.ring import ring_allreduce
 from noloco.collectives.two_phase import two_phase_allreduce
 from noloco.comm.base import Transport
 
-ALGORITHMS = ("two_phase", "ring", "naive_ring")
+REDUCTIONS = ("two_phase", "ring", "naive_ring")
 OPS = ("mean", "sum")
 
 #: Segments shorter than this many elements are sent in fp32 whatever the codec. Measured on a 2-core
@@ -43,6 +46,11 @@ OPS = ("mean", "sum")
 #: than ~10-35 MB/s (80-280 Mbit/s, the slow links noloco targets); at 64k elements below ~100-200 MB/s.
 #: See docs/results/collectives.md; pass ``min_compress_numel`` to override (e.g. on GPU).
 SMALL_MESSAGE_NUMEL = 4096
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_algorithm_keyword() -> None:
+    warnings.warn("allreduce(algorithm=...) is deprecated: pass reduction=...", DeprecationWarning, stacklevel=3)
 
 
 def _next_auto_tag(transport: Transport, group: tuple[int, ...]) -> str:
@@ -58,11 +66,12 @@ def allreduce(
     transport: Transport,
     group: list[int] | None = None,
     codec: str | Codec = "fp32",
-    algorithm: str = "two_phase",
+    reduction: str = "two_phase",
     op: str = "mean",
     timeout: float = 30.0,
     tag: str | None = None,
     *,
+    algorithm: str | None = None,
     error_feedback: ReductionErrorFeedback | None = None,
     min_compress_numel: int | None = None,
     max_norm_ratio: float | None = None,
@@ -78,12 +87,13 @@ def allreduce(
         transport: this rank's transport; ``transport.rank`` must be in ``group``.
         group: ranks taking part, in the same order on every member.
         codec: wire format (``"fp32"`` is exact; any :mod:`noloco.quant` spec string, or a Codec).
-        algorithm: ``"two_phase"``, ``"ring"`` or ``"naive_ring"``.
+        reduction: ``"two_phase"``, ``"ring"`` or ``"naive_ring"`` (the schedule of messages).
+        algorithm: deprecated name of ``reduction`` (warns once; removed in 0.3).
         op: ``"mean"`` or ``"sum"``.
         timeout: seconds to wait for any one peer message.
         tag: unique name of this call within the run (e.g. ``"outer/r7/delta"``).
         error_feedback: state kept by the caller across calls at this call site (one per buffer);
-            updated only if the call succeeds. See :mod:`noloco.collectives.feedback`.
+            updated only if the call succeeds. See :mod:`noloco.collectives.residuals`.
         min_compress_numel: segments shorter than this go in fp32 (default :data:`SMALL_MESSAGE_NUMEL`).
         max_norm_ratio: norm bound on peers' contributions (None: no bound). A peer's contribution to a
             segment whose L2 norm exceeds ``max_norm_ratio`` × this member's own contribution to it
@@ -105,6 +115,9 @@ def allreduce(
             malformed, holds NaN/Inf, is from the wrong member or round, or a peer failed and said so.
         CommTimeout: a peer stayed silent for ``timeout`` seconds (on every surviving member).
     """
+    if algorithm is not None:
+        _warn_algorithm_keyword()
+        reduction = algorithm
     group = list(range(transport.world_size)) if group is None else [int(r) for r in group]
     if transport.rank not in group:
         raise ValueError(f"rank {transport.rank} is not a member of group {group}")
@@ -112,8 +125,8 @@ def allreduce(
         raise ValueError(f"group {group} lists a rank twice")
     if len(group) > 65535:
         raise ValueError(f"group of {len(group)} ranks is larger than the protocol allows (65535)")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; known: {ALGORITHMS}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; known: {REDUCTIONS}")
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {OPS}")
     if not torch.is_floating_point(x):
@@ -144,13 +157,28 @@ def allreduce(
     wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
     tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
     # A bounded ring puts an input count in front of its reduce-scatter messages: members must agree on it.
-    codec_id = f"{requested.name}|{wire.name}" + ("|counted" if bound is not None and algorithm != "two_phase" else "")
-    info = CallInfo(algorithm, op, x.dtype, tuple(group), group.index(transport.rank), flat.numel(), codec_id, tag)
+    codec_id = f"{requested.name}|{wire.name}" + ("|counted" if bound is not None and reduction != "two_phase" else "")
+    info = CallInfo(reduction, op, x.dtype, tuple(group), group.index(transport.rank), flat.numel(), codec_id, tag)
     ex = Exchange(transport, info, timeout, bound)
-    if algorithm == "two_phase":
+    if reduction == "two_phase":
         out = two_phase_allreduce(flat, ex, wire, op, residuals)
     else:
-        out = ring_allreduce(flat, ex, wire, op, residuals, naive=algorithm == "naive_ring")
+        out = ring_allreduce(flat, ex, wire, op, residuals, naive=reduction == "naive_ring")
     if error_feedback is not None:
         error_feedback.commit(*residuals)
     return out.reshape(x.shape).to(x.device)
+
+
+def barrier(transport: Transport, tag: str, timeout: float) -> None:
+    """Wait until every rank of ``transport`` reached this call (a tiny fp32 all-reduce, not counted as traffic).
+
+    Raises :class:`~noloco.comm.base.CommTimeout` (or another ``CommError``) when a rank does not arrive
+    within about ``timeout`` seconds.
+    """
+    if transport.world_size == 1:
+        return
+    before = transport.counter.state_dict()
+    try:
+        allreduce(torch.zeros(1), transport, tag=tag, timeout=timeout)
+    finally:
+        transport.counter.load_state_dict(before)

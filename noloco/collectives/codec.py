@@ -12,6 +12,7 @@ any other size, spec or shape before allocating anything from it (:class:`Payloa
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -51,6 +52,15 @@ class Codec(ABC):
     def exact(self) -> bool:
         """True when decode(encode(x)) == x for every finite fp32 x."""
         return False
+
+    def __eq__(self, other: object) -> bool:  # equal wire formats: "int4" == "int4:g128"
+        return isinstance(other, Codec) and type(other) is type(self) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.name))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
 
 
 class Fp32Codec(Codec):
@@ -122,6 +132,9 @@ class QuantCodec(Codec):
 def get_codec(name: str | Codec) -> Codec:
     """Return the codec called ``name``: ``fp32`` or any :meth:`noloco.quant.QuantSpec.parse` string.
 
+    Codecs are stateless and parsed once per name (cached); equal specs give equal codecs
+    (``get_codec("int4") == get_codec("int4:g128")``).
+
     Raises:
         ValueError: ``name`` is not a known codec nor a parseable spec.
     """
@@ -129,6 +142,11 @@ def get_codec(name: str | Codec) -> Codec:
         return name
     if not isinstance(name, str):
         raise ValueError(f"codec must be a name or a Codec, got {type(name).__name__}")
+    return _parse_codec(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_codec(name: str) -> Codec:
     if name.strip().lower() == "fp32":
         return Fp32Codec()
     try:

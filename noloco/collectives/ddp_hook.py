@@ -1,6 +1,6 @@
 """A DDP communication hook that all-reduces gradient buckets through the quantized two-phase reduction.
 
-Implements the quantized inner-gradient reduction of DESIGN §3.5: inside a worker made of several
+Implements the quantized inner-gradient reduction of docs/design.md §3.5: inside a worker made of several
 processes/GPUs, PyTorch DDP hands each gradient bucket to the hook, which reduces it with
 :func:`noloco.collectives.allreduce` (``two_phase``, int8 by default, fp32 accumulation at the owner,
 optional error feedback) over a :class:`~noloco.comm.torchdist.TorchDistTransport`, and returns the
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from noloco.collectives.base import allreduce
 from noloco.collectives.device import allreduce_device
-from noloco.collectives.feedback import ReductionErrorFeedback
+from noloco.collectives.residuals import ReductionErrorFeedback
 from noloco.comm.base import ByteCounter, Transport
 
 
@@ -48,7 +48,7 @@ class QuantizedHookState:
             device path.
         codec: wire format (``"int8"`` by default; any codec :func:`allreduce` accepts).
         error_feedback: keep one :class:`ReductionErrorFeedback` per bucket index.
-        algorithm: reduction algorithm (``"two_phase"``; the only one on the device path).
+        reduction: reduction reduction (``"two_phase"``; the only one on the device path).
         timeout: seconds to wait for a peer's message (bytes path; on the device path the process
             group's own timeout applies).
         min_compress_numel: passed to :func:`allreduce` / :func:`allreduce_device` (None: the default).
@@ -61,7 +61,7 @@ class QuantizedHookState:
     transport: Transport | None = None
     codec: str = "int8"
     error_feedback: bool = False
-    algorithm: str = "two_phase"
+    reduction: str = "two_phase"
     timeout: float = 60.0
     min_compress_numel: int | None = None
     calls: dict[int, int] = field(default_factory=dict)
@@ -73,8 +73,8 @@ class QuantizedHookState:
     def __post_init__(self) -> None:
         if self.transport is None:
             self.on_device = True
-        if self.on_device and self.algorithm != "two_phase":
-            raise ValueError(f"the device path runs two_phase only, got algorithm={self.algorithm!r}")
+        if self.on_device and self.reduction != "two_phase":
+            raise ValueError(f"the device path runs two_phase only, got reduction={self.reduction!r}")
 
     @property
     def counter(self) -> ByteCounter:
@@ -136,7 +136,7 @@ def quantized_allreduce_hook(state: QuantizedHookState, bucket: dist.GradBucket)
         mean = allreduce_device(buffer, state.process_group, codec=state.codec, op="mean", error_feedback=ef,
                                 min_compress_numel=state.min_compress_numel, counter=state.device_counter)
     else:
-        mean = allreduce(buffer, state.transport, codec=state.codec, algorithm=state.algorithm, op="mean",
+        mean = allreduce(buffer, state.transport, codec=state.codec, reduction=state.reduction, op="mean",
                          timeout=state.timeout, tag=f"ddp/b{index}/c{count}", error_feedback=ef,
                          min_compress_numel=state.min_compress_numel)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -1,4 +1,4 @@
-"""Two-phase quantized all-reduce whose payloads never leave the device (DESIGN §3.4, §3.5).
+"""Two-phase quantized all-reduce whose payloads never leave the device (docs/design.md §3.4, §3.5).
 
 :func:`allreduce_device` is the two-phase reduction of :mod:`noloco.collectives.two_phase` (the Echo
 scheme: reduce-scatter to owners, one encoding of each reduced segment, all-gather of those codes),
@@ -25,7 +25,7 @@ It is meant for *trusted, intra-worker* groups (the GPUs of one worker, DDP's gr
   own unencoded segment).
 - a member that dies mid-call is handled by the process group's own timeout (NCCL watchdog), not here.
 
-Results are the same as the bytes path (``allreduce(..., algorithm="two_phase")``) on the same inputs,
+Results are the same as the bytes path (``allreduce(..., reduction="two_phase")``) on the same inputs,
 codec and threshold: same segments, same fp32 sums in member order, same error feedback, so every
 member returns bit-identical values, equal to the bytes path's. One shortcut keeps that equality: for
 an integer codec without result error feedback, with ``op="sum"`` or a power-of-two group, the owner
@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 
 from noloco.collectives.codec import Fp32Codec, PayloadMismatch, QuantCodec, get_codec
-from noloco.collectives.feedback import ReductionErrorFeedback
 from noloco.collectives.protocol import DTYPE_CODES, OP_CODES, RemoteFailure, crc
+from noloco.collectives.residuals import ReductionErrorFeedback
 from noloco.collectives.two_phase import segment_bounds
 from noloco.comm.base import ByteCounter
 from noloco.quant import (
@@ -426,7 +426,7 @@ def allreduce_device(
 
     Returns:
         float32 tensor of ``x``'s shape on ``x``'s device, bit-identical on every member and equal to
-        ``allreduce(x, transport, codec=codec, algorithm="two_phase", op=op)`` on the same inputs.
+        ``allreduce(x, transport, codec=codec, reduction="two_phase", op=op)`` on the same inputs.
 
     Raises:
         ValueError / TypeError: bad arguments (before any collective).

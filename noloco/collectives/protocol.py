@@ -8,7 +8,7 @@ believes this call is::
     0      2    magic b"NC"
     2      1    version (1)
     3      1    status: 0 ok; 1 mismatch, 2 timeout, 3 other error (body = UTF-8 reason)
-    4      1    algorithm code        5  1  op code
+    4      1    reduction code        5  1  op code
     6      1    input dtype code      7  1  phase (0 reduce-scatter / ring reduce, 1 all-gather)
     8      2    group size n          10 2  sender's index in the group
     12     2    segment index         14 2  step (ring hop; 0 for two-phase)
@@ -17,18 +17,18 @@ believes this call is::
     28     4    CRC-32 of the call tag (names the call and its round, e.g. "outer/r7/delta")
 
 A receiver builds the header it expects for each message and compares field by field, so members
-that disagree on numel, dtype, codec, op, algorithm or group size get an error that names the field
+that disagree on numel, dtype, codec, op, reduction or group size get an error that names the field
 and both values, and a payload from the wrong member, phase, segment or round is rejected even if a
 transport delivered it under the right address.
 
 Failure protocol (:class:`Exchange`): a member that fails (mismatch, undecodable payload, its own
 input cannot be encoded, a timeout) sends an *error marker* in place of every message it still owes
-in this call, then raises. A member that receives a marker does the same. Every algorithm here makes
+in this call, then raises. A member that receives a marker does the same. Every reduction here makes
 every member wait on a chain of messages that reaches every other member, so one failure fails all
 members within about one ``timeout`` (a dead member: every survivor raises
 :class:`~noloco.comm.base.CommTimeout`; a mismatch: every member raises :class:`PayloadMismatch`).
 
-Values (issue 8): every decoded float payload is checked for NaN/Inf (:meth:`Exchange.check_finite`;
+Values (docs/reliability.md): every decoded float payload is checked for NaN/Inf (:meth:`Exchange.check_finite`;
 quantized payloads are already validated by ``Packed.from_bytes``), and an optional :class:`NormBound`
 drops a peer's contribution whose L2 norm exceeds ``max_ratio`` times this member's own contribution to
 the same segment (plus a small floor): a peer that sends huge values is refused, counted in
@@ -56,14 +56,14 @@ VERSION = 1
 _FORMAT = "<2sBBBBBBHHHHQII"
 HEADER_BYTES = struct.calcsize(_FORMAT)  # 32
 
-ALGORITHM_CODES = {"two_phase": 0, "ring": 1, "naive_ring": 2}
+REDUCTION_CODES = {"two_phase": 0, "ring": 1, "naive_ring": 2}
 OP_CODES = {"mean": 0, "sum": 1}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 STATUS_OK, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2, 3
 PHASE_REDUCE, PHASE_GATHER = 0, 1
 
 _FIELD_NAMES = {
-    "algorithm": ("algorithm", {v: k for k, v in ALGORITHM_CODES.items()}),
+    "reduction": ("reduction", {v: k for k, v in REDUCTION_CODES.items()}),
     "op": ("op", {v: k for k, v in OP_CODES.items()}),
     "dtype": ("dtype", {v: str(k).replace("torch.", "") for k, v in DTYPE_CODES.items()}),
     "group_size": ("group size", None),
@@ -86,7 +86,7 @@ class Header:
     """One message's header (see the module docstring for the layout)."""
 
     status: int
-    algorithm: int
+    reduction: int
     op: int
     dtype: int
     phase: int
@@ -99,7 +99,7 @@ class Header:
     call: int
 
     def pack(self) -> bytes:
-        return struct.pack(_FORMAT, MAGIC, VERSION, self.status, self.algorithm, self.op, self.dtype, self.phase,
+        return struct.pack(_FORMAT, MAGIC, VERSION, self.status, self.reduction, self.op, self.dtype, self.phase,
                            self.group_size, self.sender, self.segment, self.step, self.numel, self.codec, self.call)
 
     @staticmethod
@@ -118,7 +118,7 @@ class Header:
 class CallInfo:
     """What this member believes the call is; the basis of every header it sends and expects."""
 
-    algorithm: str
+    reduction: str
     op: str
     dtype: torch.dtype
     group: tuple[int, ...]
@@ -128,7 +128,7 @@ class CallInfo:
     tag: str
 
     def header(self, phase: int, sender: int, segment: int, step: int = 0, status: int = STATUS_OK) -> Header:
-        return Header(status, ALGORITHM_CODES[self.algorithm], OP_CODES[self.op], DTYPE_CODES.get(self.dtype, 255),
+        return Header(status, REDUCTION_CODES[self.reduction], OP_CODES[self.op], DTYPE_CODES.get(self.dtype, 255),
                       phase, len(self.group), sender, segment, step, self.numel, crc(self.codec_id), crc(self.tag))
 
 
@@ -218,7 +218,7 @@ class NormBound:
 class Exchange:
     """Sends and receives the messages of one collective call, with headers and failure propagation.
 
-    The algorithm declares up front every message it will send (:meth:`expect_sends`); each
+    The reduction declares up front every message it will send (:meth:`expect_sends`); each
     :meth:`send` ticks one off. :meth:`fail` sends an error marker for each message still owed.
     Use as ``with Exchange(...) as ex:`` so that any exception inside triggers :meth:`fail`.
     """
@@ -229,7 +229,7 @@ class Exchange:
         self._owed: dict[tuple[int, str], tuple[int, int, int]] = {}
 
     def tag_of(self, phase: int, segment: int, step: int) -> str:
-        return f"{self.info.tag}/{self.info.algorithm}/p{phase}/s{segment}/h{step}"
+        return f"{self.info.tag}/{self.info.reduction}/p{phase}/s{segment}/h{step}"
 
     def expect_sends(self, sends: list[tuple[int, int, int, int]]) -> None:
         """Declare messages this member owes: ``(dst index, phase, segment, step)``."""

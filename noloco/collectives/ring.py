@@ -30,7 +30,7 @@ An information argument explains why a ladder (not a cleverer fixed-width code) 
 error below ``~ c · 2^-2b`` times one input's variance, so at fixed width no multi-hop scheme can match
 two-phase's group-size-independent error on independent data.
 
-Norm bound (optional, issue 8): a member cannot separate the inputs of a partial sum, so a hop refuses a
+Norm bound (optional, docs/reliability.md): a member cannot separate the inputs of a partial sum, so a hop refuses a
 whole incoming partial sum of ``c`` inputs if its norm exceeds ``c`` times the bound on this member's own
 contribution (``max_norm_ratio`` × own norm + floor); the messages then carry their input count so the
 owner divides by the inputs that reached it. Members whose partial sums went through a misbehaving

@@ -1,6 +1,6 @@
 """Two-phase all-reduce over any transport: reduce-scatter to owners, then all-gather.
 
-Implements the reduction of DESIGN §3.4 (the two-phase scheme of the Echo paper): the vector is cut
+Implements the reduction of docs/design.md §3.4 (the two-phase scheme of the Echo paper): the vector is cut
 into ``n`` contiguous segments and member ``k`` owns segment ``k``. Each member encodes the segments
 it does not own and sends each to its owner; the owner decodes them, adds its own segment
 *unencoded*, and sums in fp32 in member order. The owner then encodes the reduced segment once and
@@ -8,11 +8,11 @@ sends those same bytes to every member; every member, the owner included, decode
 all members return bit-identical results. Each value is encoded at most twice, whatever ``n`` is, so
 the error of the result does not grow with the group size.
 
-Error feedback (:class:`~noloco.collectives.feedback.ReductionErrorFeedback`) applies to exactly
+Error feedback (:class:`~noloco.collectives.residuals.ReductionErrorFeedback`) applies to exactly
 what this member encodes: its non-owned segments in phase 1 (residual ``contribution``) and, as
 owner, the reduced segment in phase 2 (residual ``result``).
 
-Norm bound (optional, issue 8): the owner leaves out any member's segment whose L2 norm exceeds
+Norm bound (optional, docs/reliability.md): the owner leaves out any member's segment whose L2 norm exceeds
 ``max_norm_ratio`` times its own contribution to that segment (plus a floor) and divides by the members
 it admitted, and every member refuses a reduced segment from another owner that exceeds the same
 bound relative to its own contribution there (keeping its own value instead), so a member that sends

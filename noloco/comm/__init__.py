@@ -1,17 +1,21 @@
-"""Transports: moving bytes between peers, with byte counters (DESIGN §2)."""
+"""Transports: moving bytes between peers, with byte counters (docs/design.md §2).
 
-from noloco.comm.base import ByteCounter, CommError, CommTimeout, Transport
+The in-process fabric (:class:`LocalFabric`) and torch.distributed (:class:`TorchDistTransport`) live
+here; the hivemind swarm's transport is in :mod:`noloco.swarm` (it needs libp2p, so it is imported only
+where a swarm runs).
+"""
+
+from noloco.comm.base import ByteCounter, CommAborted, CommError, CommTimeout, Transport
 from noloco.comm.local import LocalFabric, LocalTransport
-from noloco.comm.swarm import SwarmEndpoint
 from noloco.comm.torchdist import TorchDistTransport
 
 __all__ = [
     "ByteCounter",
+    "CommAborted",
     "CommError",
     "CommTimeout",
     "LocalFabric",
     "LocalTransport",
-    "SwarmEndpoint",
     "TorchDistTransport",
     "Transport",
 ]

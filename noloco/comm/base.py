@@ -1,7 +1,7 @@
 """The transport interface: moving opaque byte payloads between ranks, with byte accounting.
 
 A transport knows who its peers are and how to move bytes; it does not know what the bytes mean
-(DESIGN §2). Every collective in :mod:`noloco.collectives` is written against :class:`Transport`,
+(docs/design.md §2). Every collective in :mod:`noloco.collectives` is written against :class:`Transport`,
 so the same reduction runs over the in-process fabric, torch.distributed or hivemind.
 
 Messages are addressed by ``(src, dst, tag)``. A tag names one message of one collective call
@@ -29,7 +29,7 @@ class CommAborted(CommError):
     """The transport was shut down on purpose because the run is failing (e.g. another in-process rank raised).
 
     Unlike a timeout or a lost peer this is not a fault to survive: callers that skip failed rounds
-    (:class:`~noloco.train.algorithms.OuterAlgorithm`) re-raise it, so a run whose worker crashed on a
+    (:class:`~noloco.optim.algorithms.OuterAlgorithm`) re-raise it, so a run whose worker crashed on a
     bug stops at once instead of training on without it.
     """
 

@@ -1,7 +1,7 @@
 """A :class:`~noloco.comm.base.Transport` over torch.distributed point-to-point (gloo on CPU, NCCL on GPU).
 
 torch.distributed moves fixed-size tensors between ranks; this transport moves variable-size, tagged
-byte payloads with the semantics of the in-process fabric (DESIGN §5): ``send`` does not wait for
+byte payloads with the semantics of the in-process fabric (docs/design.md §5): ``send`` does not wait for
 the receiver, ``recv(src, tag, timeout)`` returns the payload ``src`` sent under ``tag`` or raises
 :class:`~noloco.comm.base.CommTimeout`, and every payload byte is counted.
 

@@ -1,4 +1,4 @@
-"""Throttled multi-host fleets on one machine (DESIGN §5) and a link model for users without root.
+"""Throttled multi-host fleets on one machine (docs/design.md §5) and a link model for users without root.
 
 * :mod:`noloco.fleet.netns` — namespaces, a bridge, veth links, ``tc tbf`` shaping (egress and, via
   an ifb, ingress), cleanup by name prefix.

@@ -1,4 +1,4 @@
-"""``noloco-fleet``: run one worker per network namespace behind rate-limited links (DESIGN §5).
+"""``noloco-fleet``: run one worker per network namespace behind rate-limited links (docs/design.md §5).
 
     noloco-fleet --hosts 4 --rate 50mbit -- python train.py backend=torch workers=4 outer.algo=noloco
 

@@ -8,7 +8,7 @@ predicts how long the communication takes:
 
 * a step's exchange on worker *i* lasts ``max(up_i(sent_i), down_i(received_i)) + phases · latency``
   with ``duplex="full"`` (both directions at once; a two-phase reduction has two sequential phases,
-  DESIGN §3.4), or ``up_i(sent_i) + down_i(received_i) + ...`` with ``duplex="half"`` (the directions
+  docs/design.md §3.4), or ``up_i(sent_i) + down_i(received_i) + ...`` with ``duplex="half"`` (the directions
   take turns). Measured on the fleet: gloo exchanges whose receive is posted before the send run
   full duplex (within 3% of the link rate); the torch backend's transport today posts a payload's
   receive only after its frame header arrived, and its exchanges take turns — hence ``half`` is the

@@ -1,4 +1,4 @@
-"""Network namespaces, links and rate shaping for a throttled fleet on one machine (DESIGN §5).
+"""Network namespaces, links and rate shaping for a throttled fleet on one machine (docs/design.md §5).
 
 :class:`Fleet` builds, as root, one network namespace per host (``<prefix>-h<i>``) plus one for a
 bridge (``<prefix>-br``). Host *i* gets a veth pair: ``veth0`` inside its namespace with address

@@ -1,6 +1,6 @@
 """Who averages with whom: seeded random subgroups, identical on every worker with no messages.
 
-Implements the group draw of NoLoCo (arXiv 2506.10911, DESIGN §3.1): in a fixed world of ``W``
+Implements the group draw of NoLoCo (arXiv 2506.10911, docs/design.md §3.1): in a fixed world of ``W``
 workers, round ``r`` draws a permutation of the ranks from a generator seeded with
 ``(run seed, r)`` and cuts it into consecutive groups of ``group_size``. Every worker computes the
 same groups, and regrouping every round spreads information through the swarm like gossip.

@@ -2,7 +2,7 @@
 
 An outer rule receives this worker's slow weights ``φ`` (one flat fp32 vector) and the group means
 that a collective produced, and updates ``φ`` in place. It owns its state (momentum) and nothing
-else. The exchange that produces the means lives in :mod:`noloco.train.outer`.
+else. The exchange that produces the means lives in :mod:`noloco.optim.algorithms`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ class OuterRule(ABC):
     """
 
     needs_slow_mean: bool = False
+    #: the outer momentum buffer (flat fp32), for rules that keep one; a joining worker adopts it
+    velocity: torch.Tensor | None = None
 
     @abstractmethod
     def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None) -> None:

@@ -1,7 +1,7 @@
 """NoLoCo outer step: momentum plus a pull toward the subgroup mean, no global all-reduce.
 
 Implements the outer update of NoLoCo (Kolehmainen et al., "NoLoCo: No-all-reduce Low
-Communication Training Method for Large Models", arXiv 2506.10911), as written in DESIGN §3.1.
+Communication Training Method for Large Models", arXiv 2506.10911), as written in docs/design.md §3.1.
 With ``G`` the worker's subgroup (itself included)::
 
     mean_Δ = mean_{j∈G}(θ_j − φ_j)

@@ -1,4 +1,4 @@
-"""noloco.quant: the formats and kernels every byte crossing a link goes through (DESIGN §3.3, §4).
+"""noloco.quant: the formats and kernels every byte crossing a link goes through (docs/design.md §3.3, §4).
 
 Public API::
 

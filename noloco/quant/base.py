@@ -1,7 +1,7 @@
 """The interface of the quantization layer: what a format is (:class:`QuantSpec`), what an encoded
 tensor is (:class:`Packed`) and how a malformed one fails (:class:`PayloadError`).
 
-Formats (DESIGN §3.3; MX formats from the OCP Microscaling Formats (MX) v1.0 specification):
+Formats (docs/design.md §3.3; MX formats from the OCP Microscaling Formats (MX) v1.0 specification):
 
 - ``int4`` / ``int8``: group-wise (g = 128 by default) zero-aware asymmetric integer quantization.
   Options after ``:`` -- ``g64`` (group size, a power of two in 16..4096), ``sym`` (symmetric),

@@ -1,4 +1,4 @@
-"""Error feedback (DESIGN §3.3): errors injected by quantization now are paid back later.
+"""Error feedback (docs/design.md §3.3): errors injected by quantization now are paid back later.
 
 For each buffer (named by a key) keep an fp32 residual e. ``quantize(x)`` sends ``Q(x + e)`` and sets
 ``e <- x + e - deq(Q(x + e))``, so the sum of what was sent tracks the sum of the inputs and the error

@@ -1,4 +1,4 @@
-"""Fused ops for reductions (DESIGN §3.4): dequantize-accumulate and dequantize-accumulate-requantize.
+"""Fused ops for reductions (docs/design.md §3.4): dequantize-accumulate and dequantize-accumulate-requantize.
 
 - :func:`dequantize_accumulate` adds k decoded payloads into one fp32 accumulator in place
   (the owner's step of a two-phase reduce-scatter).

@@ -1,6 +1,6 @@
 """Group-wise integer quantization, plain-torch reference (the ground truth the Triton kernels match).
 
-Implements the zero-aware asymmetric quantizer of DESIGN §3.3 (b = 4 or 8 bits, groups of g values)
+Implements the zero-aware asymmetric quantizer of docs/design.md §3.3 (b = 4 or 8 bits, groups of g values)
 and its two ablations, for a flat fp32 vector ``v``:
 
 zero-aware (default)::

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the int (DESIGN §3.3) and MX (OCP Microscaling v1.0) formats.
+"""Fused Triton kernels for the int (docs/design.md §3.3) and MX (OCP Microscaling v1.0) formats.
 
 Three kernels, each one pass over memory, each a bit-exact twin of the torch reference in
 ``intq.py`` / ``mx.py`` for deterministic rounding (same fp32 operations in the same order; fp

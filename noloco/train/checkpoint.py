@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from noloco.train import faults
+from noloco.comm import faults
 
 COMPLETE = "COMPLETE"
 FORMAT = "noloco-checkpoint-1"
@@ -140,6 +140,16 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path, int]:
         raise CheckpointError(f"resume={path}: checkpoint is incomplete (no {COMPLETE} marker)")
     step = int((folder / COMPLETE).read_text().strip())
     return folder, folder.parent.parent, step
+
+
+def worker_ranks(folder: Path) -> list[int]:
+    """The ranks whose state a checkpoint folder holds, ascending."""
+    ranks = []
+    for meta in Path(folder).glob("worker_*.json"):
+        suffix = meta.stem.removeprefix("worker_")
+        if suffix.isdigit():
+            ranks.append(int(suffix))
+    return sorted(ranks)
 
 
 def load_worker(folder: Path, rank: int) -> dict:

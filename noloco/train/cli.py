@@ -4,7 +4,7 @@ Examples::
 
     python train.py                                         # the default run (4 workers, NoLoCo)
     python train.py outer.algo=diloco workers=8 outer.every=50
-    python train.py --config configs/experiments/compare-diloco.yaml
+    python train.py --config configs/experiments/diloco.yaml
     python train.py resume=runs/<run>/checkpoints/latest    # continue exactly where it stopped
 """
 
@@ -15,7 +15,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from noloco.train import checkpoint
+from noloco.train import backends, checkpoint
 from noloco.train.config import ConfigError, load_config
 from noloco.train.data import DataError
 
@@ -45,19 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(OmegaConf.to_yaml(cfg))
             return 0
-        if cfg.backend == "hivemind":  # one peer of an open swarm per process (docs/swarm.md)
-            from noloco.train.swarm import run_peer
-
-            run_peer(cfg, resume_from=resume_from, resume_step=resume_step)
-            return 0
-        if cfg.backend == "torch":  # one process per worker over torch.distributed (torchrun or local launch)
-            from noloco.train.distributed import run_distributed
-
-            run_distributed(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)
-            return 0
-        from noloco.train.runner import run
-
-        run(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)
+        # local: threads of this process; torch: a process per worker; hivemind: one swarm peer (docs/swarm.md)
+        backends.launch(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)
     except (ConfigError, DataError, checkpoint.CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

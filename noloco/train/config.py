@@ -6,31 +6,19 @@ workers, a missing data path) raise :class:`ConfigError` with one clear line bef
 
 from __future__ import annotations
 
+import difflib
 import math
+import sys
 from importlib import resources
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from noloco.collectives import ALGORITHMS, known_codecs
+from noloco.collectives import REDUCTIONS, known_codecs
 
 ALGOS = ("noloco", "diloco", "avg", "ddp")
 BACKENDS = ("local", "torch", "hivemind")
-
-
-# A seconds-long run on the real default corpus: for smoke tests of any backend (``train.py *SMOKE``).
-SMOKE = (
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "data.vocab_size=512",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "eval.batches=2",
-    "log.progress=false",
-    "inner.warmup=5",
-)
 
 
 class ConfigError(ValueError):
@@ -51,8 +39,54 @@ def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
         key = getattr(exc, "full_key", None) or ""
         reason = str(exc).splitlines()[0]
         if "not in struct" in reason or "Key '" in reason and "not" in reason:
-            raise ConfigError(f"{origin}: unknown config key '{key}'") from None
+            raise ConfigError(f"{origin}: unknown config key '{key}'{_did_you_mean(cfg, key)}") from None
         raise ConfigError(f"{origin}: bad value for '{key}': {reason}") from None
+
+
+def _keys(node, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        out.append(path)
+        if isinstance(value, DictConfig):
+            out += _keys(value, path + ".")
+    return out
+
+
+def _did_you_mean(cfg: DictConfig, key: str) -> str:
+    close = difflib.get_close_matches(key, _keys(cfg), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+_warned: set[str] = set()
+
+
+def _deprecated(old: str, new: str) -> None:
+    if old not in _warned:
+        _warned.add(old)
+        print(f"warning: {old} is deprecated, use {new}", file=sys.stderr)
+
+
+def _resolve_deprecated(cfg: DictConfig) -> None:
+    """Old key names still work: ``comm.algorithm`` → ``comm.reduction``; ``comm.timeout`` → the three timeouts."""
+    comm = cfg.comm
+    if comm.algorithm is not None:
+        _deprecated("comm.algorithm", "comm.reduction")
+        comm.reduction, comm.algorithm = comm.algorithm, None
+    if comm.timeout is not None:
+        _deprecated("comm.timeout", "comm.recv_timeout, comm.group_timeout and comm.startup_timeout")
+        comm.recv_timeout = comm.group_timeout = comm.startup_timeout = comm.timeout
+        comm.timeout = None
+
+
+def default_momentum(algo: str) -> float:
+    """The outer momentum an algorithm defaults to: the library class's own default (NoLoCo 0.5, DiLoCo 0.9)."""
+    import inspect
+
+    from noloco.optim import DiLoCo, NoLoCo
+
+    cls = DiLoCo if algo == "diloco" else NoLoCo
+    return float(inspect.signature(cls).parameters["momentum"].default)
 
 
 def load_config(overrides: list[str] | None = None, config_files: list[str] | None = None) -> DictConfig:
@@ -76,6 +110,7 @@ def load_config(overrides: list[str] | None = None, config_files: list[str] | No
     except OmegaConfBaseException as exc:
         raise ConfigError(f"bad override: {str(exc).splitlines()[0]}") from None
     cfg = _merge(cfg, parsed, "command line")
+    _resolve_deprecated(cfg)
     validate(cfg)
     return cfg
 
@@ -101,15 +136,16 @@ def validate(cfg: DictConfig) -> None:
             "(seeded random groups need equal sizes)",
         )
     if outer.momentum is None:
-        outer.momentum = 0.9 if outer.algo == "diloco" else 0.5
+        outer.momentum = default_momentum(outer.algo)
     _require(0 <= outer.momentum < 1, f"outer.momentum must be in [0, 1), got {outer.momentum}")
     _require(outer.lr > 0 and outer.pull >= 0, "outer.lr must be > 0 and outer.pull >= 0")
     for key in ("codec", "slow_codec"):
         value = cfg.comm[key]
         if value is not None:
             _require(value in known_codecs(), f"comm.{key}={value!r} is not a codec ({', '.join(known_codecs())}, ...)")
-    _require(cfg.comm.algorithm in ALGORITHMS, f"comm.algorithm={cfg.comm.algorithm!r} is not one of {ALGORITHMS}")
-    _require(cfg.comm.timeout > 0, "comm.timeout must be > 0 seconds")
+    _require(cfg.comm.reduction in REDUCTIONS, f"comm.reduction={cfg.comm.reduction!r} is not one of {REDUCTIONS}")
+    for key in ("recv_timeout", "group_timeout", "startup_timeout"):
+        _require(cfg.comm[key] > 0, f"comm.{key} must be > 0 seconds, got {cfg.comm[key]}")
     ratio = cfg.comm.max_norm_ratio
     _require(
         ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 1 < ratio < math.inf),
@@ -141,7 +177,3 @@ def validate(cfg: DictConfig) -> None:
     from noloco.train.model import PRESETS
 
     _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
-
-
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg)

@@ -1,8 +1,10 @@
 """The worker loop: inner AdamW steps, the algorithm's step, evaluation, logging, checkpoints.
 
 One call of :func:`train_worker` is one worker of a run, whatever the backend: the local backend
-runs one per thread over the in-process fabric; other backends run one per process. It reads top
-to bottom: build, (resume), then for each step: batch → loss → backward → ``algo.sync_gradients``
+runs one per thread over the in-process fabric; other backends run one per process. What differs
+between backends goes through the worker's :class:`~noloco.train.backends.base.Backend` (what to
+exchange over, late join, per-step bookkeeping, checkpoint barriers). It reads top to bottom:
+build, (resume or start), then for each step: batch → loss → backward → ``algo.sync_gradients``
 → clip → ``algo.step`` (inner step; outer step every H) → log → evaluate → checkpoint.
 """
 
@@ -11,18 +13,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from noloco.collectives import allreduce
-from noloco.comm.base import CommAborted, CommError, Transport
+from noloco.comm.base import Transport
 from noloco.gossip.base import GroupSource
+from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, PeriodicAveraging
 from noloco.train import checkpoint
-from noloco.train.algorithms import DDP, Algorithm, DiLoCo, NoLoCo, PeriodicAveraging
+from noloco.train.backends.base import Backend
 from noloco.train.data import BatchSampler, TokenizedCorpus, eval_batches
 from noloco.train.metrics import MetricsLogger
 from noloco.train.model import LLaMA, model_config
@@ -78,11 +79,13 @@ def build_algorithm(
 ) -> Algorithm:
     """``transport`` is a fixed world's transport or, in an open swarm, a group source (then rounds may be skipped)."""
     outer, comm = cfg.outer, cfg.comm
-    common = dict(codec=comm.codec, timeout=comm.timeout, error_feedback=comm.error_feedback, algorithm=comm.algorithm)
+    common = dict(codec=comm.codec, timeout=comm.recv_timeout, error_feedback=comm.error_feedback,
+                  reduction=comm.reduction)  # fmt: skip
     if outer.algo == "ddp":
         return DDP(model, opt, transport, **common)
     common["slow_codec"] = comm.slow_codec
     common["max_norm_ratio"] = comm.max_norm_ratio
+    common["group_timeout"] = comm.group_timeout
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
     if outer.algo == "noloco":
@@ -135,154 +138,152 @@ class RunContext:
     resume_step: int = 0
     progress: object | None = None
     stop_after: int | None = None  # testing hook: return after this step, as if killed
-    # Open swarm (backend=hivemind): no world transport. ``groups`` forms each round's group (failed
-    # rounds are skipped), ``rank`` picks the data stream, checkpoints need no barrier, and ``join``
-    # may load a live peer's state before the first inner step (returns the step to start from).
-    groups: GroupSource | None = None
-    rank: int = 0
-    join: Callable[[Algorithm, torch.nn.Module], int] | None = None
-    after_step: Callable[[int, Algorithm], None] | None = None
-    # A worker of several processes (backend=torch, inner.processes > 1): ``replicas`` wraps the model
-    # in DDP with the quantized gradient hook and relays outer steps; ``rank`` is then the process's
-    # global rank (its data stream and checkpoint file); ``barrier`` waits for every process.
-    replicas: object | None = None
-    barrier: Callable[[], None] | None = None
 
 
-def train_worker(ctx: RunContext, transport: Transport | None) -> WorkerResult:
-    """One worker's whole run. ``transport`` is the world's, or ``None`` in an open swarm (``ctx.groups``)."""
+@dataclass
+class Worker:
+    """One worker's live objects while it trains (built by :func:`build_worker`)."""
+
+    rank: int
+    model: LLaMA
+    forward: torch.nn.Module
+    opt: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LambdaLR
+    algo: Algorithm
+    sampler: BatchSampler
+    held_out: list
+    start: int = 0
+    wall_offset: float = 0.0
+    history: list = field(default_factory=list)
+
+    def state(self, step: int, wall: float) -> dict:
+        """Everything a checkpoint of ``step`` holds for this worker."""
+        return {
+            "step": step,
+            "model": self.model.state_dict(),
+            "inner_opt": self.opt.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "algorithm": self.algo.state_dict(),
+            "counter": self.algo.counter.state_dict(),
+            "wall_seconds": wall,
+            "eval_history": self.history,
+        }
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["inner_opt"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.algo.load_state_dict(state["algorithm"])
+        self.algo.counter.load_state_dict(state["counter"])
+        self.start, self.wall_offset, self.history = state["step"], state["wall_seconds"], state["eval_history"]
+
+
+def build_worker(ctx: RunContext, backend: Backend) -> Worker:
+    """Model, inner optimizer, algorithm and data of one worker; resumed, or started through the backend."""
     cfg = ctx.cfg
-    rank = transport.rank if transport is not None and ctx.replicas is None else ctx.rank
     model = build_model(cfg, ctx.corpus.vocab_size)
     opt, schedule = build_inner_optimizer(cfg, model)
-    if ctx.groups is not None:
-        algo = build_algorithm(cfg, model, opt, ctx.groups, skip_failed_rounds=True)
-    else:
-        algo = build_algorithm(cfg, model, opt, transport)
-    forward = model
-    if ctx.replicas is not None:
-        forward = ctx.replicas.wrap(model)  # DDP over the worker's processes, quantized gradient hook
-        algo.replicas = ctx.replicas
-    sampler = BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed)
-    held_out = eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-
-    start, wall_offset, history = 0, 0.0, []
+    algo = build_algorithm(cfg, model, opt, backend.groups(), skip_failed_rounds=backend.skip_failed_rounds)
+    worker = Worker(
+        rank=backend.rank,
+        model=model,
+        forward=backend.wrap(model, algo),
+        opt=opt,
+        schedule=schedule,
+        algo=algo,
+        sampler=BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed),
+        held_out=eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches),
+    )
     if ctx.resume_from is not None:
-        state = checkpoint.load_worker(ctx.resume_from, rank)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["inner_opt"])
-        schedule.load_state_dict(state["schedule"])
-        algo.load_state_dict(state["algorithm"])
-        algo.counter.load_state_dict(state["counter"])
-        start, wall_offset, history = state["step"], state["wall_seconds"], state["eval_history"]
-    elif ctx.join is not None:
-        start = ctx.join(algo, model)
-        for _ in range(start):  # the LR schedule continues where the live peers are
+        worker.load(checkpoint.load_worker(ctx.resume_from, worker.rank))
+    else:
+        worker.start = backend.start(algo, model)
+        for _ in range(worker.start):  # the LR schedule continues where the live peers are
             schedule.step()
+    return worker
+
+
+def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
+    """One worker's whole run on ``backend``; returns its final numbers."""
+    cfg = ctx.cfg
+    worker = build_worker(ctx, backend)
+    algo, tokens_per_step = worker.algo, cfg.data.batch_size * cfg.data.seq_len
     started = time.perf_counter()
-    wall = lambda: wall_offset + time.perf_counter() - started  # noqa: E731
+    wall = lambda: worker.wall_offset + time.perf_counter() - started  # noqa: E731
 
     if ctx.resume_from is None:  # the curve starts at the initial loss (a late joiner's: the live weights)
-        eval_loss = evaluate(model, held_out)
-        history.append((start, eval_loss))
-        ctx.metrics.log(
-            {
-                "worker": rank,
-                "step": start,
-                "tokens": start * tokens_per_step,
-                "bytes_sent": 0,
-                "bytes_received": 0,
-                "wall": round(wall(), 4),
-                "eval_loss": eval_loss,
-            }
-        )
-    eval_loss = history[-1][1]
-    for step in range(start + 1, cfg.steps + 1):
-        inputs, targets = sampler.batch(rank, step)
-        _, loss = forward(inputs, targets)
-        loss.backward()
-        algo.sync_gradients()
-        if cfg.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-        lr = schedule.get_last_lr()[0]
-        outer_round = algo.step()
-        schedule.step()
-
-        record = {
-            "worker": rank,
-            "step": step,
-            "loss": loss.item(),
-            "lr": lr,
-            "tokens": step * tokens_per_step,
-            "bytes_sent": algo.counter.bytes_sent,
-            "bytes_received": algo.counter.bytes_received,
-            "wall": round(wall(), 4),
-        }
-        if outer_round is not None:
-            record["outer_round"], record["group"] = outer_round.round, outer_round.group
-            if outer_round.skipped:
-                record["outer_skipped"] = outer_round.skipped
-        if algo.nonfinite_events:
-            record["nonfinite_events"] = algo.nonfinite_events
-        rejections = getattr(algo, "norm_rejections", None)
-        if rejections is not None and rejections.total:
-            record["norm_rejections"] = rejections.total
+        worker.history.append((worker.start, evaluate(worker.model, worker.held_out)))
+        ctx.metrics.log({"worker": worker.rank, "step": worker.start, "tokens": worker.start * tokens_per_step,
+                         "bytes_sent": 0, "bytes_received": 0, "wall": round(wall(), 4),
+                         "eval_loss": worker.history[-1][1]})  # fmt: skip
+    for step in range(worker.start + 1, cfg.steps + 1):
+        loss, lr, outer_round = inner_step(cfg, worker, step)
+        record = step_record(worker, step, loss, lr, outer_round, tokens_per_step, wall())
         if step % cfg.eval.every == 0 or step == cfg.steps:
-            eval_loss = evaluate(model, held_out)
-            history.append((step, eval_loss))
-            record["eval_loss"] = eval_loss
+            worker.history.append((step, evaluate(worker.model, worker.held_out)))
+            record["eval_loss"] = worker.history[-1][1]
         ctx.metrics.log(record)
         if ctx.progress is not None:
-            ctx.progress.advance(rank, loss.item())
-        if ctx.after_step is not None:
-            ctx.after_step(step, algo)
-
+            ctx.progress.advance(worker.rank, record["loss"])
+        backend.after_step(step, algo)
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
-            state = {
-                "step": step,
-                "model": model.state_dict(),
-                "inner_opt": opt.state_dict(),
-                "schedule": schedule.state_dict(),
-                "algorithm": algo.state_dict(),
-                "counter": algo.counter.state_dict(),
-                "wall_seconds": wall(),
-                "eval_history": history,
-            }
-            checkpoint.save_worker(ctx.run_dir, step, rank, state)
-            # Barrier: the checkpoint is complete only when every worker has saved. Not counted as traffic.
-            # A swarm peer checkpoints on its own (its run folder is its own).
-            complete = True
-            if ctx.barrier is not None:
-                ctx.barrier()
-            elif transport is not None:
-                try:
-                    _barrier(transport, f"ckpt/{step}", cfg.comm.timeout)
-                except CommAborted:
-                    raise
-                except CommError as exc:  # a worker is gone: this step's checkpoint stays incomplete
-                    complete = False
-                    logger.warning("worker %d: checkpoint of step %d left incomplete (%s)", rank, step, exc)
-            if complete and (transport is None or rank == 0):
-                checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(cfg), cfg.checkpoint.keep)
+            save_checkpoint(ctx, backend, worker, step, wall())
         if ctx.stop_after is not None and step >= ctx.stop_after:
             break
 
     return WorkerResult(
-        rank=rank,
-        final_eval_loss=eval_loss,
+        rank=worker.rank,
+        final_eval_loss=worker.history[-1][1],
         slow_weights=algo.slow_weights(),
         bytes_sent=algo.counter.bytes_sent,
         bytes_received=algo.counter.bytes_received,
-        eval_history=history,
+        eval_history=worker.history,
         nonfinite_events=algo.nonfinite_events,
-        norm_rejections=algo.norm_rejections.total if hasattr(algo, "norm_rejections") else 0,
+        norm_rejections=algo.norm_rejections.total,
     )
 
 
-def _barrier(transport: Transport, tag: str, timeout: float) -> None:
-    if transport.world_size == 1:
-        return
-    before = transport.counter.state_dict()
-    allreduce(torch.zeros(1), transport, tag=tag, timeout=timeout)
-    transport.counter.load_state_dict(before)
+def inner_step(cfg: DictConfig, worker: Worker, step: int):
+    """batch → loss → backward → sync → clip → algorithm step (outer step every H); returns (loss, lr, round)."""
+    inputs, targets = worker.sampler.batch(worker.rank, step)
+    _, loss = worker.forward(inputs, targets)
+    loss.backward()
+    worker.algo.sync_gradients()
+    if cfg.inner.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(worker.model.parameters(), cfg.inner.grad_clip)
+    lr = worker.schedule.get_last_lr()[0]
+    outer_round = worker.algo.step()
+    worker.schedule.step()
+    return loss.item(), lr, outer_round
+
+
+def step_record(worker: Worker, step: int, loss: float, lr: float, outer_round, tokens_per_step: int,
+                wall: float) -> dict:
+    """The ``metrics.jsonl`` line of one step (evaluation added by the caller)."""
+    algo = worker.algo
+    record = {
+        "worker": worker.rank,
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "tokens": step * tokens_per_step,
+        "bytes_sent": algo.counter.bytes_sent,
+        "bytes_received": algo.counter.bytes_received,
+        "wall": round(wall, 4),
+    }
+    if outer_round is not None:
+        record["outer_round"], record["group"] = outer_round.round, outer_round.group
+        if outer_round.skipped:
+            record["outer_skipped"] = outer_round.skipped
+    if algo.nonfinite_events:
+        record["nonfinite_events"] = algo.nonfinite_events
+    if algo.norm_rejections.total:
+        record["norm_rejections"] = algo.norm_rejections.total
+    return record
+
+
+def save_checkpoint(ctx: RunContext, backend: Backend, worker: Worker, step: int, wall: float) -> None:
+    """Save this worker's state; once every worker has (the backend's barrier), mark the step complete."""
+    checkpoint.save_worker(ctx.run_dir, step, worker.rank, worker.state(step, wall))
+    if backend.barrier(step) and backend.marks_complete():
+        checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(ctx.cfg), ctx.cfg.checkpoint.keep)

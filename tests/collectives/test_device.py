@@ -2,7 +2,7 @@
 
 Three layers of checks:
 - in process, the owner/member steps (encode, pack, unpack, reduce, decode) against the bytes path
-  (``allreduce(..., algorithm="two_phase")`` on the in-process fabric), for many group sizes, lengths
+  (``allreduce(..., reduction="two_phase")`` on the in-process fabric), for many group sizes, lengths
   and codecs, with the torch kernels and with the Triton kernels (interpreted on CPU);
 - 2 and 3 gloo processes: the whole call, bit-identical members, equal to the bytes path, bytes counted,
   disagreements and NaN failing on every member instead of hanging, the DDP hook's device path;
@@ -59,12 +59,12 @@ def _inputs(world: int, numel: int, seed: int, dtype: torch.dtype = torch.float3
 
 def _bytes_path(xs: list[torch.Tensor], codec: str, op: str, threshold: int = 0) -> torch.Tensor:
     outs = LocalFabric(len(xs)).run(
-        lambda t: allreduce(xs[t.rank], t, codec=codec, op=op, algorithm="two_phase", min_compress_numel=threshold))
+        lambda t: allreduce(xs[t.rank], t, codec=codec, op=op, reduction="two_phase", min_compress_numel=threshold))
     return outs[0]
 
 
 def _simulate(xs: list[torch.Tensor], codec: str, op: str, backend: str | None = None) -> torch.Tensor:
-    """The device algorithm's member and owner steps for every member, in one process (messages through
+    """The device reduction's member and owner steps for every member, in one process (messages through
     uint8 buffers exactly as allreduce_device packs them)."""
     n, numel = len(xs), xs[0].numel()
     requested = get_codec(codec)

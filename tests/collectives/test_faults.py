@@ -10,7 +10,7 @@ from noloco.comm.base import Transport
 
 from .helpers import run_collecting
 
-ALGORITHMS = ["two_phase", "ring", "naive_ring"]
+REDUCTIONS = ["two_phase", "ring", "naive_ring"]
 
 
 def _assert_all_failed(results, elapsed, kind, match, limit):
@@ -20,7 +20,7 @@ def _assert_all_failed(results, elapsed, kind, match, limit):
     assert elapsed < limit
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize(
     "field, differ",
     [
@@ -30,7 +30,7 @@ def _assert_all_failed(results, elapsed, kind, match, limit):
         ("op", None),
     ],
 )
-def test_members_that_disagree_fail_on_every_member_with_a_clear_error(algorithm, field, differ):
+def test_members_that_disagree_fail_on_every_member_with_a_clear_error(reduction, field, differ):
     world, timeout = 3, 20.0
     xs = [torch.randn(1000) for _ in range(world)]
 
@@ -42,7 +42,7 @@ def test_members_that_disagree_fail_on_every_member_with_a_clear_error(algorithm
             codec = "int4"
         elif field == "op" and t.rank == 1:
             op = "sum"
-        return allreduce(x, t, codec=codec, op=op, algorithm=algorithm, timeout=timeout, min_compress_numel=0,
+        return allreduce(x, t, codec=codec, op=op, reduction=reduction, timeout=timeout, min_compress_numel=0,
                          tag="round/7")
 
     results, elapsed = run_collecting(world, fn)
@@ -50,8 +50,8 @@ def test_members_that_disagree_fail_on_every_member_with_a_clear_error(algorithm
     _assert_all_failed(results, elapsed, PayloadMismatch, field, limit=timeout / 2)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_dead_member_mid_reduction_makes_every_survivor_time_out(algorithm):
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_dead_member_mid_reduction_makes_every_survivor_time_out(reduction):
     world, timeout = 4, 0.5
 
     class Died(BaseException):
@@ -78,11 +78,11 @@ def test_dead_member_mid_reduction_makes_every_survivor_time_out(algorithm):
     def fn(t):
         if t.rank == 2:
             try:
-                allreduce(xs[2], DyingTransport(t), codec="int4", algorithm=algorithm, timeout=timeout,
+                allreduce(xs[2], DyingTransport(t), codec="int4", reduction=reduction, timeout=timeout,
                           min_compress_numel=0)
             except Died:
                 return "died"
-        return allreduce(xs[t.rank], t, codec="int4", algorithm=algorithm, timeout=timeout, min_compress_numel=0)
+        return allreduce(xs[t.rank], t, codec="int4", reduction=reduction, timeout=timeout, min_compress_numel=0)
 
     results, elapsed = run_collecting(world, fn)
     assert results[2] == "died"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from noloco.train import entrypoint
+from noloco.fleet import entrypoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

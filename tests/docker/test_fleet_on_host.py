@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "docker-fleet-key-0123"
 TINY = ("model.dim=64 model.n_layers=2 model.n_heads=2 data.vocab_size=512 data.seq_len=32 data.batch_size=4 "
-        "eval.batches=2 log.tensorboard=false inner.warmup=5 comm.timeout=15 peer.window=3.0 peer.slack=0.5 "
+        "eval.batches=2 log.tensorboard=false inner.warmup=5 comm.recv_timeout=15 comm.group_timeout=15 peer.window=3.0 peer.slack=0.5 "
         "peer.live_timeout=15 peer.confirm_timeout=4 peer.matchmaking_timeout=8 peer.wait_for_peers=1")  # fmt: skip
 
 
@@ -65,7 +65,7 @@ def test_entrypoint_starts_a_bootstrap_and_two_workers_that_train_and_exchange(t
 
     def start(name: str, env: dict[str, str]) -> None:
         log = (tmp_path / f"{name}.log").open("w")
-        command = [sys.executable, "-m", "noloco.train.entrypoint"]
+        command = [sys.executable, "-m", "noloco.fleet.entrypoint"]
         procs[name] = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True)  # fmt: skip
 
@@ -92,7 +92,7 @@ def test_entrypoint_starts_a_bootstrap_and_two_workers_that_train_and_exchange(t
             assert f"/p2p/{record['peer_id']}" in (tmp_path / f"{name}.log").read_text()  # found the bootstrap
             assert KEY not in (peer_dir / "config.yaml").read_text()
         # A restarted container (same name, same volume) whose peer has finished exits at once.
-        again = subprocess.run([sys.executable, "-m", "noloco.train.entrypoint"], capture_output=True, text=True,
+        again = subprocess.run([sys.executable, "-m", "noloco.fleet.entrypoint"], capture_output=True, text=True,
                                env={**worker_env, "NOLOCO_PEER_NAME": "w1"}, cwd=ROOT, timeout=120)  # fmt: skip
         assert again.returncode == 0 and "already finished" in again.stdout, again.stdout + again.stderr
     finally:

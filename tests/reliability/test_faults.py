@@ -1,6 +1,6 @@
 """Injected faults on the in-process backend: dropped and delayed links, a crashing worker.
 
-Runs use ``NOLOCO_FAULTS`` (noloco.train.faults) exactly as an experiment would. The in-process
+Runs use ``NOLOCO_FAULTS`` (noloco.comm.faults) exactly as an experiment would. The in-process
 backend cannot SIGKILL one worker (it is a thread), so a crash is ``raise``; SIGKILL is tested on the
 torch backend (test_torch_backend.py) and the swarm (tests/swarm).
 """
@@ -13,13 +13,12 @@ import time
 import pytest
 import torch
 
-from noloco.comm import LocalFabric
+from noloco.comm import LocalFabric, faults
 from noloco.comm.base import CommAborted, CommError, CommTimeout
-from noloco.train import faults
-from noloco.train.algorithms import NoLoCo
+from noloco.optim.algorithms import NoLoCo
+from noloco.train.backends.local import launch as run
 from noloco.train.metrics import read_metrics
 from noloco.train.model import LLaMA, model_config
-from noloco.train.runner import run
 
 COMMON = ("steps=12", "outer.every=4", "workers=4", "threads=1", "log.tensorboard=false", "log.plot=false")
 

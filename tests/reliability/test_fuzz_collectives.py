@@ -163,14 +163,14 @@ def test_a_member_sending_mutated_bytes_never_corrupts_an_honest_member():
     @fuzz_settings(400)
     @given(
         codec=st.sampled_from(ALLREDUCE_CODECS),
-        algorithm=st.sampled_from(["two_phase", "ring", "naive_ring"]),
+        reduction=st.sampled_from(["two_phase", "ring", "naive_ring"]),
         feedback=st.booleans(),
         bound=st.sampled_from([None, 10.0]),
         attacker=st.integers(0, WORLD - 1),
         target=st.integers(0, 3),
         data=st.data(),
     )
-    def run(codec, algorithm, feedback, bound, attacker, target, data):
+    def run(codec, reduction, feedback, bound, attacker, target, data):
         numel = 96
         xs = _inputs(target, numel)
         originals = [x.clone() for x in xs]
@@ -187,7 +187,7 @@ def test_a_member_sending_mutated_bytes_never_corrupts_an_honest_member():
         def member(t: Transport):
             transport = Malicious(t, target, corrupt) if t.rank == attacker else t
             try:
-                return allreduce(xs[t.rank], transport, codec=codec, algorithm=algorithm, timeout=5.0,
+                return allreduce(xs[t.rank], transport, codec=codec, reduction=reduction, timeout=5.0,
                                  min_compress_numel=0, error_feedback=efs[t.rank], max_norm_ratio=bound,
                                  norm_rejections=rejections[t.rank], tag="fuzz")  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - inspected below

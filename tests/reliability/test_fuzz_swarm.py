@@ -1,11 +1,11 @@
 """Fuzz of what a swarm peer decodes from the network: frames (``read_frame``) and late-join state.
 
-- ``read_frame`` (noloco.comm.swarm): a mutated, truncated or forged frame — including forgeries by a
+- ``read_frame`` (noloco.swarm.endpoint): a mutated, truncated or forged frame — including forgeries by a
   holder of the run key, whose MAC verifies, so the header parsing behind it is reached — is either
   returned as a well-typed header and a payload of at most ``max_payload`` bytes, or raises
   ``Rejected``. Never another exception, never a wait (the stream ends), and the reader never
   allocates more than ``max_payload`` plus a header.
-- ``decode_state`` (noloco.train.swarm): a mutated state is either returned with exactly the model's
+- ``decode_state`` (noloco.train.backends.hivemind): a mutated state is either returned with exactly the model's
   numel, finite values and a step on a round boundary, or raises ``StateError``; zlib bombs are cut
   at the expected size.
 """
@@ -22,8 +22,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from noloco.comm.swarm import KINDS, MAC_BYTES, PREFIX, Header, Rejected, RunKey, encode_frame, read_frame
-from noloco.train.swarm import STATE_HEADER, StateError, decode_state, encode_state
+from noloco.swarm.endpoint import KINDS, MAC_BYTES, PREFIX, Header, Rejected, RunKey, encode_frame, read_frame
+from noloco.swarm.state import STATE_HEADER, StateError, decode_state, encode_state
 
 from .fuzzing import fuzz_settings, mutate, peak_python_allocation, record
 

@@ -14,11 +14,11 @@ from torch.nn.utils import parameters_to_vector
 
 from noloco.collectives import NormRejections, allreduce, segment_bounds
 from noloco.comm import LocalFabric
-from noloco.train.algorithms import DEFAULT_MAX_NORM_RATIO, NoLoCo, copy_flat_into
+from noloco.optim.algorithms import DEFAULT_MAX_NORM_RATIO, NoLoCo, copy_flat_into
 from noloco.train.config import ConfigError, load_config
 from noloco.train.model import LLaMA, model_config
 
-ALGORITHMS = ["two_phase", "ring", "naive_ring"]
+REDUCTIONS = ["two_phase", "ring", "naive_ring"]
 
 # ----------------------------------------------------------------------------------------- allreduce
 
@@ -30,13 +30,13 @@ def _reduce(xs, **kw):
     return outs, rejections
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
-def test_a_member_sending_1e30_values_is_dropped_and_the_others_get_their_own_mean(algorithm, codec):
+def test_a_member_sending_1e30_values_is_dropped_and_the_others_get_their_own_mean(reduction, codec):
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(3001, generator=gen) * 1e-3 for _ in range(3)]
     xs[2] = xs[2] * 1e30
-    outs, rejections = _reduce(xs, codec=codec, algorithm=algorithm, max_norm_ratio=10.0)
+    outs, rejections = _reduce(xs, codec=codec, reduction=reduction, max_norm_ratio=10.0)
     honest_mean = (xs[0] + xs[1]) / 2
     for rank in (0, 1):
         out = outs[rank]
@@ -57,7 +57,7 @@ def test_a_member_sending_1e30_values_is_dropped_and_the_others_get_their_own_me
 def test_two_phase_fp32_result_is_exact_over_the_admitted_members():
     xs = [torch.arange(12.0) + r for r in range(3)]
     xs[1] = xs[1] * 1e30
-    outs, _ = _reduce(xs, codec="fp32", algorithm="two_phase", max_norm_ratio=10.0)
+    outs, _ = _reduce(xs, codec="fp32", reduction="two_phase", max_norm_ratio=10.0)
     # member 0 owns [0, 4): it drops member 1 and averages itself with member 2; member 1's segment [4, 8)
     # is refused on receipt (member 0 keeps its own values); member 2's segment [8, 12) is member 0's and 2's mean
     expected = torch.cat([(xs[0][:4] + xs[2][:4]) / 2, xs[0][4:8], (xs[0][8:] + xs[2][8:]) / 2])
@@ -65,23 +65,23 @@ def test_two_phase_fp32_result_is_exact_over_the_admitted_members():
     assert torch.equal(outs[0][:4], outs[2][:4]) and torch.equal(outs[0][8:], outs[2][8:])  # honest owners: identical
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_honest_contributions_of_different_sizes_are_never_refused(algorithm):
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_honest_contributions_of_different_sizes_are_never_refused(reduction):
     gen = torch.Generator().manual_seed(2)
     scales = [1.0, 3.0, 0.4, 2.0]  # wider than measured honest spreads (<= 1.25)
     xs = [torch.randn(4000, generator=gen) * s for s in scales]
-    bounded, rejections = _reduce(xs, codec="int8", algorithm=algorithm, max_norm_ratio=DEFAULT_MAX_NORM_RATIO)
-    plain, _ = _reduce(xs, codec="int8", algorithm=algorithm)
+    bounded, rejections = _reduce(xs, codec="int8", reduction=reduction, max_norm_ratio=DEFAULT_MAX_NORM_RATIO)
+    plain, _ = _reduce(xs, codec="int8", reduction=reduction)
     assert all(r.total == 0 for r in rejections)
     assert all(torch.equal(out, bounded[0]) for out in bounded)  # bit-identical on every member
-    if algorithm == "two_phase":
+    if reduction == "two_phase":
         assert torch.equal(bounded[0], plain[0])  # the bound changes nothing when it refuses nothing
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_all_zero_contributions_pass_the_floor(algorithm):
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_zero_contributions_pass_the_floor(reduction):
     xs = [torch.zeros(500) for _ in range(3)]
-    outs, rejections = _reduce(xs, codec="int4", algorithm=algorithm, max_norm_ratio=10.0)
+    outs, rejections = _reduce(xs, codec="int4", reduction=reduction, max_norm_ratio=10.0)
     assert all(r.total == 0 for r in rejections) and all(torch.equal(out, xs[0]) for out in outs)
 
 

@@ -6,7 +6,7 @@ its partner holds part of its contribution). The survivor's link to the dead ran
 fails at once, the round is skipped (φ unchanged) and it trains to the last step with finite weights.
 
 Known gap (outside the files this test's change owns): the run's end still needs every rank — the final
-checkpoint barrier (noloco/train/loop.py) and the summary collectives (noloco/train/distributed.py) —
+checkpoint barrier (noloco/train/loop.py) and the summary collectives (noloco/train/backends/distributed.py) —
 so the survivor exits with an error after its last step instead of writing ``summary.json``. The test
 checks what the survivor did, and that nothing hangs. See docs/reliability.md.
 """
@@ -68,7 +68,7 @@ def test_sigkilled_worker_mid_exchange_leaves_its_partner_training_to_the_end(ti
 def test_sigstopped_worker_costs_its_partner_one_timeout_per_round(tiny_overrides, tmp_path):
     """A frozen worker (SIGSTOP before step 4's exchange): its partner waits ``comm.timeout`` (2 s) in each
     round with it, skips them and trains to the last step. (The launcher then waits for the frozen
-    process forever — noloco/train/distributed.py joins without a deadline — so the test kills it.)"""
+    process forever — noloco/train/backends/distributed.py joins without a deadline — so the test kills it.)"""
     args = [*tiny_overrides, "backend=torch", "workers=2", "steps=8", "outer.every=4", "comm.timeout=2",
             "threads=1", "log.tensorboard=false", "log.plot=false", "run.name=stop"]  # fmt: skip
     env = {**os.environ, "NOLOCO_FAULTS": "outer.exchange@4/1=stop"}

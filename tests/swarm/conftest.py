@@ -17,16 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from noloco.train.config import SMOKE, load_config
+from noloco.train.config import load_config
 from noloco.train.data import prepare_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "swarm-test-key-0123"
-TINY = [
-    *SMOKE,
+SWARM = [  # on top of the tests' smoke overrides
     "log.tensorboard=false",
     "threads=1",
-    "comm.timeout=15",
+    "comm.recv_timeout=15",
+    "comm.group_timeout=15",
+    "comm.startup_timeout=60",
     'peer.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
     "peer.window=3.0",
     "peer.slack=0.5",
@@ -37,10 +38,16 @@ TINY = [
 
 
 @pytest.fixture(scope="session")
-def swarm_cache(tmp_path_factory) -> Path:
+def swarm_overrides(smoke_overrides) -> list[str]:
+    """Every peer's overrides: the smoke run's plus loopback-only, short-timeout swarm settings."""
+    return [*smoke_overrides, *SWARM]
+
+
+@pytest.fixture(scope="session")
+def swarm_cache(tmp_path_factory, swarm_overrides) -> Path:
     """The tokenized corpus, prepared once so that peer processes do not race to build it."""
     cache = tmp_path_factory.mktemp("swarm-data")
-    cfg = load_config([*TINY, f"data.cache_dir={cache}"])
+    cfg = load_config([*swarm_overrides, f"data.cache_dir={cache}"])
     prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction, cfg.data.cache_dir)
     return cache
 
@@ -48,8 +55,8 @@ def swarm_cache(tmp_path_factory) -> Path:
 class Swarm:
     """Starts peers and a hivemind-dht bootstrap; ``close`` kills whatever is still running."""
 
-    def __init__(self, run_dir: Path, cache: Path):
-        self.run_dir, self.cache = run_dir, cache
+    def __init__(self, run_dir: Path, cache: Path, overrides: list[str]):
+        self.run_dir, self.cache, self.overrides = run_dir, cache, overrides
         self.procs: dict[str, subprocess.Popen] = {}
         self.started: list[subprocess.Popen] = []  # every process, also those a restart replaced in procs
 
@@ -59,8 +66,9 @@ class Swarm:
         env.update(extra)
         if key is not None:
             env["NOLOCO_RUN_KEY"] = key
-        args = [sys.executable, str(ROOT / "train.py"), "backend=hivemind", *TINY, f"data.cache_dir={self.cache}",
-                f"run.dir={self.run_dir}", "run.name=swarm", f"peer.name={name}", *overrides]  # fmt: skip
+        args = [sys.executable, str(ROOT / "train.py"), "backend=hivemind", *self.overrides,
+                f"data.cache_dir={self.cache}", f"run.dir={self.run_dir}", "run.name=swarm", f"peer.name={name}",
+                *overrides]  # fmt: skip
         log = (self.run_dir / f"{name}.log").open("w")
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         self.procs[name] = proc
@@ -140,8 +148,8 @@ class Swarm:
 
 
 @pytest.fixture
-def swarm(tmp_path, swarm_cache):
-    swarm = Swarm(tmp_path, swarm_cache)
+def swarm(tmp_path, swarm_cache, swarm_overrides):
+    swarm = Swarm(tmp_path, swarm_cache, swarm_overrides)
     try:
         yield swarm
     finally:

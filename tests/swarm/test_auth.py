@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from noloco.comm.base import CommError, CommTimeout
-from noloco.comm.swarm import Header, Rejected, RunKey, SwarmEndpoint, encode_frame, read_frame
-from noloco.gossip.matchmaking import draw_groups, windows
-from noloco.train.swarm import StateError, decode_state, encode_state
+from noloco.swarm.endpoint import Header, Rejected, RunKey, SwarmEndpoint, encode_frame, read_frame
+from noloco.swarm.matchmaking import draw_groups, windows
+from noloco.swarm.state import StateError, decode_state, encode_state
 
 KEY = RunKey("unit-test-run-key")
 
@@ -113,7 +113,7 @@ def test_oversized_message_is_refused_before_it_is_buffered(endpoints):
     with pytest.raises(CommError):
         ta.send(tb.rank, "x", bytes((1 << 20) + 1))  # the sender refuses it too
     header = Header("unit", "data", 3, "big", a.peer_id, b.peer_id, "x", "ab" * 16, time.time()).to_bytes()
-    from noloco.comm.swarm import PREFIX
+    from noloco.swarm.endpoint import PREFIX
 
     lying_prefix = PREFIX.pack(b"NLC1", len(header), 1 << 40)  # claims 1 TiB, sends nothing
     assert _raw_send(a, b, lying_prefix + header) != 0

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from noloco.train import checkpoint, faults
+from noloco.comm import faults
+from noloco.train import checkpoint
 from noloco.train.metrics import read_metrics
 from noloco.train.model import LLaMA, model_config
 

@@ -59,3 +59,22 @@ def test_cli_prints_one_line_and_exits_2_before_any_work(tmp_path):
 def test_every_shipped_config_file_loads():
     for path in sorted((ROOT / "configs").rglob("*.yaml")):
         load_config([], [str(path)])
+
+
+def test_old_key_names_still_work_and_map_onto_the_new_ones(capsys):
+    cfg = load_config(["comm.algorithm=ring", "comm.timeout=7"])
+    assert cfg.comm.reduction == "ring" and cfg.comm.algorithm is None
+    assert (cfg.comm.recv_timeout, cfg.comm.group_timeout, cfg.comm.startup_timeout) == (7, 7, 7)
+    assert cfg.comm.timeout is None
+
+
+def test_a_mistyped_key_gets_a_did_you_mean():
+    with pytest.raises(ConfigError, match=r"unknown config key 'outer.moemntum' \(did you mean 'outer.momentum'\?\)"):
+        load_config(["outer.moemntum=0.1"])
+
+
+def test_each_timeout_has_its_own_key():
+    cfg = load_config(["comm.recv_timeout=3", "comm.group_timeout=4", "comm.startup_timeout=5"])
+    assert (cfg.comm.recv_timeout, cfg.comm.group_timeout, cfg.comm.startup_timeout) == (3, 4, 5)
+    with pytest.raises(ConfigError, match="comm.group_timeout must be > 0"):
+        load_config(["comm.group_timeout=0"])

@@ -1,12 +1,12 @@
 import json
 
+from noloco.train.backends.local import launch as run
 from noloco.train.metrics import read_metrics
-from noloco.train.runner import run
 
 
 def test_torch_backend_matches_local_backend_exactly(tiny_config, tmp_path):
     """Same config, same single thread per worker: separate gloo processes give the local trajectory."""
-    from noloco.train.distributed import run_distributed
+    from noloco.train.backends.distributed import launch as run_distributed
 
     common = ("steps=12", "outer.every=4", "workers=2", "threads=1", "log.tensorboard=false")
     local = run(tiny_config(*common, "run.name=local"), quiet=True)
@@ -25,7 +25,7 @@ def test_torch_backend_matches_local_backend_exactly(tiny_config, tmp_path):
 
 def test_workers_of_two_processes_share_a_replica_through_the_quantized_ddp_hook(tiny_config, tmp_path):
     """2 workers × 2 processes: DDP inside each worker (int8 hook), NoLoCo between the workers."""
-    from noloco.train.distributed import run_distributed
+    from noloco.train.backends.distributed import launch as run_distributed
 
     cfg = tiny_config(
         "steps=12",

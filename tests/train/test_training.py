@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from noloco.comm import LocalFabric
-from noloco.train.algorithms import DiLoCo, NoLoCo
+from noloco.optim.algorithms import DiLoCo, NoLoCo
+from noloco.train.backends.local import launch as run
 from noloco.train.cli import main
 from noloco.train.metrics import read_metrics
 from noloco.train.model import LLaMA, model_config
-from noloco.train.runner import run
 
 
 def _losses(run_dir):
@@ -137,7 +137,7 @@ def test_non_finite_gradients_skip_the_inner_update_and_ddp_sends_zeros():
     cfg = model_config("tiny", dim=32, n_layers=1, n_heads=2, vocab_size=64)
 
     def fn(transport):
-        from noloco.train.algorithms import DDP
+        from noloco.optim.algorithms import DDP
 
         model = LLaMA(cfg, seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -53,7 +53,8 @@ ENV_TO_CONFIG = {
     "NOLOCO_GROUP_SIZE": "outer.group_size",
     "NOLOCO_CODEC": "comm.codec",
     "NOLOCO_SLOW_CODEC": "comm.slow_codec",
-    "NOLOCO_COMM_ALGORITHM": "comm.algorithm",
+    "NOLOCO_REDUCTION": "comm.reduction",
+    "NOLOCO_COMM_ALGORITHM": "comm.reduction",  # the old name of NOLOCO_REDUCTION
     "NOLOCO_MODEL": "model.preset",
     "NOLOCO_DATA_SOURCE": "data.source",
     "NOLOCO_DATA_PATH": "data.path",
@@ -140,7 +141,7 @@ def parse_maddrs(name: str, text: str | None, need_peer_id: bool = True) -> list
     return items
 
 
-def parse_rate(text: str) -> int:
+def rate_from_env(text: str) -> int:
     """``"50mbit"`` → 50_000_000 bits per second (tc units); :class:`EnvError` if malformed."""
     from noloco.fleet.netns import parse_rate as fleet_parse_rate
 
@@ -264,7 +265,7 @@ def _worker_plan(env: dict[str, str], paths: dict, discover: bool) -> Plan:
     port = _int(env, "NOLOCO_LISTEN_PORT", 0, 0, 65535)
     wait = _float(env, "NOLOCO_BOOTSTRAP_WAIT", 120.0)
     rate = _get(env, "NOLOCO_RATE")
-    rate_bps = parse_rate(rate) if rate is not None else None
+    rate_bps = rate_from_env(rate) if rate is not None else None
     dev = _get(env, "NOLOCO_NET_DEV", "eth0")
     if not re.fullmatch(r"[A-Za-z0-9._@-]{1,15}", dev):
         raise EnvError(f"NOLOCO_NET_DEV={dev!r} is not a network interface name")

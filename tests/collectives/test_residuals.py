@@ -7,7 +7,7 @@ from noloco.comm import LocalFabric
 from .helpers import exact_mean, gaussian_inputs
 
 
-def _repeat(world, xs, calls, codec, algorithm, states=None, start=0):
+def _repeat(world, xs, calls, codec, reduction, states=None, start=0):
     """``calls`` successive reductions of the same inputs; returns sum over calls of (out - exact)."""
     exact = exact_mean(xs)
     fabric = LocalFabric(world)
@@ -16,7 +16,7 @@ def _repeat(world, xs, calls, codec, algorithm, states=None, start=0):
         drift = torch.zeros_like(exact)
         for call in range(start, start + calls):
             ef = None if states is None else states[t.rank]
-            out = allreduce(xs[t.rank], t, codec=codec, algorithm=algorithm, error_feedback=ef,
+            out = allreduce(xs[t.rank], t, codec=codec, reduction=reduction, error_feedback=ef,
                             min_compress_numel=0, tag=f"rep/{call}")
             drift += out.double() - exact
         return drift
@@ -24,13 +24,13 @@ def _repeat(world, xs, calls, codec, algorithm, states=None, start=0):
     return fabric.run(fn), exact
 
 
-@pytest.mark.parametrize("algorithm", ["two_phase", "ring"])
-def test_error_feedback_keeps_accumulated_error_of_repeated_calls_bounded(algorithm):
+@pytest.mark.parametrize("reduction", ["two_phase", "ring"])
+def test_error_feedback_keeps_accumulated_error_of_repeated_calls_bounded(reduction):
     world, numel, calls = 3, 1536, 40
     xs = gaussian_inputs(world, numel, seed=5)
-    plain, exact = _repeat(world, xs, calls, "int4", algorithm)
+    plain, exact = _repeat(world, xs, calls, "int4", reduction)
     states = [ReductionErrorFeedback() for _ in range(world)]
-    fed, _ = _repeat(world, xs, calls, "int4", algorithm, states)
+    fed, _ = _repeat(world, xs, calls, "int4", reduction, states)
     one_call = float(plain[0].norm()) / calls  # without EF the same bias adds up every call
     assert float(plain[0].norm()) > 0.9 * calls * one_call
     # with EF the accumulated error stays about one quantization error, not `calls` of them

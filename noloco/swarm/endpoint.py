@@ -1,6 +1,6 @@
 """The hivemind swarm transport: noloco's own bytes over libp2p streams, authenticated with a run key.
 
-Implements the transport of the hivemind backend (DESIGN §2, §5; issue 5). One
+Implements the transport of the hivemind backend (docs/design.md §2, §5). One
 :class:`SwarmEndpoint` per peer process owns a ``hivemind.P2P`` client (usually the replica of the
 DHT's own p2pd daemon, :meth:`SwarmEndpoint.from_dht`) and an asyncio loop in a background thread. It
 serves one raw libp2p stream protocol, ``/noloco/<run id>/1``; every message is one stream:
@@ -26,7 +26,7 @@ reason (``malformed``, ``oversized``, ``unauthenticated``, ``replayed``, ``unexp
 redacted; it is never logged.
 
 :class:`SwarmTransport` is the group-local :class:`~noloco.comm.base.Transport` (ranks = index in
-the group) that :mod:`noloco.gossip.matchmaking` hands to the outer optimizer. Failure modes: a
+the group) that :mod:`noloco.swarm.matchmaking` hands to the outer optimizer. Failure modes: a
 dead or unreachable peer makes ``send`` raise :class:`~noloco.comm.base.CommError` (stream open or
 ack fails) and ``recv`` raise :class:`~noloco.comm.base.CommTimeout` after its timeout; a receiver
 that rejects a message makes the sender's ``send`` raise ``CommError`` naming the reason.
@@ -548,52 +548,3 @@ def run_key_from(value: str | None, env: str = "NOLOCO_RUN_KEY") -> RunKey:
     if not secret:
         raise ValueError(f"the hivemind backend needs a shared run key: set peer.run_key or the {env} variable")
     return RunKey(secret)
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux ``/proc``; empty elsewhere)."""
-    out = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
-        if len(fields) > 1 and fields[1] == str(pid):
-            out.append(int(entry))
-    return out
-
-
-def _exit_with_parent(parent: int, poll: float) -> None:
-    """In the DHT's child process: once ``parent`` is gone (SIGKILL), stop p2pd and exit."""
-    import signal
-
-    while os.getppid() == parent:
-        time.sleep(poll)
-    for child in _children(os.getpid()):
-        with contextlib.suppress(OSError):
-            os.kill(child, signal.SIGTERM)
-    os._exit(0)
-
-
-def start_dht(poll: float = 1.0, **kwargs):
-    """A started ``hivemind.DHT`` whose background process (and its p2pd) exits when this process dies.
-
-    hivemind runs the DHT in a forked daemon process that owns the p2pd daemon. Python stops daemon
-    children on a normal exit, but a peer killed with SIGKILL (a crash, the OOM killer) left both
-    running forever; here a thread in the DHT process notices the parent is gone within ``poll``
-    seconds, terminates p2pd and exits.
-    """
-    import hivemind
-
-    parent = os.getpid()
-
-    class _DHT(hivemind.DHT):
-        def run(self) -> None:  # runs in the forked DHT process
-            threading.Thread(target=_exit_with_parent, args=(parent, poll), daemon=True).start()
-            super().run()
-
-    return _DHT(**kwargs)

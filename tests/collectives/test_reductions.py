@@ -6,7 +6,7 @@ from noloco.comm import LocalFabric
 
 from .helpers import exact_mean, gaussian_inputs, rel_error
 
-ALGORITHMS = ["two_phase", "ring", "naive_ring"]
+REDUCTIONS = ["two_phase", "ring", "naive_ring"]
 CODECS = ["fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8", "int4:g64:sym", "int8:stochastic",
           "int4+hadamard"]
 
@@ -15,47 +15,47 @@ def _reduce(world, xs, **kw):
     return LocalFabric(world).run(lambda t: allreduce(xs[t.rank], t, min_compress_numel=0, **kw))
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("codec", CODECS)
-def test_every_member_returns_a_bit_identical_result(algorithm, codec):
+def test_every_member_returns_a_bit_identical_result(reduction, codec):
     world = 3
     xs = gaussian_inputs(world, 777, seed=len(codec))
-    outs = _reduce(world, xs, codec=codec, algorithm=algorithm)
+    outs = _reduce(world, xs, codec=codec, reduction=reduction)
     assert all(torch.equal(out, outs[0]) for out in outs)
     assert rel_error(outs[0], exact_mean(xs)) < 0.35
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("world", [2, 5, 32])
-def test_fp32_sum_path_is_exact(algorithm, world):
+def test_fp32_sum_path_is_exact(reduction, world):
     # small integers: every fp32 partial sum is exact, whatever the order
     gen = torch.Generator().manual_seed(world)
     xs = [torch.randint(-1000, 1000, (123,), generator=gen).float() for _ in range(world)]
-    outs = _reduce(world, xs, codec="fp32", algorithm=algorithm, op="sum")
+    outs = _reduce(world, xs, codec="fp32", reduction=reduction, op="sum")
     expected = torch.stack(xs).sum(0)
     assert all(torch.equal(out, expected) for out in outs)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "naive_ring"])
+@pytest.mark.parametrize("reduction", ["ring", "naive_ring"])
 @pytest.mark.parametrize("numel", [0, 1, 5])
-def test_rings_handle_tiny_and_empty_vectors(algorithm, numel):
+def test_rings_handle_tiny_and_empty_vectors(reduction, numel):
     xs = gaussian_inputs(4, numel)
-    outs = _reduce(4, xs, codec="int4", algorithm=algorithm)
+    outs = _reduce(4, xs, codec="int4", reduction=reduction)
     assert all(torch.equal(out, outs[0]) and out.shape == (numel,) for out in outs)
 
 
 def test_quantized_reduction_over_32_members_is_bit_identical():
     world = 32
     xs = gaussian_inputs(world, 32 * 256, seed=3)
-    for algorithm in ("two_phase", "ring"):
-        outs = _reduce(world, xs, codec="int8", algorithm=algorithm)
+    for reduction in ("two_phase", "ring"):
+        outs = _reduce(world, xs, codec="int8", reduction=reduction)
         assert all(torch.equal(out, outs[0]) for out in outs)
         assert rel_error(outs[0], exact_mean(xs)) < 0.02
 
 
-def _error(world, algorithm, codec="int4", numel=8192, seed=0):
+def _error(world, reduction, codec="int4", numel=8192, seed=0):
     xs = gaussian_inputs(world, numel, seed=seed)
-    return rel_error(_reduce(world, xs, codec=codec, algorithm=algorithm)[0], exact_mean(xs))
+    return rel_error(_reduce(world, xs, codec=codec, reduction=reduction)[0], exact_mean(xs))
 
 
 def test_two_phase_error_does_not_grow_with_group_size():

@@ -10,14 +10,14 @@ Two ways in:
 A worker may itself be several processes (``inner.processes = k``, e.g. one per GPU): ranks
 ``w·k … w·k+k−1`` form worker ``w``. They train one replica by data parallelism — torch DDP whose
 gradient all-reduce goes through noloco's quantized two-phase hook (``inner.grad_codec``, int8 by
-default; DESIGN §3.5) — and only the worker's first process takes part in the outer exchange, then
+default; docs/design.md §3.5) — and only the worker's first process takes part in the outer exchange, then
 broadcasts the new slow weights to the others.
 
-Every rank runs the same :func:`~noloco.train.loop.train_worker` as the local backend, over a
-:class:`~noloco.comm.torchdist.TorchDistTransport` on its own gloo group; so with the same config and
-``threads`` the trajectory matches the local backend's. Each rank writes ``metrics.rank<r>.jsonl``;
-rank 0 gathers the final numbers (through torch.distributed collectives, not counted as traffic)
-and writes ``summary.json`` and ``curves.png``.
+Every rank runs the same :func:`~noloco.train.loop.train_worker` as the local backend, with a
+:class:`DistributedBackend` over a :class:`~noloco.comm.torchdist.TorchDistTransport` on its own gloo
+group; so with the same config and ``threads`` the trajectory matches the local backend's. Each
+rank writes ``metrics.rank<r>.jsonl``; rank 0 gathers the final numbers (through torch.distributed
+collectives, not counted as traffic) and writes ``summary.json`` and ``curves.png``.
 """
 
 from __future__ import annotations
@@ -33,16 +33,18 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm.torchdist import TorchDistTransport, free_port
-from noloco.train.loop import RunContext, train_worker
+from noloco.optim import OuterAlgorithm
+from noloco.train.backends.local import WorldBackend
+from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger
-from noloco.train.runner import Progress, default_run_name, finish, prepare
+from noloco.train.run import Progress, default_run_name, finish, prepare, relative_spread, summarize
 
 
 def _under_launcher() -> bool:
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_distributed(
+def launch(
     cfg: DictConfig,
     run_dir: Path | None = None,
     resume_from: Path | None = None,
@@ -111,6 +113,7 @@ class Replicas:
     """The processes of one worker: DDP with the quantized gradient hook, and the outer-step relay."""
 
     def __init__(self, ddp_group, hook_group, leader_rank: int, codec: str, error_feedback: bool, timeout: float):
+        """``timeout``: seconds the gradient hook waits for any one message (``comm.recv_timeout``)."""
         from noloco.collectives.ddp_hook import QuantizedHookState
 
         self.ddp_group, self.leader_rank = ddp_group, leader_rank
@@ -147,6 +150,30 @@ def _groups(world: int, k: int):
     return outer, ddp, hook
 
 
+class DistributedBackend(WorldBackend):
+    """A rank of a ``backend=torch`` run: the world's transport, and for a worker of several processes
+    the DDP wrap with the quantized hook, the outer-step relay and a plain ``dist.barrier``."""
+
+    name = "torch"
+
+    def __init__(self, transport: TorchDistTransport, rank: int, replicas: Replicas | None, startup_timeout: float):
+        super().__init__(transport, rank, startup_timeout)
+        self.replicas = replicas
+
+    def wrap(self, model: torch.nn.Module, algo) -> torch.nn.Module:
+        if self.replicas is None:
+            return model
+        if isinstance(algo, OuterAlgorithm):
+            algo.replicas = self.replicas
+        return self.replicas.wrap(model)  # DDP over the worker's processes, quantized gradient hook
+
+    def barrier(self, step: int) -> bool:
+        if self.replicas is None:
+            return super().barrier(step)
+        dist.barrier()
+        return True
+
+
 def run_rank(
     cfg_yaml: str,
     run_dir: str | None,
@@ -164,7 +191,7 @@ def run_rank(
         raise ValueError(f"WORLD_SIZE={world} is not a multiple of inner.processes={k}")
     cfg.workers = world // k
     worker, local = divmod(rank, k)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.comm.timeout))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.comm.startup_timeout))
     transport, replicas = None, None
     try:
         # Rank 0 names the run, so every rank writes into the same folder.
@@ -178,96 +205,90 @@ def run_rank(
         # its ranks are the workers; NOLOCO_LINK_LATENCY (noloco-fleet --latency) applies to these links only
         transport = TorchDistTransport(outer_groups[local])
         if k > 1:
-            replicas = Replicas(
-                ddp_groups[worker],
-                hook_groups[worker],
-                worker * k,
-                cfg.inner.grad_codec,
-                cfg.inner.grad_error_feedback,
-                cfg.comm.timeout,
-            )
-        metrics = MetricsLogger(
-            folder,
-            tensorboard=cfg.log.tensorboard,
-            filename=f"metrics.rank{rank}.jsonl",
-            resume_step=resume_step if resume_from else None,
-        )
-        progress = Progress(cfg.steps, resume_step, world, cfg.log.progress and not quiet and rank == 0)
-        ctx = RunContext(
-            cfg, corpus, folder, metrics, Path(resume_from) if resume_from else None, resume_step, progress, stop_after
-        )
-        ctx.rank, ctx.replicas = rank, replicas
-        if k > 1:
-            ctx.barrier = dist.barrier
+            replicas = Replicas(ddp_groups[worker], hook_groups[worker], worker * k, cfg.inner.grad_codec,
+                                cfg.inner.grad_error_feedback, cfg.comm.recv_timeout)  # fmt: skip
+        metrics = MetricsLogger(folder, tensorboard=cfg.log.tensorboard, filename=f"metrics.rank{rank}.jsonl",
+                                resume_step=resume_step if resume_from else None)  # fmt: skip
+        progress = Progress(cfg.steps, resume_step, 1, cfg.log.progress and not quiet and rank == 0)
+        ctx = RunContext(cfg, corpus, folder, metrics, Path(resume_from) if resume_from else None, resume_step,
+                         progress, stop_after)  # fmt: skip
         try:
-            result = train_worker(ctx, transport)
+            result = train_worker(ctx, DistributedBackend(transport, rank, replicas, cfg.comm.startup_timeout))
         finally:
             progress.close()
             metrics.close()
-
-        # Final numbers from every rank (plain torch.distributed collectives, not counted as traffic).
         inner_bytes = replicas.hook_state.transport.counter.bytes_sent if replicas else 0
-        finals: list = [None] * world
-        finals_here = (result.final_eval_loss, result.bytes_sent, result.bytes_received, inner_bytes,
-                       transport.wait_seconds, result.nonfinite_events, result.norm_rejections)  # fmt: skip
-        try:
-            dist.all_gather_object(finals, finals_here)
-            slow = result.slow_weights.double()
-            mean = slow.clone()
-            dist.all_reduce(mean)
-            mean /= world
-            spread = (slow - mean).pow(2).sum().reshape(1)
-            dist.all_reduce(spread)
-            consensus = float((spread / world).sqrt() / mean.norm().clamp_min(1e-30))
-        except Exception as exc:  # noqa: BLE001 - a rank died: this survivor reports on its own
-            own = {
-                "rank": rank,
-                "final_eval_loss": result.final_eval_loss,
-                "eval_history": result.eval_history,
-                "slow_weights_finite": bool(torch.isfinite(result.slow_weights).all()),
-                "bytes_sent": result.bytes_sent,
-                "bytes_received": result.bytes_received,
-                "comm_wait_seconds": round(transport.wait_seconds, 3),
-                "nonfinite_events": result.nonfinite_events,
-                "norm_rejections": result.norm_rejections,
-                "error": f"final gather failed (a worker is gone?): {type(exc).__name__}: {exc}".splitlines()[0],
-            }
-            (folder / f"summary.rank{rank}.json").write_text(json.dumps(own, indent=1))
-            print(f"noloco: rank {rank} finished training but could not gather the run's summary "
-                  f"({type(exc).__name__}); wrote {folder / f'summary.rank{rank}.json'}", flush=True)  # fmt: skip
-            return None
-        summary = None
-        if rank == 0:
-            leaders = finals[::k]  # one entry per worker: its first process (the others hold the same replica)
-            summary = finish(
-                cfg,
-                folder,
-                corpus,
-                params,
-                final_losses=[f[0] for f in leaders],
-                consensus=consensus,
-                bytes_sent=[f[1] for f in leaders],
-                bytes_received=[f[2] for f in leaders],
-                seconds=time.perf_counter() - started,
-                resume_step=resume_step,
-                stop_after=stop_after,
-                quiet=quiet,
-                extra={
-                    "processes_per_worker": k,
-                    "final_eval_loss_per_process": [f[0] for f in finals],
-                    "inner_grad_codec": cfg.inner.grad_codec if k > 1 else None,
-                    "inner_bytes_sent_per_process": [f[3] for f in finals],
-                    # seconds each worker spent blocked waiting for peers' messages (the network or slower peers)
-                    "comm_wait_seconds_per_worker": [round(f[4], 3) for f in leaders],
-                    "nonfinite_events_by_worker": [f[5] for f in leaders],
-                    "norm_rejections_by_worker": [f[6] for f in leaders],
-                },
-            )
+        summary = _gather_summary(cfg, folder, corpus, params, result, transport, inner_bytes, k,
+                                  time.perf_counter() - started, stop_after, resume_step, quiet)  # fmt: skip
         dist.barrier()
         return summary
+    except _GatherFailed:
+        return None
     finally:
         if replicas is not None:
             replicas.close()
         if transport is not None:
             transport.close()
         dist.destroy_process_group()
+
+
+class _GatherFailed(Exception):
+    """A rank died before the end-of-run gather; this survivor wrote its own summary."""
+
+
+def _gather_summary(cfg, folder: Path, corpus, params: int, result: WorkerResult, transport, inner_bytes: int,
+                    k: int, seconds: float, stop_after, resume_step: int, quiet: bool) -> dict | None:
+    """Gather every rank's numbers (plain torch.distributed collectives, not counted as traffic); rank 0 writes
+    the run's summary. When a rank is gone, each survivor writes ``summary.rank<r>.json`` of its own instead."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: list = [None] * world
+    waits: list = [None] * world
+    inner: list = [None] * world
+    own = WorkerResult(**{**result.__dict__, "slow_weights": torch.empty(0)})  # the weights are reduced, not gathered
+    try:
+        dist.all_gather_object(results, own)
+        dist.all_gather_object(waits, transport.wait_seconds)
+        dist.all_gather_object(inner, inner_bytes)
+        slow = result.slow_weights.double()
+        mean = slow.clone()
+        dist.all_reduce(mean)
+        mean /= world
+        spread = (slow - mean).pow(2).sum().reshape(1)
+        dist.all_reduce(spread)
+        consensus = relative_spread(mean, spread / world)
+    except Exception as exc:  # noqa: BLE001 - a rank died: this survivor reports on its own
+        _write_own_summary(folder, rank, result, transport, exc)
+        raise _GatherFailed from None
+    if rank != 0:
+        return None
+    leaders = results[::k]  # one entry per worker: its first process (the others hold the same replica)
+    extra = {
+        "processes_per_worker": k,
+        "final_eval_loss_per_process": [r.final_eval_loss for r in results],
+        "inner_grad_codec": cfg.inner.grad_codec if k > 1 else None,
+        "inner_bytes_sent_per_process": inner,
+        # seconds each worker spent blocked waiting for peers' messages (the network or slower peers)
+        "comm_wait_seconds_per_worker": [round(w, 3) for w in waits[::k]],
+    }
+    summary = summarize(cfg, folder, corpus, params, leaders, consensus, seconds, stop_after or cfg.steps,
+                        resume_step, extra)  # fmt: skip
+    return finish(cfg, summary, quiet)
+
+
+def _write_own_summary(folder: Path, rank: int, result: WorkerResult, transport, exc: BaseException) -> None:
+    own = {
+        "rank": rank,
+        "final_eval_loss": result.final_eval_loss,
+        "eval_history": result.eval_history,
+        "slow_weights_finite": bool(torch.isfinite(result.slow_weights).all()),
+        "bytes_sent": result.bytes_sent,
+        "bytes_received": result.bytes_received,
+        "comm_wait_seconds": round(transport.wait_seconds, 3),
+        "nonfinite_events": result.nonfinite_events,
+        "norm_rejections": result.norm_rejections,
+        "error": f"final gather failed (a worker is gone?): {type(exc).__name__}: {exc}".splitlines()[0],
+    }
+    (folder / f"summary.rank{rank}.json").write_text(json.dumps(own, indent=1))
+    print(f"noloco: rank {rank} finished training but could not gather the run's summary "
+          f"({type(exc).__name__}); wrote {folder / f'summary.rank{rank}.json'}", flush=True)  # fmt: skip
+

@@ -1,6 +1,6 @@
 """Swarm matchmaking: groups form among the peers that are ready for a round, found over the hivemind DHT.
 
-Implements the open-swarm group formation of NoLoCo (arXiv 2506.10911, DESIGN §3.1; issue 5): a
+Implements the open-swarm group formation of NoLoCo (arXiv 2506.10911, docs/design.md §3.1): a
 peer ready for outer round ``r`` never waits for a slow one beyond a bounded time, and a peer that
 finds no partner in time gets ``None`` and keeps training. Design (details and failure modes in
 docs/swarm.md):
@@ -22,7 +22,7 @@ docs/swarm.md):
 3. *Draw*: the peer orders its window's peers by a hash of (seed, r, window start, peer id); consecutive
    slices of ``group_size`` form the groups (a single leftover joins the last group;
    ``group_size=None`` means one group of everyone: the DiLoCo mode).
-4. *Confirm*: each member opens the group on its :class:`~noloco.comm.swarm.SwarmEndpoint` (so data
+4. *Confirm*: each member opens the group on its :class:`~noloco.swarm.endpoint.SwarmEndpoint` (so data
    for it is accepted from then on), sends an authenticated ``join`` to every other member over
    libp2p and waits up to ``confirm_timeout`` for theirs. The group id hashes (run, r, window,
    members), so members whose views of the DHT differ compute different ids: when a member's
@@ -43,8 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from noloco.comm.base import ByteCounter
-from noloco.comm.swarm import RunKey, SwarmEndpoint
 from noloco.gossip.base import Group, GroupSource
+from noloco.swarm.endpoint import RunKey, SwarmEndpoint
 
 logger = logging.getLogger(__name__)
 

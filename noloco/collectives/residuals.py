@@ -1,6 +1,6 @@
 """Error feedback for reductions: what this member quantized, paid back in its next call.
 
-Error feedback (DESIGN §3.3; Seide et al. 2014, Karimireddy et al. arXiv 1901.09847) keeps the
+Error feedback (docs/design.md §3.3; Seide et al. 2014, Karimireddy et al. arXiv 1901.09847) keeps the
 error of each quantization and adds it to the next value quantized at the same place. In a
 reduction a member quantizes two different things, so :class:`ReductionErrorFeedback` keeps two
 fp32 residuals, both indexed by *position in the flat vector* (not by segment), so they stay
@@ -73,12 +73,6 @@ class ReductionErrorFeedback:
     def reset(self) -> None:
         """Forget both residuals."""
         self.contribution = self.result = None
-
-    def error_norm(self) -> float:
-        """L2 norm of both residuals together (0 before the first call); for monitoring."""
-        if self.contribution is None:
-            return 0.0
-        return float(torch.sqrt(self.contribution.double().square().sum() + self.result.double().square().sum()))
 
     def state_dict(self) -> dict:
         return {

@@ -1,0 +1,498 @@
+"""Training algorithms behind one interface, usable inside anyone's training loop.
+
+``NoLoCo`` (arXiv 2506.10911), ``DiLoCo`` (arXiv 2311.08105), ``PeriodicAveraging`` and the ``DDP``
+baseline wrap a model, its inner optimizer and a transport. A loop calls two methods::
+
+    loss.backward()
+    algo.sync_gradients()                 # DDP: average gradients over all workers; others: no-op
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    algo.step()                           # inner optimizer step; every H steps the outer exchange
+
+The outer algorithms keep the slow weights ``φ`` as one flat fp32 vector. Every ``every`` inner
+steps they reduce the pseudo-gradients (and, for NoLoCo, the slow weights) over their group with
+:func:`noloco.collectives.allreduce`, apply the pure update rule of :mod:`noloco.optim`, and load
+``φ`` back into the model. NoLoCo with β = γ and one codec for both terms exchanges the fast weights
+once instead (``β·mean_Δ + γ·(mean_φ − φ_i) = β·(mean_θ − φ_i)``), which halves its bytes.
+
+Compression (docs/design.md §3.2): the pseudo-gradient goes through ``codec`` (default int4) with error
+feedback. The slow-weight term goes through ``slow_codec`` as the difference from the initial
+weights, which every worker holds (same seed), so the codec sees accumulated training updates, not
+raw weights; it has its own error feedback. The fused single exchange (β = γ and one codec for both
+terms) sends the fast weights as the difference from the initial weights, θ − φ_0, through that codec
+with error feedback: exact for fp32, and for a lossy codec half the bytes of the two-vector exchange
+(measured in docs/results/codecs.md).
+
+Faults (docs/reliability.md): a round whose exchange fails — a dead or silent peer
+(:class:`~noloco.comm.base.CommTimeout` after ``timeout`` seconds), a malformed or non-finite payload
+(:class:`~noloco.collectives.PayloadMismatch`) — is skipped by default: φ, θ and the error-feedback
+state stay as they were and training goes on; the next round's pseudo-gradient covers the missed
+steps. Every reduction runs with a norm bound (``max_norm_ratio``, default 10): a partner's
+contribution more than that many times larger than this worker's own is dropped, counted in
+:attr:`OuterAlgorithm.norm_rejections` and logged, never applied. ``NOLOCO_FAULTS`` points
+``inner.step``, ``outer.exchange`` and ``outer.send`` (and link drops/delays) fire here
+(:mod:`noloco.comm.faults`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from noloco.collectives import Codec, NormBound, NormRejections, ReductionErrorFeedback, allreduce, get_codec
+from noloco.comm import faults
+from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
+from noloco.gossip import GroupSource, ScheduledGroups
+from noloco.optim.base import OuterRule
+from noloco.optim.diloco import AveragingRule, DiLoCoRule
+from noloco.optim.noloco import NoLoCoRule
+
+#: Default norm bound of the outer exchange (``comm.max_norm_ratio``): honest NoLoCo contributions are
+#: within a factor 1.4 of each other per segment (measured, docs/reliability.md), so 10 never refuses
+#: an honest partner and stops any peer sending updates 10x or more larger than this worker's own.
+DEFAULT_MAX_NORM_RATIO = 10.0
+
+
+@dataclass
+class OuterRoundInfo:
+    """What one outer round did, for logging. ``skipped`` names why the update was not applied."""
+
+    round: int
+    group: list[int]
+    skipped: str | None = None
+    rejected: int = 0  # partners' contributions (or reduced segments) the norm bound refused this round
+
+
+@dataclass
+class OuterState:
+    """What a joining worker adopts from a live one: the inner step, the slow weights φ and the outer
+    momentum (flat fp32; ``None`` for rules without momentum). AdamW moments are not part of it."""
+
+    step: int
+    slow: torch.Tensor
+    velocity: torch.Tensor | None = None
+
+
+def _reduction_name(reduction: str, algorithm: str | None) -> str:
+    if algorithm is not None:
+        warnings.warn("the algorithm= keyword is deprecated: pass reduction= (the reduction schedule)",
+                      DeprecationWarning, stacklevel=4)  # fmt: skip
+        return algorithm
+    return reduction
+
+
+def _unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _ef_state(feedback: ReductionErrorFeedback | None) -> dict | None:
+    return None if feedback is None else feedback.state_dict()
+
+
+def _ef_load(feedback: ReductionErrorFeedback | None, state: dict | None) -> None:
+    if feedback is not None and state is not None:
+        feedback.load_state_dict(state)
+
+
+@torch.no_grad()
+def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of the 1-D ``flat`` into ``tensors`` in place (no storage sharing)."""
+    offset = 0
+    for tensor in tensors:
+        n = tensor.numel()
+        tensor.copy_(flat[offset : offset + n].view_as(tensor))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} elements, tensors hold {offset}")
+
+
+class Algorithm:
+    """Base class: holds the model, inner optimizer and transport; counts inner steps."""
+
+    name = "base"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport | None,
+        codec: str | Codec = "fp32",
+        timeout: float = 60.0,
+        error_feedback: bool = True,
+        reduction: str = "two_phase",
+        algorithm: str | None = None,
+    ):
+        self.model, self.inner_opt, self.transport = model, inner_opt, transport
+        self.params = _unique_params(model)
+        self.codec: Codec = get_codec(codec)  # parsed once; equal specs compare equal
+        self.timeout, self.reduction = float(timeout), _reduction_name(reduction, algorithm)
+        # error feedback only means something for a lossy codec
+        self.feedback = ReductionErrorFeedback() if error_feedback and not self.codec.exact else None
+        self.inner_step = 0
+        self.last_round: OuterRoundInfo | None = None
+        self.nonfinite_events = 0  # gradients or fast weights found non-finite and neutralised
+        self.norm_rejections = NormRejections()  # partners' contributions a norm bound refused (none for DDP)
+
+    def sync_gradients(self) -> None:
+        """Called after ``backward()``; averages gradients where the algorithm does so."""
+
+    def step(self) -> OuterRoundInfo | None:
+        """Inner optimizer step, then whatever the algorithm does after it. Returns outer-round info.
+
+        Non-finite gradients are dropped (no inner update this step), so one bad batch cannot
+        poison the weights or the optimizer moments. Fault point ``inner.step`` fires first.
+        """
+        faults.fire("inner.step", self.inner_step + 1, getattr(self.transport, "rank", None))
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and not all(torch.isfinite(g).all() for g in grads):
+            self.nonfinite_events += 1
+            self.inner_opt.zero_grad(set_to_none=True)
+        self.inner_opt.step()
+        self.inner_opt.zero_grad(set_to_none=True)
+        self.inner_step += 1
+        self.last_round = self._after_inner_step()
+        return self.last_round
+
+    def _after_inner_step(self) -> OuterRoundInfo | None:
+        return None
+
+    @property
+    def counter(self) -> ByteCounter:
+        """Bytes this worker has sent and received for the algorithm's exchanges."""
+        return self.transport.counter
+
+    def slow_weights(self) -> torch.Tensor:
+        """The weights workers agree on (the slow weights for outer algorithms), flat fp32."""
+        return parameters_to_vector(self.params).detach().float().clone()
+
+    def state_dict(self) -> dict:
+        return {"inner_step": self.inner_step, "feedback": _ef_state(self.feedback)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner_step = int(state["inner_step"])
+        _ef_load(self.feedback, state.get("feedback"))
+
+
+class DDP(Algorithm):
+    """Baseline: all-reduce (mean) of the gradients over all workers after every backward."""
+
+    name = "ddp"
+
+    def sync_gradients(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = parameters_to_vector(grads)
+        if not torch.isfinite(flat).all():  # contribute nothing rather than spread NaN/Inf
+            self.nonfinite_events += 1
+            flat = torch.zeros_like(flat)
+        mean = allreduce(
+            flat,
+            self.transport,
+            codec=self.codec,
+            reduction=self.reduction,
+            op="mean",
+            timeout=self.timeout,
+            tag=f"ddp/s{self.inner_step + 1}",
+            error_feedback=self.feedback,
+        )
+        for p, g in zip(self.params, grads):
+            if p.grad is None:
+                p.grad = g
+        copy_flat_into(mean, [p.grad for p in self.params])
+
+
+class OuterAlgorithm(Algorithm):
+    """Inner steps locally; every ``every`` steps an outer step over the group ``groups`` forms.
+
+    ``skip_failed_rounds`` (default True): when the group cannot be formed or the exchange fails (a
+    dead, silent or misbehaving member, in an open swarm or a fixed world), leave φ, θ and the
+    error-feedback state as they are and go on training; the next round's pseudo-gradient then covers
+    the missed steps. A deliberate shutdown of the transport (:class:`~noloco.comm.base.CommAborted`:
+    another in-process worker crashed) is always raised. When false, every failure is raised.
+
+    ``max_norm_ratio``: the norm bound every reduction of the outer step runs with (None: none); what
+    it refuses is counted in :attr:`norm_rejections` (kept in the checkpoint) and in the round's
+    :class:`OuterRoundInfo`. "Own" means, per segment: for the pseudo-gradient, this worker's own
+    (its progress φ − φ_0 when the non-finite guard zeroed it); for the slow-weight term φ − φ_0,
+    √(‖φ − φ_0‖² + ‖Δ‖²), since a worker whose rounds were all skipped still has φ = φ_0 while its
+    partners legitimately moved by about one pseudo-gradient; for the fused θ − φ_0, its own.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        groups: GroupSource,
+        rule: OuterRule,
+        every: int,
+        codec: str | Codec = "fp32",
+        timeout: float = 60.0,
+        skip_failed_rounds: bool = True,
+        slow_codec: str | Codec | None = None,
+        error_feedback: bool = True,
+        reduction: str = "two_phase",
+        max_norm_ratio: float | None = DEFAULT_MAX_NORM_RATIO,
+        group_timeout: float | None = None,
+        algorithm: str | None = None,
+    ):
+        super().__init__(
+            model,
+            inner_opt,
+            getattr(groups, "transport", None),
+            codec=codec,
+            timeout=timeout,
+            error_feedback=error_feedback,
+            reduction=_reduction_name(reduction, algorithm),
+        )
+        # seconds a round may spend forming its group (an open swarm's matchmaking); default: timeout
+        self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
+        if every < 1:
+            raise ValueError(f"outer.every must be >= 1, got {every}")
+        self.rule, self.every, self.groups = rule, int(every), groups
+        self.skip_failed_rounds = bool(skip_failed_rounds)
+        self.replicas = None  # set for a worker of several processes (see noloco.train.backends.distributed)
+        self.slow = parameters_to_vector(self.params).detach().float().clone()
+        # The slow-weight term travels as φ − reference; every worker starts from the same weights.
+        self.slow_codec: Codec = self.codec if slow_codec is None else get_codec(slow_codec)
+        self.reference = self.slow.clone()
+        self.slow_feedback = ReductionErrorFeedback() if error_feedback and not self.slow_codec.exact else None
+        if max_norm_ratio is not None:
+            NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
+        self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
+
+    @property
+    def counter(self) -> ByteCounter:
+        return self.groups.counter
+
+    def _after_inner_step(self) -> OuterRoundInfo | None:
+        if self.inner_step % self.every:
+            return None
+        return self.outer_step(self.inner_step // self.every - 1)
+
+    @torch.no_grad()
+    def outer_step(self, round_index: int) -> OuterRoundInfo:
+        """Exchange with this round's group and apply the outer rule; loads φ into the model.
+
+        In a worker made of several processes (``self.replicas``), only the leader exchanges; it
+        then broadcasts φ to the other processes of its worker, so they stay bit-identical.
+        """
+        if self.replicas is None:
+            return self._outer_step(round_index)
+        info = self._outer_step(round_index) if self.replicas.leader else OuterRoundInfo(round_index, [])
+        self.replicas.broadcast(self.slow)
+        copy_flat_into(self.slow, self.params)
+        return info
+
+    def _outer_step(self, round_index: int) -> OuterRoundInfo:
+        rank = getattr(self.transport, "rank", None)
+        link = faults.fire("outer.exchange", self.inner_step, rank)
+        group = self.groups.form(round_index, self.group_timeout)
+        if group is None:
+            if not self.skip_failed_rounds:
+                raise CommError(f"round {round_index}: no group could be formed")
+            return OuterRoundInfo(round=round_index, group=[], skipped="no partner")
+        rejected_before = self.norm_rejections.total
+        try:
+            transport = faults.exchange_transport(group.transport, link, self.inner_step, rank)
+            mean_delta, mean_slow = self._exchange(group if transport is group.transport else
+                                                   replace(group, transport=transport))  # fmt: skip
+        except CommAborted:
+            raise
+        except (CommError, ValueError) as exc:
+            if not self.skip_failed_rounds:
+                raise
+            return OuterRoundInfo(round_index, group.members, skipped=f"{type(exc).__name__}: {exc}",
+                                  rejected=self.norm_rejections.total - rejected_before)  # fmt: skip
+        finally:
+            self.groups.release(group)
+        self.rule.step(self.slow, mean_delta, mean_slow)
+        copy_flat_into(self.slow, self.params)
+        return OuterRoundInfo(round=round_index, group=group.peer_ids or group.members,
+                              rejected=self.norm_rejections.total - rejected_before)  # fmt: skip
+
+    def _exchange(self, group) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Group means of the pseudo-gradient and (if the rule needs it) the slow weights.
+
+        Fast weights that went non-finite are replaced by the slow weights before anything is sent:
+        this worker contributes a zero pseudo-gradient, its partners are not poisoned, and its own
+        model restarts from φ.
+        """
+        fast = parameters_to_vector(self.params).detach().float()
+        guarded = not torch.isfinite(fast).all()
+        if guarded:
+            self.nonfinite_events += 1
+            fast = self.slow.clone()
+            self.inner_opt.state.clear()  # moments may hold NaN/Inf too
+        tag = f"outer/r{group.round}"
+
+        def reduce(x: torch.Tensor, what: str, codec: Codec, feedback, reference=None) -> torch.Tensor:
+            return allreduce(
+                x,
+                group.transport,
+                group.members,
+                codec=codec,
+                reduction=self.reduction,
+                op="mean",
+                timeout=self.timeout,
+                tag=f"{tag}/{what}",
+                error_feedback=feedback,
+                max_norm_ratio=self.max_norm_ratio,
+                norm_rejections=self.norm_rejections,
+                norm_reference=reference,
+            )
+
+        if self._fused_exchange():  # θ − φ_0 like the slow term: the codec and the norm bound see training updates
+            mean_fast = self.reference + reduce(fast - self.reference, "fast", self.codec, self.feedback)
+            return mean_fast - self.slow, self.slow.clone()
+        # Scales of the norm bound (see the class docstring): the pseudo-gradient is bounded by this worker's
+        # own; the slow-weight term φ − φ_0 by the hypotenuse of its own and the pseudo-gradient's, because a
+        # worker that skipped its rounds legitimately has φ = φ_0 while its partners moved by about one Δ.
+        delta = fast - self.slow
+        progress = self.slow - self.reference
+        mean_delta = reduce(delta, "delta", self.codec, self.feedback, progress if guarded else None)
+        mean_slow = None
+        if self.rule.needs_slow_mean:
+            scale = torch.hypot(progress, delta) if self.max_norm_ratio is not None else None
+            mean_slow = self.reference + reduce(progress, "slow", self.slow_codec, self.slow_feedback, scale)
+        return mean_delta, mean_slow
+
+    def _fused_exchange(self) -> bool:
+        """One exchange of θ instead of Δ and φ: exact only for rules with β = γ and lossless codecs."""
+        return False
+
+    def slow_weights(self) -> torch.Tensor:
+        return self.slow.clone()
+
+    def save_state(self) -> OuterState:
+        """The state a joining worker adopts (:meth:`load_state`): step, φ and the outer momentum, copied."""
+        velocity = self.rule.velocity
+        return OuterState(self.inner_step, self.slow.clone(), None if velocity is None else velocity.clone())
+
+    @torch.no_grad()
+    def load_state(self, state: OuterState) -> None:
+        """Adopt a live worker's :class:`OuterState`: φ, momentum and step, and φ into the model's weights.
+
+        Everything is checked before anything changes (shapes, finite values), so a refused state
+        leaves this algorithm as it was. Error-feedback residuals and AdamW moments stay this
+        worker's own (fresh for a new worker).
+        """
+        if state.slow.shape != self.slow.shape:
+            raise ValueError(f"joined state has {state.slow.numel()} weights, this model has {self.slow.numel()}")
+        if state.velocity is not None and state.velocity.shape != self.slow.shape:
+            raise ValueError("joined state's momentum does not match its slow weights")
+        tensors = [state.slow] if state.velocity is None else [state.slow, state.velocity]
+        if not all(torch.isfinite(t).all() for t in tensors):
+            raise ValueError("joined state holds non-finite values")
+        if state.step < 0 or state.step % self.every:
+            raise ValueError(f"joined state is at step {state.step}, not on an outer-round boundary "
+                             f"(every={self.every})")  # fmt: skip
+        self.inner_step = int(state.step)
+        self.slow = state.slow.to(self.slow.device, torch.float32).clone()
+        if "velocity" in self.rule.state_dict():
+            self.rule.velocity = None if state.velocity is None else state.velocity.to(self.slow).clone()
+        copy_flat_into(self.slow, self.params)
+
+    def state_dict(self) -> dict:
+        return {
+            "inner_step": self.inner_step,
+            "slow": self.slow.clone(),
+            "rule": self.rule.state_dict(),
+            "nonfinite_events": self.nonfinite_events,
+            "reference": self.reference.clone(),
+            "feedback": _ef_state(self.feedback),
+            "slow_feedback": _ef_state(self.slow_feedback),
+            "norm_rejections": self.norm_rejections.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner_step = int(state["inner_step"])
+        if state["slow"].shape != self.slow.shape:
+            raise ValueError(
+                f"checkpoint slow weights have shape {tuple(state['slow'].shape)}, model needs {tuple(self.slow.shape)}"
+            )
+        self.slow = state["slow"].float().clone()
+        self.rule.load_state_dict(state["rule"])
+        self.nonfinite_events = int(state.get("nonfinite_events", 0))
+        if "reference" in state:
+            self.reference = state["reference"].float().clone()
+        _ef_load(self.feedback, state.get("feedback"))
+        _ef_load(self.slow_feedback, state.get("slow_feedback"))
+        if "norm_rejections" in state:
+            self.norm_rejections.load_state_dict(state["norm_rejections"])
+
+
+def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:
+    if isinstance(transport, GroupSource):
+        return transport
+    size = None if group_size is None else min(group_size, transport.world_size)
+    return ScheduledGroups(transport, size, seed)
+
+
+class NoLoCo(OuterAlgorithm):
+    """NoLoCo: outer momentum with a pull toward the mean of a random subgroup (docs/design.md §3.1).
+
+    ``transport`` is either a fixed world's transport (groups drawn from a seeded schedule of
+    ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking). ``exchange``
+    takes the keyword arguments of :class:`OuterAlgorithm` that shape the exchange: ``codec``,
+    ``slow_codec``, ``error_feedback``, ``reduction``, ``timeout``, ``group_timeout``,
+    ``skip_failed_rounds``, ``max_norm_ratio``.
+    """
+
+    name = "noloco"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport | GroupSource,
+        every: int = 50,
+        lr: float = 0.7,
+        pull: float = 0.7,
+        momentum: float = 0.5,
+        group_size: int = 2,
+        seed: int = 0,
+        **exchange,
+    ):
+        groups = _group_source(transport, group_size, seed)
+        super().__init__(model, inner_opt, groups, NoLoCoRule(lr, pull, momentum), every, **exchange)
+
+    def _fused_exchange(self) -> bool:
+        return self.rule.lr == self.rule.pull and self.codec == self.slow_codec  # Codec equality: int4 == int4:g128
+
+
+class DiLoCo(OuterAlgorithm):
+    """DiLoCo: global average of pseudo-gradients, outer SGD with Nesterov momentum."""
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport | GroupSource,
+        every: int = 50,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        **exchange,
+    ):
+        groups = _group_source(transport, None, 0)
+        super().__init__(model, inner_opt, groups, DiLoCoRule(lr, momentum, nesterov), every, **exchange)
+
+
+class PeriodicAveraging(OuterAlgorithm):
+    """Every ``every`` steps, all workers replace their weights with the world mean."""
+
+    name = "avg"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_opt: torch.optim.Optimizer,
+        transport: Transport | GroupSource,
+        every: int = 50,
+        **exchange,
+    ):
+        super().__init__(model, inner_opt, _group_source(transport, None, 0), AveragingRule(), every, **exchange)
+

@@ -1,0 +1,95 @@
+"""Late-join state: what a live peer serves so that a new peer starts where the swarm is.
+
+A peer's live state is its inner step, its slow weights and its outer momentum (flat fp32 tensors;
+fresh AdamW moments are fine for a joiner). :func:`encode_state` packs them losslessly (zlib) and
+:func:`decode_state` checks everything a hostile server could get wrong before anything is adopted:
+sizes against this model, exact decompressed lengths (a bounded inflate: no zip bombs), finite
+values, a step on an outer-round boundary. :class:`StateServer` answers the ``state/1`` requests of
+:class:`~noloco.swarm.endpoint.SwarmEndpoint` from the latest snapshot. This module knows tensors,
+not algorithms: the training side hands it (step, slow, velocity).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+
+import torch
+
+from noloco.comm.base import CommError
+
+STATE_SERVICE = "state/1"
+STATE_HEADER = struct.Struct("!QQB")  # inner step, numel, has velocity
+
+
+class StateError(ValueError):
+    """A downloaded peer state is malformed, of the wrong size or not finite."""
+
+
+def encode_state(step: int, slow: torch.Tensor, velocity: torch.Tensor | None) -> bytes:
+    """``step``, flat fp32 ``slow`` and optional ``velocity`` → header ‖ zlib(slow) ‖ zlib(velocity)."""
+    slow_z = zlib.compress(slow.float().contiguous().numpy().tobytes(), 1)
+    vel_z = b"" if velocity is None else zlib.compress(velocity.float().contiguous().numpy().tobytes(), 1)
+    return STATE_HEADER.pack(step, slow.numel(), velocity is not None) + struct.pack("!Q", len(slow_z)) + slow_z + vel_z
+
+
+def _inflate(blob: bytes, numel: int) -> torch.Tensor:
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(blob, 4 * numel)
+    except zlib.error as exc:
+        raise StateError(f"bad compressed tensor: {exc}") from None
+    if len(raw) != 4 * numel or inflater.unconsumed_tail or not inflater.eof:
+        raise StateError(f"compressed tensor does not hold exactly {numel} fp32 values")
+    tensor = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+    if not torch.isfinite(tensor).all():
+        raise StateError("peer state holds non-finite values")
+    return tensor
+
+
+def decode_state(payload: bytes, numel: int, every: int) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`encode_state`, validated against the model size ``numel`` and ``outer.every``."""
+    if len(payload) < STATE_HEADER.size + 8:
+        raise StateError("peer state is truncated")
+    step, count, has_velocity = STATE_HEADER.unpack_from(payload)
+    (slow_len,) = struct.unpack_from("!Q", payload, STATE_HEADER.size)
+    if count != numel:
+        raise StateError(f"peer state has {count} weights, this model has {numel}")
+    if step % every:
+        raise StateError(f"peer state is at step {step}, not on an outer-round boundary (every={every})")
+    body = payload[STATE_HEADER.size + 8 :]
+    if slow_len > len(body):
+        raise StateError("peer state is truncated")
+    slow = _inflate(body[:slow_len], numel)
+    velocity = _inflate(body[slow_len:], numel) if has_velocity else None
+    if not has_velocity and len(body) != slow_len:
+        raise StateError("peer state has trailing bytes")
+    return int(step), slow, velocity
+
+
+class StateServer:
+    """This peer's latest post-round state, served to late joiners (updated by the training thread).
+
+    :meth:`update` takes copies, so the training thread can go on mutating its tensors; :meth:`serve`
+    (the endpoint's handler, another thread) encodes one consistent snapshot.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.step, self.slow, self.velocity = 0, None, None
+
+    def update(self, step: int, slow: torch.Tensor, velocity: torch.Tensor | None) -> None:
+        snapshot = (int(step), slow.detach().float().cpu().clone(),
+                    None if velocity is None else velocity.detach().float().cpu().clone())  # fmt: skip
+        with self._lock:
+            self.step, self.slow, self.velocity = snapshot
+
+    def serve(self, request: bytes, src: str) -> bytes:
+        with self._lock:
+            step, slow, velocity = self.step, self.slow, self.velocity
+        if slow is None:
+            raise CommError("no state yet")
+        return encode_state(step, slow, velocity)
+
+

@@ -1,0 +1,61 @@
+"""The backend interface: what the worker loop needs from whatever runs it.
+
+A backend runs a run's workers (threads over the in-process fabric, processes over
+torch.distributed, peers of a hivemind swarm). :func:`~noloco.train.loop.train_worker` is the same
+loop on every backend; it talks to its worker's :class:`Backend` for the five things that differ:
+
+- :meth:`Backend.groups`: what the outer algorithm exchanges over (a fixed world's transport, or a
+  group source such as swarm matchmaking, where failed rounds are skipped);
+- :meth:`Backend.wrap`: the module the loop calls forward on (a worker of several processes wraps
+  its replica in DDP with the quantized gradient hook);
+- :meth:`Backend.start`: the step to start from (a swarm peer may join from a live peer's state);
+- :meth:`Backend.after_step`: per-step bookkeeping (a swarm peer publishes its liveness);
+- :meth:`Backend.barrier`: whether a checkpoint step is complete once this worker saved.
+
+Adding a backend is one module here with a ``launch(cfg, run_dir, resume, quiet)`` function and a
+:class:`Backend` subclass, plus its line in :data:`noloco.train.backends.LAUNCHERS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from noloco.comm.base import Transport
+from noloco.gossip.base import GroupSource
+
+
+class Backend(ABC):
+    """One worker's view of its run's backend. ``rank`` picks its data stream and checkpoint file."""
+
+    name: ClassVar[str]
+    #: an open swarm skips rounds whose group cannot be formed or whose exchange fails (see OuterAlgorithm)
+    skip_failed_rounds: ClassVar[bool] = False
+
+    def __init__(self, rank: int):
+        self.rank = int(rank)
+
+    @abstractmethod
+    def groups(self) -> Transport | GroupSource:
+        """The world's transport (fixed world) or a group source (open swarm) for the outer algorithm."""
+
+    def wrap(self, model: torch.nn.Module, algo) -> torch.nn.Module:
+        """The module the loop runs forward/backward on (default: ``model`` itself)."""
+        return model
+
+    def start(self, algo, model: torch.nn.Module) -> int:
+        """Called once before the first step of a fresh (not resumed) worker; returns the step to start from."""
+        return 0
+
+    def after_step(self, step: int, algo) -> None:  # noqa: B027 - optional hook
+        """Called after every inner step (after logging)."""
+
+    @abstractmethod
+    def barrier(self, step: int) -> bool:
+        """Wait until every worker of the run saved ``step``'s checkpoint; False when some never will."""
+
+    def marks_complete(self) -> bool:
+        """Whether this worker writes the checkpoint's COMPLETE marker (one per run folder)."""
+        return self.rank == 0

@@ -1,0 +1,316 @@
+"""The hivemind backend: one peer of an open swarm per process (``python train.py backend=hivemind``).
+
+The decentralized mode (NoLoCo, arXiv 2506.10911, over an open swarm):
+:func:`launch` starts a ``hivemind.DHT`` (its own p2pd daemon; it prints the multiaddrs other
+peers pass as ``peer.initial_peers``), a :class:`~noloco.swarm.endpoint.SwarmEndpoint` on the same
+daemon, and :class:`~noloco.swarm.matchmaking.SwarmMatchmaking` as the outer algorithm's group
+source with ``skip_failed_rounds=True``, then runs the same worker loop as every backend
+(:func:`~noloco.train.loop.train_worker`) with a :class:`HivemindBackend`. ``outer.algo=diloco``
+averages with all peers ready in the same window instead of pairs.
+
+Late join: every peer serves its current state (inner step, slow weights, outer momentum) to
+authenticated requests, zlib-compressed (lossless), and lists itself in the DHT after each outer
+round. A new peer (``peer.join=auto``) downloads the state of the most advanced live peer before its
+first inner step, checks it (MAC, sizes, finite values, step on a round boundary) and starts from
+that step; if no live peer answers it starts from the seed's initial weights.
+
+Outputs under ``runs/<run>/peer-<name>/``: ``metrics.jsonl`` (as every backend), ``rounds.jsonl``
+(matchmaking per round: ready peers, partners, outcome, seconds, bytes) and ``summary.json`` (rounds
+joined, partners, failed rounds, bytes per round, rejected messages). The run key comes from
+``peer.run_key`` or ``$NOLOCO_RUN_KEY``; it is removed from the config before anything is written.
+Failure modes: no key → error at start; a dead or silent partner costs at most ``comm.recv_timeout``
+(usually much less: a failed stream or confirmation), and the round is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from noloco.comm.base import CommError
+from noloco.optim import OuterAlgorithm, OuterState
+from noloco.swarm import (
+    STATE_SERVICE,
+    PeerRegistry,
+    StateError,
+    StateServer,
+    SwarmEndpoint,
+    SwarmMatchmaking,
+    decode_state,
+    run_key_from,
+    start_peer_dht,
+)
+from noloco.train.backends.base import Backend
+from noloco.train.config import ConfigError
+from noloco.train.data import prepare_corpus
+from noloco.train.loop import RunContext, WorkerResult, build_model, train_worker
+from noloco.train.metrics import MetricsLogger
+from noloco.train.run import finish, summarize
+
+
+def _peer_rank(peer_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
+class HivemindBackend(Backend):
+    """One peer of an open swarm: matchmaking as the group source, late join, liveness in the DHT.
+
+    ``say`` prints a line for the user (a no-op when quiet). Checkpoints need no barrier: a peer's run
+    folder is its own.
+    """
+
+    name = "hivemind"
+    skip_failed_rounds = True
+
+    def __init__(self, cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, rank: int, say):
+        super().__init__(rank)
+        self.cfg, self.endpoint, self.peer_name, self.say = cfg, endpoint, name, say
+        self.registry = PeerRegistry(dht, endpoint, name, ttl=cfg.peer.registry_ttl)
+        group_size = None if cfg.outer.algo == "diloco" else (cfg.peer.group_size or cfg.outer.group_size)
+        self.matchmaking = SwarmMatchmaking(
+            dht, endpoint, name, group_size=group_size, window=cfg.peer.window, slack=cfg.peer.slack,
+            confirm_timeout=cfg.peer.confirm_timeout, timeout=cfg.peer.matchmaking_timeout, seed=cfg.run.seed,
+            expected=self._expected, front=self._front, others=self._others, alone_after=cfg.peer.live_timeout,
+        )  # fmt: skip
+        self.state = StateServer()
+        endpoint.serve(STATE_SERVICE, self.state.serve)
+        self.joined_from: dict = {}
+        self._heartbeat = time.monotonic()
+
+    # --- what matchmaking asks of the registry -------------------------------------------------------
+    def _fresh(self) -> list[dict]:
+        now = time.time()
+        return [e for e in self.registry.live() if now - e["t"] <= self.cfg.peer.live_timeout]
+
+    def _expected(self, round_index: int) -> set[str]:
+        """Peers that published recently and will match next in this round or the one before."""
+        return {e["peer"] for e in self._fresh() if round_index - 1 <= e["round"] <= round_index}
+
+    def _front(self) -> int:
+        return max((e["round"] for e in self._fresh()), default=0)
+
+    def _others(self) -> int:  # live peers still training (finished ones publish round -1)
+        return sum(1 for e in self._fresh() if e["round"] >= 0)
+
+    # --- the Backend interface ------------------------------------------------------------------------
+    def groups(self) -> SwarmMatchmaking:
+        return self.matchmaking
+
+    def publish(self, step: int, next_round: int | None = None) -> None:
+        """List this peer as live (best effort: the DHT may be unreachable for a moment)."""
+        try:
+            self.registry.publish(step, self.matchmaking.next_round if next_round is None else next_round)
+        except Exception as exc:  # noqa: BLE001 - the DHT is best effort; training goes on
+            self.say(f"noloco peer {self.peer_name}: could not publish liveness: {exc}")
+
+    def resume_at(self, step: int) -> None:
+        """A peer resuming its own checkpoint: matchmaking catches up with the swarm's round from there."""
+        self.matchmaking.next_round = step // self.cfg.outer.every
+        self.publish(step)
+
+    def start(self, algo, model: torch.nn.Module) -> int:
+        self._serve(algo)
+        self.publish(0)  # listed (at step 0) before waiting, so peers waiting with peer.wait_for_peers see each other
+        start = join_swarm(self.cfg, self.endpoint, self.registry, algo, self.joined_from, self.say)
+        self._serve(algo)
+        self.matchmaking.next_round = start // self.cfg.outer.every
+        self.publish(start)
+        return start
+
+    def after_step(self, step: int, algo) -> None:
+        info = algo.last_round
+        if info is not None:
+            rounds = self.matchmaking.rounds
+            if info.skipped and rounds and rounds[-1].outcome == "joined":  # formed, exchange failed
+                rounds[-1].outcome = f"exchange failed: {info.skipped}"
+            self._serve(algo)
+        # after every outer round, and as a heartbeat while a long round runs (others wait only for
+        # peers that published within peer.live_timeout)
+        if info is not None or time.monotonic() - self._heartbeat > self.cfg.peer.live_timeout / 3:
+            self._heartbeat = time.monotonic()
+            self.publish(step)
+
+    def barrier(self, step: int) -> bool:
+        return True
+
+    def marks_complete(self) -> bool:
+        return True
+
+    def _serve(self, algo) -> None:
+        if isinstance(algo, OuterAlgorithm):
+            state = algo.save_state()
+            self.state.update(state.step, state.slow, state.velocity)
+
+
+def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | None = None, resume_step: int = 0,
+           quiet: bool = False) -> dict:
+    """Run one swarm peer until ``cfg.steps`` inner steps; returns (and writes) its summary.
+
+    ``resume_from``: this peer's own checkpoint (``runs/<run>/peer-<name>/checkpoints/...``); the peer
+    continues from it (model, optimizer, slow weights, momentum, error feedback) instead of joining
+    from a live peer, and matchmaking catches it up with the swarm's current round.
+    """
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    cfg, key = _checked(cfg)
+    started = time.perf_counter()
+    corpus = prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction,
+                            cfg.data.cache_dir)  # fmt: skip
+    torch.set_num_threads(cfg.threads or 1)
+    peer = cfg.peer
+    dht = start_peer_dht(list(peer.initial_peers), list(peer.host_maddrs), list(peer.announce_maddrs),
+                         startup_timeout=cfg.comm.startup_timeout)  # fmt: skip
+    endpoint = None
+    try:
+        endpoint = SwarmEndpoint.from_dht(dht, peer.run_id, key, max_message_bytes=int(peer.max_message_mb * 2**20),
+                                          send_timeout=cfg.comm.recv_timeout)  # fmt: skip
+        rank = peer.rank if peer.rank is not None else _peer_rank(endpoint.peer_id)
+        if resume_from is not None:  # the data stream (and checkpoint file) of the run being resumed
+            rank = _checkpoint_rank(Path(resume_from), rank)
+        name = str(peer.name or (rank if peer.rank is not None else endpoint.peer_id[-8:]))
+        peer_dir = _peer_folder(cfg, dht, endpoint, name, say)
+        backend = HivemindBackend(cfg, dht, endpoint, name, rank, say)
+        metrics = MetricsLogger(peer_dir, tensorboard=cfg.log.tensorboard,
+                                resume_step=resume_step if resume_from else None)  # fmt: skip
+        if resume_from is not None:
+            say(f"noloco peer {name}: resuming from its own checkpoint at step {resume_step} ({resume_from})")
+            backend.resume_at(resume_step)
+        ctx = RunContext(cfg, corpus, peer_dir, metrics, resume_from=resume_from, resume_step=resume_step)
+        try:
+            result = train_worker(ctx, backend)
+        finally:
+            metrics.close()
+        backend.publish(cfg.steps, -1)  # finished: round -1 takes this peer out of others' front and expected sets
+        summary = _summary(cfg, backend, result, corpus, peer_dir, time.perf_counter() - started, resume_step)
+        say(f"noloco peer {name}: done · held-out loss {summary['final_eval_loss']:.4f} · rounds joined "
+            f"{summary['rounds_joined']}/{summary['rounds']} · {summary['bytes_sent'] / 1e6:.2f} MB sent · {peer_dir}")
+        return summary
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        dht.shutdown()
+
+
+def _checked(cfg: DictConfig):
+    """(a copy of ``cfg`` without the run key, the key); :class:`ConfigError` when the swarm cannot run it."""
+    try:
+        key = run_key_from(cfg.peer.run_key)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    cfg = cfg.copy()
+    cfg.peer.run_key = None  # the key is never written to config.yaml, checkpoints or logs
+    if cfg.outer.algo not in ("noloco", "diloco"):
+        raise ConfigError(f"backend=hivemind runs outer.algo=noloco or diloco, not {cfg.outer.algo!r}")
+    return cfg, key
+
+
+def _checkpoint_rank(folder: Path, default: int) -> int:
+    """The worker rank a checkpoint folder holds (one worker per peer), else ``default``."""
+    from noloco.train.checkpoint import worker_ranks
+
+    ranks = worker_ranks(folder)
+    return ranks[0] if len(ranks) == 1 else default
+
+
+def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say) -> Path:
+    """``runs/<run>/peer-<name>/`` with its config and multiaddrs; prints how others join."""
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    say(f"noloco peer {name}: peer id {endpoint.peer_id}")
+    say("noloco peer: others join with peer.initial_peers='[" + ",".join(f'"{m}"' for m in maddrs) + "]'")
+    folder = Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (folder / "maddrs.json").write_text(json.dumps({"peer_id": endpoint.peer_id, "maddrs": maddrs}))
+    return folder
+
+
+def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joined_from: dict, say) -> int:
+    """Download the most advanced live peer's state into ``algo`` (``peer.join=auto``); returns the start step."""
+    deadline = time.monotonic() + cfg.peer.join_timeout
+    while True:
+        live = registry.live() if cfg.peer.join == "auto" else []
+        if len(live) >= cfg.peer.wait_for_peers or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    deadline = time.monotonic() + cfg.peer.join_timeout
+    ahead = [e for e in live if e["step"] > 0 and e["round"] >= 0]  # round -1: the peer has finished
+    if ahead:  # download right after the most advanced peer's next round, so this peer starts in step with it
+        first = ahead[0]
+        while time.monotonic() < deadline:
+            fresh = [e for e in registry.live() if e["peer"] == first["peer"]]
+            if not fresh or fresh[0]["step"] > first["step"]:
+                break
+            time.sleep(0.2)
+        live = registry.live()
+    deadline = time.monotonic() + cfg.peer.join_timeout
+    while True:  # try every live peer, most advanced first, until one answers or join_timeout passes
+        for entry in live:
+            if entry["step"] <= 0:
+                continue
+            try:
+                payload = endpoint.request(
+                    entry["peer"], STATE_SERVICE, b"", cfg.peer.join_timeout, 16 * algo.slow.numel() + 4096
+                )
+                step, slow, velocity = decode_state(payload, algo.slow.numel(), cfg.outer.every)
+            except (CommError, StateError) as exc:
+                say(f"noloco peer: could not join from {entry['name']}: {exc}; connected: {endpoint.connected_peers()}")
+                continue
+            try:
+                algo.load_state(OuterState(step, slow, velocity))
+            except ValueError as exc:
+                say(f"noloco peer: refused the state of {entry['name']}: {exc}")
+                continue
+            joined_from.update(peer=entry["name"], step=step, bytes=len(payload))
+            say(f"noloco peer: joined from {entry['name']} at step {step} ({len(payload) / 1e6:.2f} MB state)")
+            return step
+        if not any(e["step"] > 0 for e in live) or time.monotonic() > deadline:
+            return 0
+        time.sleep(1.0)
+        live = registry.live()
+
+
+def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, corpus, peer_dir: Path,
+             seconds: float, resume_step: int) -> dict:
+    """The peer's :class:`~noloco.train.run.RunSummary` (a run of one worker) plus the swarm's own numbers."""
+    rounds = backend.matchmaking.rounds
+    with (peer_dir / "rounds.jsonl").open("w") as f:
+        for record in rounds:
+            f.write(json.dumps(record.__dict__) + "\n")
+    joined = [r for r in rounds if r.outcome == "joined"]
+    slow = result.slow_weights
+    extra = {
+        "peer": backend.peer_name,
+        "peer_id": backend.endpoint.peer_id,
+        "rank": result.rank,
+        "eval_history": result.eval_history,
+        "slow_weights_finite": bool(torch.isfinite(slow).all()),
+        "slow_weights_norm": float(slow.norm()),
+        "rounds": len(rounds),
+        "rounds_joined": len(joined),
+        "failed_rounds": len(rounds) - len(joined),
+        "round_outcomes": [r.outcome for r in rounds],
+        "partners": [r.partners for r in joined],
+        "bytes_sent": result.bytes_sent,
+        "bytes_received": result.bytes_received,
+        "bytes_sent_per_round": [r.bytes_sent for r in joined],
+        "matchmaking_seconds_per_round": [round(r.matchmaking_seconds, 3) for r in rounds],
+        "exchange_seconds_per_round": [round(r.exchange_seconds, 3) for r in joined],
+        "rejected_messages": backend.endpoint.rejection_counts(),
+        "joined_from": backend.joined_from or None,
+    }
+    params = build_model(cfg, corpus.vocab_size).num_parameters()
+    start = backend.joined_from.get("step", resume_step)
+    summary = summarize(cfg, peer_dir, corpus, params, [result], None, seconds, cfg.steps, start, extra)
+    return finish(cfg, summary, quiet=True)
+
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - convenience for `python -m`
+    from noloco.train.cli import main as cli_main
+
+    return cli_main(["backend=hivemind", *(argv if argv is not None else sys.argv[1:])])

@@ -1,0 +1,87 @@
+"""The local backend: N simulated workers as threads of one process over the in-process fabric.
+
+:func:`launch` prepares the data once, starts one :func:`~noloco.train.loop.train_worker` per rank
+(each with a :class:`LocalBackend` over its :class:`~noloco.comm.LocalTransport`), shows progress,
+and finishes the run folder: ``summary.json``, ``curves.png`` and a printed table. The default
+backend, and the one ``python train.py`` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from noloco.collectives import barrier
+from noloco.comm import LocalFabric
+from noloco.comm.base import CommAborted, CommError, Transport
+from noloco.train.backends.base import Backend
+from noloco.train.loop import RunContext, WorkerResult, train_worker
+from noloco.train.metrics import MetricsLogger
+from noloco.train.run import Progress, consensus_distance, default_run_name, finish, prepare, summarize
+
+logger = logging.getLogger(__name__)
+
+
+class WorldBackend(Backend):
+    """A worker of a fixed world (every rank reachable through ``transport``): in-process or torch.distributed.
+
+    The checkpoint barrier is a tiny all-reduce over the world (not counted as traffic); a worker that
+    is gone leaves that step's checkpoint incomplete instead of failing the run.
+    """
+
+    name = "world"
+
+    def __init__(self, transport: Transport, rank: int | None = None, startup_timeout: float = 60.0):
+        super().__init__(transport.rank if rank is None else rank)
+        self.transport, self.barrier_timeout = transport, float(startup_timeout)
+
+    def groups(self) -> Transport:
+        return self.transport
+
+    def barrier(self, step: int) -> bool:
+        try:
+            barrier(self.transport, f"ckpt/{step}", self.barrier_timeout)
+        except CommAborted:
+            raise
+        except CommError as exc:  # a worker is gone: this step's checkpoint stays incomplete
+            logger.warning("worker %d: checkpoint of step %d left incomplete (%s)", self.rank, step, exc)
+            return False
+        return True
+
+
+class LocalBackend(WorldBackend):
+    name = "local"
+
+
+def launch(
+    cfg: DictConfig,
+    run_dir: Path | None = None,
+    resume_from: Path | None = None,
+    resume_step: int = 0,
+    stop_after: int | None = None,
+    quiet: bool = False,
+) -> dict:
+    """Run (or resume) the job described by ``cfg`` on the local backend; returns the summary dict."""
+    started = time.perf_counter()
+    run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
+    corpus, params = prepare(cfg, run_dir, quiet)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, resume_step=resume_step if resume_from else None)
+    progress = Progress(cfg.steps, resume_step, cfg.workers, cfg.log.progress and not quiet)
+    ctx = RunContext(cfg, corpus, run_dir, metrics, resume_from, resume_step, progress, stop_after)
+    fabric = LocalFabric(cfg.workers)
+    try:
+        results: list[WorkerResult] = fabric.run(
+            lambda transport: train_worker(ctx, LocalBackend(transport, startup_timeout=cfg.comm.startup_timeout))
+        )
+    finally:
+        progress.close()
+        metrics.close()
+    summary = summarize(cfg, run_dir, corpus, params, results, consensus_distance([r.slow_weights for r in results]),
+                        time.perf_counter() - started, stop_after or cfg.steps, resume_step)  # fmt: skip
+    return finish(cfg, summary, quiet)
+

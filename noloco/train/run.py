@@ -1,0 +1,217 @@
+"""What every backend's run shares: the run folder, data preparation, progress, and the run summary.
+
+A backend's ``launch`` calls :func:`prepare` (run folder, tokenized corpus, torch threads, the
+announcement line), shows a :class:`Progress` bar, runs its workers, and ends with :func:`finish`,
+which writes one :class:`RunSummary`-shaped ``summary.json`` (the same keys on every backend; the
+README lists them), ``curves.png`` and the printed table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from noloco.train.data import eval_batches, prepare_corpus
+from noloco.train.loop import WorkerResult, build_model
+from noloco.train.plots import plot_runs
+
+
+class Progress:
+    """One tqdm bar of a run's inner steps per worker (the slowest worker's), showing the mean latest loss.
+
+    ``workers``: how many workers of this process report through :meth:`advance` (all of them on the
+    local backend, this process's own on the others). A 200-step run of 4 workers shows 200 steps.
+    """
+
+    def __init__(self, total: int, initial: int, workers: int, enabled: bool, desc: str = "training"):
+        from tqdm import tqdm
+
+        self._lock = threading.Lock()
+        self._workers, self._initial = workers, initial
+        self._steps: dict[int, int] = {}
+        self._losses: dict[int, float] = {}
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            unit="step",
+            disable=not enabled,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            desc=desc,
+            mininterval=0.2 if sys.stderr.isatty() else 15.0,
+        )
+
+    def advance(self, rank: int, loss: float) -> None:
+        with self._lock:
+            self._steps[rank] = self._steps.get(rank, self._initial) + 1
+            self._losses[rank] = loss
+            done = min(self._steps.values()) if len(self._steps) >= self._workers else self._initial
+            finite = [x for x in self._losses.values() if x == x]
+            if finite:
+                self._bar.set_postfix(loss=f"{sum(finite) / len(finite):.3f}", refresh=False)
+            if done > self._bar.n:
+                self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def relative_spread(mean: torch.Tensor, mean_squared_distance: torch.Tensor | float) -> float:
+    """Consensus distance sqrt(mean_i ||φ_i − φ̄||²) / ||φ̄|| from φ̄ and mean_i ||φ_i − φ̄||² (float64)."""
+    return float(torch.as_tensor(mean_squared_distance, dtype=torch.float64).sqrt() / mean.norm().clamp_min(1e-30))
+
+
+def consensus_distance(slow: list[torch.Tensor]) -> float:
+    """Relative spread of the workers' slow weights, all held by this process (see :func:`relative_spread`)."""
+    stacked = torch.stack([s.double() for s in slow])
+    mean = stacked.mean(0)
+    return relative_spread(mean, (stacked - mean).pow(2).sum(1).mean())
+
+
+def default_run_name(cfg: DictConfig) -> str:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{cfg.outer.algo}-{cfg.comm.codec}-w{cfg.workers}-{stamp}"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, cgroups' cpusets, ``noloco-fleet
+    --cpus-per-host``) where the OS reports one, else ``os.cpu_count()``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS and Windows have no affinity call
+        return os.cpu_count() or 1
+
+
+def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False):
+    """Create the run folder, load or build the tokenized corpus, set torch threads, announce the run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    corpus = prepare_corpus(
+        cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction, cfg.data.cache_dir
+    )
+    # threads share the cores: local workers are threads of this process; torch workers are processes,
+    # LOCAL_WORLD_SIZE of them on this host (set by torchrun and by the local launcher)
+    per_process = cfg.workers if cfg.backend == "local" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(cfg.threads or max(1, usable_cores() // per_process))
+    params = build_model(cfg, corpus.vocab_size).num_parameters()
+    if not quiet:
+        print(
+            f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers ({cfg.backend}) · "
+            f"{params / 1e6:.2f}M params · {cfg.steps} steps · data {cfg.data.source}: {corpus.train.size:,} train / "
+            f"{corpus.val.size:,} held-out tokens · {run_dir}",
+            flush=True,
+        )
+    return corpus, params
+
+
+@dataclass
+class RunSummary:
+    """The numbers of a finished run, the same keys on every backend (``summary.json``; README lists them).
+
+    Per-worker lists are ordered by worker; a swarm peer's run folder is a run of one worker.
+    ``extra`` holds what only one backend knows (processes per worker, swarm rounds, ...), written
+    beside the common keys.
+    """
+
+    algo: str
+    codec: str
+    slow_codec: str
+    backend: str
+    workers: int
+    steps: int
+    outer_every: int
+    group_size: int
+    params: int
+    final_eval_loss: float
+    final_eval_loss_per_worker: list[float]
+    unigram_eval_loss: float
+    consensus_distance: float | None
+    bytes_sent_per_worker: float
+    bytes_sent_by_worker: list[int]
+    bytes_received_by_worker: list[int]
+    wall_seconds: float
+    tokens_per_second: float
+    run_dir: str
+    nonfinite_events_by_worker: list[int]
+    norm_rejections_by_worker: list[int]
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        return {**out, **self.extra}
+
+
+def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list[WorkerResult],
+              consensus: float | None, seconds: float, steps_done: int, resume_step: int = 0,
+              extra: dict | None = None) -> RunSummary:
+    """The :class:`RunSummary` of ``results`` (one per worker, in worker order)."""
+    targets = torch.cat(
+        [y for _, y in eval_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)]
+    )
+    losses = [r.final_eval_loss for r in results]
+    sent = [r.bytes_sent for r in results]
+    tokens = len(results) * (steps_done - resume_step) * cfg.data.batch_size * cfg.data.seq_len
+    return RunSummary(
+        algo=cfg.outer.algo,
+        codec=cfg.comm.codec,
+        slow_codec=cfg.comm.slow_codec or cfg.comm.codec,
+        backend=cfg.backend,
+        workers=len(results),
+        steps=steps_done,
+        outer_every=cfg.outer.every,
+        group_size=cfg.outer.group_size if cfg.outer.algo == "noloco" else cfg.workers,
+        params=params,
+        final_eval_loss=sum(losses) / len(losses),
+        final_eval_loss_per_worker=losses,
+        unigram_eval_loss=corpus.unigram_loss(targets),
+        consensus_distance=consensus,
+        bytes_sent_per_worker=sum(sent) / len(sent),
+        bytes_sent_by_worker=sent,
+        bytes_received_by_worker=[r.bytes_received for r in results],
+        wall_seconds=seconds,
+        tokens_per_second=tokens / seconds,
+        run_dir=str(run_dir),
+        nonfinite_events_by_worker=[r.nonfinite_events for r in results],
+        norm_rejections_by_worker=[r.norm_rejections for r in results],
+        extra=dict(extra or {}),
+    )
+
+
+def finish(cfg: DictConfig, summary: RunSummary, quiet: bool = False) -> dict:
+    """Write ``summary.json`` and ``curves.png``, print the table; returns the summary as a dict."""
+    run_dir = Path(summary.run_dir)
+    out = summary.to_dict()
+    (run_dir / "summary.json").write_text(json.dumps(out, indent=1))
+    if cfg.log.plot:
+        plot_runs([run_dir], run_dir / "curves.png", title=run_dir.name)
+    if not quiet:
+        print(format_summary(out), flush=True)
+    return out
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        "",
+        f"{'worker':>8} {'held-out loss':>14} {'MB sent':>10} {'MB received':>12}",
+    ]
+    for rank, loss in enumerate(s["final_eval_loss_per_worker"]):
+        lines.append(
+            f"{rank:>8} {loss:>14.4f} {s['bytes_sent_by_worker'][rank] / 1e6:>10.2f} "
+            f"{s['bytes_received_by_worker'][rank] / 1e6:>12.2f}"
+        )
+    lines += [
+        f"{'mean':>8} {s['final_eval_loss']:>14.4f} {s['bytes_sent_per_worker'] / 1e6:>10.2f}",
+        "",
+        f"algo {s['algo']} · codec {s['codec']} · {s['steps']} steps · unigram baseline loss "
+        f"{s['unigram_eval_loss']:.4f}"
+        + (f" · consensus distance {s['consensus_distance']:.2e}" if s["consensus_distance"] is not None else ""),
+        f"wall {s['wall_seconds']:.1f} s · {s['tokens_per_second']:,.0f} tokens/s · results in {s['run_dir']}",
+    ]
+    return "\n".join(lines)
