@@ -1,4 +1,4 @@
-"""The group-wise integer quantizer against an independent float64 computation (DESIGN §3.3)."""
+"""The group-wise integer quantizer against an independent float64 computation (docs/design.md §3.3)."""
 
 import pytest
 import torch
