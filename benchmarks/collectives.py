@@ -1,4 +1,4 @@
-"""Accuracy, bytes and speed of noloco's compressed all-reduce (issue 4; DESIGN §3.4).
+"""Accuracy, bytes and speed of noloco's compressed all-reduce (issue 4; docs/design.md §3.4).
 
 Modes (any combination; default all but --speed's larger sizes):
 
@@ -22,13 +22,14 @@ Modes (any combination; default all but --speed's larger sizes):
   time of each phase (run one after the other) to explain the total. A size that fails (e.g. out of
   memory) is recorded and skipped; sizes stop when ``--nccl-budget`` seconds are spent.
 
-Writes ``<out>/collectives.json`` and ``<out>/collectives.md`` (default out: docs/results). ``--nccl``
-writes ``<out>/collectives_nccl.json`` and replaces only the NCCL section of ``<out>/collectives.md``
-(taking ``docs/results/collectives.md`` as the base when ``<out>`` has none); the other modes keep that
-section when they rewrite the file.
+Writes ``<out>/collectives.json`` and ``<out>/collectives.md`` (default out: runs/benchmarks/collectives/;
+``--out docs/results`` rewrites the committed ones). ``--nccl`` writes ``<out>/collectives_nccl.json`` and
+replaces only the NCCL section of ``<out>/collectives.md``; the other modes keep that section when they rewrite
+the file (both take ``docs/results/collectives.md`` as the base when ``<out>`` has none).
 
-    python benchmarks/collectives.py --accuracy --repeat --threshold --speed
-    python benchmarks/collectives.py --nccl --out $OUT      # on a machine with >= 2 GPUs
+    python -m benchmarks.collectives --accuracy --repeat --threshold --speed
+    python -m benchmarks.collectives --nccl --out $OUT      # on a machine with >= 2 GPUs
+    python -m benchmarks.collectives --out docs/results    # the committed docs/results/collectives.*
 """
 
 from __future__ import annotations
@@ -36,26 +37,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+if not __package__:  # `python benchmarks/collectives.py`: rerun as `python -m benchmarks.collectives`, same arguments
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.collectives", *sys.argv[1:]])
+
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from noloco.collectives import HEADER_BYTES, ReductionErrorFeedback, allreduce  # noqa: E402
-from noloco.comm import LocalFabric  # noqa: E402
-from noloco.quant import Packed, QuantSpec, dequantize, quantize  # noqa: E402
+from benchmarks import common
+from noloco.collectives import HEADER_BYTES, REDUCTIONS, ReductionErrorFeedback, allreduce
+from noloco.comm import LocalFabric
+from noloco.quant import Packed, QuantSpec, dequantize, quantize
 
 NCCL_BEGIN, NCCL_END = "<!-- nccl:begin -->", "<!-- nccl:end -->"
 
-ALGORITHMS = ["two_phase", "ring", "naive_ring"]
 CODECS = ["int4", "int8", "mxfp4"]
 SIZES = [2, 4, 8, 16, 32, 64]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = common.ROOT
 
 
 def rel(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -111,11 +114,11 @@ def accuracy(report: dict) -> list[str]:
             exact = torch.stack([x.double() for x in xs]).mean(0)
             for codec in CODECS:
                 one_q = rel(dequantize(quantize(exact.float(), codec)), exact)
-                for algorithm in ALGORITHMS:
+                for algorithm in REDUCTIONS:  # the "algorithm" of the report: comm.reduction
                     fabric = LocalFabric(n)
                     t0 = time.perf_counter()
-                    outs = fabric.run(lambda t, xs=xs, codec=codec, algorithm=algorithm: allreduce(
-                        xs[t.rank], t, codec=codec, algorithm=algorithm, min_compress_numel=0, timeout=300))
+                    outs = fabric.run(lambda t, xs=xs, codec=codec, reduction=algorithm: allreduce(
+                        xs[t.rank], t, codec=codec, reduction=reduction, min_compress_numel=0, timeout=300))
                     wall = time.perf_counter() - t0
                     identical = all(torch.equal(o, outs[0]) for o in outs)
                     sent = statistics.mean(t.counter.bytes_sent for t in fabric.transports)
@@ -140,7 +143,7 @@ def accuracy(report: dict) -> list[str]:
         rows.append("| codec | algorithm | " + " | ".join(f"n={n}" for n in SIZES) + " |")
         rows.append("|---|---|" + "---|" * len(SIZES))
         for codec in CODECS:
-            for algorithm in ALGORITHMS:
+            for algorithm in REDUCTIONS:
                 cells = " | ".join(f"{err(dataset, n, codec, algorithm):.4f}" for n in SIZES)
                 rows.append(f"| {codec} | {algorithm} | {cells} |")
             cells = " | ".join(f"{next(r['one_quantization'] for r in results if r['dataset'] == dataset and r['n'] == n and r['codec'] == codec):.4f}" for n in SIZES)  # noqa: E501
@@ -608,38 +611,31 @@ def nccl(out: Path, cfg: dict, command: str) -> None:
                                                    timeout=20).stdout
     except Exception:  # noqa: BLE001 - informative only
         topology = ""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except Exception:  # noqa: BLE001
-        triton_version = "not importable"
     if smoke:
-        machine = (f"SMOKE RUN of the benchmark code: 2 gloo processes on CPU, not a measurement; torch "
-                   f"{torch.__version__}")
+        machine = f"SMOKE RUN of the benchmark code: 2 gloo processes on CPU, not a measurement; {common.machine()}"
     else:
         try:
             version = torch.cuda.nccl.version()
             nccl_version = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         except Exception:  # noqa: BLE001 - informative only
             nccl_version = "?"
-        machine = (f"{world}× {torch.cuda.get_device_name(0)}, torch {torch.__version__}, Triton {triton_version}, "
-                   f"NCCL {nccl_version}, Python {platform.python_version()}")
+        machine = f"{common.machine()}, NCCL {nccl_version} ({world} GPUs used)"
     report.update(command=command, failure=failure, topology=topology, wall_seconds=time.perf_counter() - started,
                   machine=machine)
     report.setdefault("seconds", report["wall_seconds"])
-    json_path.write_text(json.dumps(report, indent=1))
+    common.write_json(json_path, report, command=command, machine=machine)
     section = _nccl_markdown(report)
     base = out / "collectives.md"
     if not base.exists():
-        base = ROOT / "docs" / "results" / "collectives.md"
+        base = common.RESULTS / "collectives.md"
     text = base.read_text() if base.exists() else ""
     (out / "collectives.md").write_text(_splice_nccl(text, section))
     print("\n".join(section))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.collectives", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--repeat", action="store_true")
@@ -653,10 +649,10 @@ def main() -> None:
     parser.add_argument("--nccl-reps", type=int, default=10, help="timed repetitions (twice as many below 2^26)")
     parser.add_argument("--nccl-budget", type=float, default=300.0, help="seconds after which no new size starts")
     parser.add_argument("--nccl-deadline", type=float, default=450.0, help="seconds after which the ranks are killed")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    common.add_out(parser, "collectives")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = common.out_dir(args.out)
+    command = common.command("collectives")
     if args.nccl or args.nccl_smoke:
         if args.nccl_smoke and args.nccl_sizes == "19-29":
             args.nccl_sizes = "12-14"
@@ -668,14 +664,13 @@ def main() -> None:
         sizes = [1 << k for k in sorted(logs, reverse=True)]  # largest first: the target size is measured first
         cfg = dict(sizes=sizes, largest=sizes[0], reps=args.nccl_reps, budget=args.nccl_budget,
                    deadline=args.nccl_deadline, timeout=120, device="cpu" if args.nccl_smoke else "cuda")
-        nccl(out, cfg, "python " + " ".join(sys.argv))
+        nccl(out, cfg, command)
         if not (args.accuracy or args.speed or args.repeat or args.threshold):
             return
     if not (args.accuracy or args.speed or args.repeat or args.threshold):
         args.accuracy = args.repeat = args.threshold = args.speed = True
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-               f"Python {platform.python_version()}, torch {torch.__version__}, no GPU")
-    report: dict = {"machine": machine, "command": "python " + " ".join(sys.argv)}
+    machine = common.machine()
+    report: dict = {"machine": machine, "command": command}
     sections = []
     t0 = time.perf_counter()
     if args.threshold:
@@ -690,11 +685,14 @@ def main() -> None:
         sections.append("\nThe NCCL comparison on 2 GPUs (int4 vs `dist.all_reduce` bf16 at 1 MiB…1 GiB, target ≥ 2× "
                         "at 1 GiB) is the `--nccl` section below.")
     report["seconds"] = time.perf_counter() - t0
-    (out / "collectives.json").write_text(json.dumps(report, indent=1))
-    text = [f"<!-- generated by benchmarks/collectives.py; `{report['command']}` -->",
-            "## Raw output of benchmarks/collectives.py", f"\nMachine: {machine}. Command: `{report['command']}` "
+    common.write_json(out / "collectives.json", report, command=command, machine=machine)
+    text = [f"<!-- generated by benchmarks/collectives.py; `{command}` -->",
+            "## Raw output of benchmarks/collectives.py", f"\nMachine: {machine}. Command: `{command}` "
             f"({report['seconds']:.0f} s).", *sections]
-    previous = (out / "collectives.md").read_text() if (out / "collectives.md").exists() else ""
+    base = out / "collectives.md"
+    if not base.exists():
+        base = common.RESULTS / "collectives.md"
+    previous = base.read_text() if base.exists() else ""
     document = "\n".join(text) + "\n"
     if NCCL_BEGIN in previous and NCCL_END in previous:  # keep the GPU section this CPU run cannot redo
         document = _splice_nccl(document, [NCCL_BEGIN + previous.split(NCCL_BEGIN, 1)[1].split(NCCL_END, 1)[0]

@@ -1,19 +1,22 @@
 """Compare training algorithms on one budget: same model, data, seeds and steps.
 
-    python benchmarks/compare.py                         # noloco, diloco, ddp, avg on the default run
-    python benchmarks/compare.py --algos noloco diloco -- steps=120 workers=8
-    python benchmarks/compare.py --algos noloco/fp32 noloco/int8 noloco/int4/int8 --name codecs
-    python benchmarks/compare.py --algos noloco/int4 noloco/int4/outer.lr=0.9 diloco/int4/outer.momentum=0.5 \\
+    python -m benchmarks.compare                         # noloco, diloco, ddp, avg on the default run
+    python -m benchmarks.compare --algos noloco diloco -- steps=120 workers=8
+    python -m benchmarks.compare --algos noloco/fp32 noloco/int8 noloco/int4/int8 --name codecs
+    python -m benchmarks.compare --algos noloco/int4 noloco/int4/outer.lr=0.9 diloco/int4/outer.momentum=0.5 \\
         --target 5.1235 --name tuning -- steps=300
+    python -m benchmarks.compare --out docs/results     # the committed docs/results/compare.*
 
 Each entry is ``algo[/codec[/slow_codec]][/key=value...]`` (codec: ``comm.codec``; slow_codec:
 ``comm.slow_codec``; each ``key=value`` a config override of that entry alone, applied after the
-overrides common to every run, as in ``benchmarks/throttled.py``'s methods).
+overrides common to every run, as in :mod:`benchmarks.throttled`'s methods).
 
 Runs each algorithm through the same entry point as ``train.py`` (the in-process backend), then
-writes ``docs/results/compare.md`` (a table with the command and machine) and
-``docs/results/compare.png`` (held-out loss vs steps, wall-clock and bytes; one line per entry; past ten
-entries, ``compare-2.png``, … too, the entries split evenly over them, each figure repeating the first entry).
+writes ``<out>/<name>.md`` (a table with the command and machine), ``<out>/<name>.json`` and
+``<out>/<name>.png`` (held-out loss vs steps, wall-clock and bytes; one line per entry; past ten
+entries, ``<name>-2.png``, … too, the entries split evenly over them, each figure repeating the first entry);
+``<out>`` is ``runs/benchmarks/compare/`` unless ``--out`` says otherwise, ``<name>`` is ``compare`` unless
+``--name`` does.
 ``--target LOSS`` adds, per entry, the inner step at which the mean held-out loss over workers first
 reaches LOSS (linear in between evaluations), with the wall-clock and MB sent per worker at that point,
 and draws LOSS as a dashed line.
@@ -24,24 +27,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
+import sys
 import time
 from pathlib import Path
 
-import torch
+if not __package__:  # `python benchmarks/compare.py`: rerun as `python -m benchmarks.compare`, same arguments
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.compare", *sys.argv[1:]])
 
+from benchmarks import common
+from noloco.train.backends.local import launch as run
 from noloco.train.config import ALGOS, ConfigError, load_config
-from noloco.train.plots import _eval_curves, plot_runs, reach
-from noloco.train.runner import run
+from noloco.train.plots import eval_curves, plot_runs, reach
 
 TITLE = "Algorithm comparison on the default budget"
 # Outer-optimizer knobs an entry may vary; --from-runs names a run by those that differ from the defaults.
 KNOBS = ("outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every")
-
-
-def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU"
 
 
 def parse_entry(entry: str) -> list[str]:
@@ -119,17 +121,36 @@ def _values(summaries: list[dict], key: str) -> str:
     return str(values[0]) if len(values) == 1 else f"{', '.join(map(str, values))} (per entry)"
 
 
+def rerun_args(args: argparse.Namespace) -> list[str]:
+    """The arguments that rerun every entry of a ``--from-runs`` redraw (its entries named from the run folders)
+    and write the same report."""
+    default_out = common.RUNS / "compare"
+    return [
+        "--algos",
+        *args.algos,
+        "--name",
+        args.name,
+        *(["--title", args.title] if args.title != TITLE else []),
+        *(["--runs", str(args.runs)] if args.runs != Path("runs/compare") else []),
+        *(["--target", f"{args.target:g}"] if args.target is not None else []),
+        *(["--out", str(args.out)] if Path(args.out) != default_out else []),
+        *(["--", *args.overrides] if args.overrides else []),
+    ]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--algos",
         nargs="+",
         default=["noloco", "diloco", "ddp", "avg"],
         help="entries algo[/codec[/slow_codec]][/key=value...]",
     )
-    parser.add_argument("--name", default="compare", help="output name: docs/results/<name>.md/.png/.json")
+    parser.add_argument("--name", default="compare", help="output name: <out>/<name>.md/.png/.json")
     parser.add_argument("--title", default=TITLE, help="heading of the markdown report")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    common.add_out(parser, "compare")
     parser.add_argument("--runs", type=Path, default=Path("runs/compare"))
     parser.add_argument("--note", default="", help="a sentence added under the table (e.g. about the machine)")
     parser.add_argument(
@@ -171,31 +192,21 @@ def main() -> None:
     for entry, summary in zip(args.algos, summaries):
         summary["entry"] = entry
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = common.out_dir(args.out)
     pictures = []
     for index, chunk in enumerate(figures(len(run_dirs))):
-        png = args.out / (f"{args.name}.png" if index == 0 else f"{args.name}-{index + 1}.png")
+        png = out / (f"{args.name}.png" if index == 0 else f"{args.name}-{index + 1}.png")
         plot_runs([run_dirs[i] for i in chunk], png, title="held-out loss, same budget", target=args.target,
                   labels=[args.algos[i] for i in chunk])  # fmt: skip
         pictures.append(f"![held-out loss vs steps, wall-clock and bytes]({png.name})")
-    command = "python benchmarks/compare.py " + " ".join(
-        [
-            "--algos",
-            *args.algos,
-            "--name",
-            args.name,
-            *([f"--title {shlex.quote(args.title)}"] if args.title != TITLE else []),
-            *([f"--runs {args.runs}"] if args.runs != Path("runs/compare") else []),
-            *([f"--target {args.target:g}"] if args.target is not None else []),
-            *(["--", *args.overrides] if args.overrides else []),
-        ]
-    )
+    command = common.command("compare", rerun_args(args) if args.from_runs else None)
+    machine = common.machine()
     unigram = summaries[0]["unigram_eval_loss"]
     lines = [
         f"# {args.title}",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {machine()}  ",
+        f"Machine: {machine}  ",
         f"Date: {time.strftime('%Y-%m-%d')}  ",
         f"Setting: {summaries[0]['workers']} workers, {_values(summaries, 'steps')} inner steps each, "
         f"H = {_values(summaries, 'outer_every')}, {summaries[0]['params'] / 1e6:.2f}M-parameter model. "
@@ -217,7 +228,7 @@ def main() -> None:
             f"{s['consensus_distance']:.2e} | {s['bytes_sent_per_worker'] / 1e6:.1f} | {s['wall_seconds']:.0f} |"
         )
         if args.target is not None:
-            hit = reach(_eval_curves(Path(run_dir))[1], args.target)
+            hit = reach(eval_curves(Path(run_dir))[1], args.target)
             s["target"] = args.target
             s["step_to_target"], s["wall_to_target"], s["bytes_to_target"] = hit or (None, None, None)
             row += " not reached | – | – |" if hit is None else f" {hit[0]:.0f} | {hit[1]:.1f} | {hit[2] / 1e6:.2f} |"
@@ -228,8 +239,7 @@ def main() -> None:
     if args.note:
         lines += ["", args.note]
     lines += ["", *pictures, ""]
-    (args.out / f"{args.name}.md").write_text("\n".join(lines))
-    (args.out / f"{args.name}.json").write_text(json.dumps(summaries, indent=1))
+    common.write_report(out, args.name, lines, summaries, command=command, machine=machine)
     print("\n".join(lines))
 
 

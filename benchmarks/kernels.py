@@ -1,4 +1,4 @@
-"""Throughput of the noloco.quant kernels (issue 3; DESIGN §4).
+"""Throughput of the noloco.quant kernels (issue 3; docs/design.md §4).
 
 GPU mode (default), one call on the device machine: the HBM copy ceiling, then for int4, int8, mxfp4, mxfp8 and
 each op -- quantize, quantize+EF, dequantize, dequantize-accumulate (k=2 inputs), dequantize-accumulate-requantize
@@ -20,17 +20,19 @@ each op -- quantize, quantize+EF, dequantize, dequantize-accumulate (k=2 inputs)
   the host cost of one call (the payloads are dropped unchecked; a one-key ``ErrorFeedback`` waits as above);
 
 then, as time allows (``--budget`` seconds from the start), torch eager of the torch reference for every row and
-``torch.compile`` of it for a subset (the DESIGN §4 anchors first). GB/s counts bytes read + written; % is of the
-copy ceiling; targets are the issue's. ``--cpu`` measures the CPU path (the torch reference) at 2**22 instead.
+``torch.compile`` of it for a subset (the docs/design.md §4 anchors first). GB/s counts bytes read + written; % is
+of the copy ceiling; targets are the issue's. ``--cpu`` measures the CPU path (the torch reference) at 2**22 instead.
 ``--host`` prints only the per-call host cost (on a CPU-only machine: Triton's real launcher logic against a
 stand-in driver, launches themselves stubbed).
 
-Writes ``<out>/kernels.json`` and ``<out>/kernels.md`` (default out: docs/results). In GPU mode the markdown's
-GPU section is regenerated and its ``## CPU`` section kept; ``--cpu`` regenerates only the ``## CPU`` section.
-The previous ``docs/results/kernels.json`` supplies the "before" columns.
+Writes ``<out>/kernels.json`` and ``<out>/kernels.md`` (default out: runs/benchmarks/kernels/; ``--out
+docs/results`` rewrites the committed ones). In GPU mode the markdown's GPU section is regenerated and its
+``## CPU`` section kept; ``--cpu`` regenerates only the ``## CPU`` section (the part kept comes from
+``docs/results/kernels.md`` when ``<out>`` has none). The previous ``docs/results/kernels.json`` supplies the
+"before" columns.
 
-    python benchmarks/kernels.py [--out DIR] [--quick] [--cpu] [--host] [--log2n 28] [--no-compile]
-                                  [--triton-only] [--sweep] [--budget SECONDS] [--previous JSON]
+    python -m benchmarks.kernels [--out DIR] [--quick] [--cpu] [--host] [--log2n 28] [--no-compile]
+                                 [--triton-only] [--sweep] [--budget SECONDS] [--previous JSON]
 
 ``--quick`` (< 2 min): bf16 input only, Triton rows only, fewer repetitions. ``--sweep`` first times each fused
 kernel's launch configurations (``noloco.quant.triton_kernels.CONFIG``, kernel-only time) on the rows of
@@ -46,16 +48,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+if not __package__:  # `python benchmarks/kernels.py`: rerun as `python -m benchmarks.kernels`, same arguments
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.kernels", *sys.argv[1:]])
+
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import common
+
+ROOT = common.ROOT
 
 FORMATS = ["int4", "int8", "mxfp4", "mxfp8"]
 OPS = ["quantize", "quantize+ef", "dequantize", "deq-acc(k=2)", "deq-acc-requant"]
@@ -77,7 +84,7 @@ SWEEP_ROWS = {  # CONFIG key -> (format, input dtype, op) rows whose time decide
 TARGETS = {"quantize": 0.80, "quantize+ef": 0.80, "dequantize": None, "deq-acc(k=2)": 0.85,
            "deq-acc-requant": 0.75}
 MX_TARGET = 0.70
-#: torch.compile rows, most important first (DESIGN §4's anchors are int4 quantize/dequantize of bf16 input)
+#: torch.compile rows, most important first (docs/design.md §4's anchors are int4 quantize/dequantize of bf16 input)
 COMPILE_ORDER = [(f, "bfloat16", op) for f in FORMATS for op in ("quantize", "dequantize")] + \
                 [(f, "bfloat16", op) for op in ("quantize+ef", "deq-acc(k=2)", "deq-acc-requant") for f in FORMATS]
 HOST_LOG2N = 16
@@ -458,14 +465,13 @@ def run_gpu(args) -> dict:
     n = 1 << args.log2n
     import triton
 
-    info = {"device": "cuda", "machine": torch.cuda.get_device_name(0), "details": _gpu_details(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "triton": triton.__version__, "n": n,
-            "host_n": 1 << HOST_LOG2N, "b2b_calls": B2B_CALLS, "command": " ".join(["python"] + sys.argv),
+    info = {"device": "cuda", "machine": common.machine(), "gpu": torch.cuda.get_device_name(0),
+            "details": _gpu_details(), "torch": torch.__version__, "triton": triton.__version__, "n": n,
+            "host_n": 1 << HOST_LOG2N, "b2b_calls": B2B_CALLS, "command": common.command("kernels"),
             "rows": [], "direct_launch": tk._DIRECT}
     ceiling = copy_ceiling(n, "cuda")
     info["copy_GBps"] = ceiling
-    print(f"# {info['machine']} ({info['details']})  torch {torch.__version__}  triton {triton.__version__}  "
-          f"n = 2^{args.log2n}")
+    print(f"# {info['machine']} ({info['details']})  n = 2^{args.log2n}")
     print(f"copy ceiling: {ceiling:.0f} GB/s (fp32 copy, bytes read + written)")
     if args.sweep:
         info["sweep"] = sweep(n, ceiling)
@@ -551,10 +557,10 @@ def gpu_markdown(info: dict, prev: dict, prev_path: str) -> str:
             f"| {base['torch']} | {base['torch.compile']} |")
     out = [
         "# Kernel throughput (noloco.quant, issue 3)", "",
-        f"## GPU: fused Triton kernels on one {info['machine']}", "",
+        f"## GPU: fused Triton kernels on one {info.get('gpu', info['machine'])}", "",
         "Command (device machine, repo root), after `python -m pytest -m gpu tests/quant -q`:", "",
         f"    {info['command']}", "",
-        f"Machine: {info['machine']} ({info.get('details', '')}), torch {info['torch']}, **Triton {info['triton']}**, "
+        f"Machine: {info['machine']} ({info.get('details', '')}), "
         f"n = {info['n']} elements (host column: {info.get('host_n', '')}). Copy ceiling (fp32 device-to-device "
         f"copy, bytes read + written): **{ceiling:.0f} GB/s**. Run time: {info.get('total_s', 0):.0f} s "
         f"(Triton rows {info.get('triton_rows_s', 0):.0f} s). Direct launches of compiled kernels: "
@@ -582,7 +588,7 @@ def gpu_markdown(info: dict, prev: dict, prev_path: str) -> str:
         "- **before**: the same columns of the previous run (`" + prev_path + "`; empty where it did not measure "
         "them).",
         "- **torch eager / torch.compile**: the torch reference (`backend=\"torch\"`) in GB/s; `torch.compile` for "
-        "the rows the time budget allowed (DESIGN §4 anchors first)"
+        "the rows the time budget allowed (docs/design.md §4 anchors first)"
         + ("; `*`: not measured in this run, value from the previous run." if borrowed else "."), "",
         f"Targets from the issue: quantize(+EF) int4/int8 >= 80 % of copy, dequantize-accumulate >= 85 %, "
         f"dequantize-accumulate-requantize >= 75 %, MX formats >= 70 %. **Met: API idle start "
@@ -607,8 +613,8 @@ def gpu_markdown(info: dict, prev: dict, prev_path: str) -> str:
 def cpu_markdown(info: dict) -> str:
     """The ``## CPU`` section of docs/results/kernels.md."""
     lines = ["## CPU: the path used on CPU (torch reference)", "",
-             f"Command: `{info['command']}` on {info['machine']} ({info['cpu_count']} cores, torch {info['torch']}, "
-             f"n = {info['n']} fp32). Copy ceiling measured {info['copy_GBps']:.0f} GB/s. Each row is the median "
+             f"Command: `{info['command']}` on {info['machine']} (n = {info['n']} fp32). Copy ceiling measured "
+             f"{info['copy_GBps']:.0f} GB/s. Each row is the median "
              "of 9 calls after 2 warm-up calls; throughput in MB/s of bytes read + written:", "",
              "| format | op | ms | MB/s |", "|---|---|---:|---:|"]
     for r in info["rows"]:
@@ -622,7 +628,7 @@ def cpu_markdown(info: dict) -> str:
 def write_markdown(path: Path, gpu: str | None = None, cpu: str | None = None) -> None:
     """Replace the GPU part (everything before ``## CPU``) and/or the ``## CPU`` section of ``path``; the other
     part is kept from ``path`` or, for a fresh output folder, from the repository's docs/results/kernels.md."""
-    base = path if path.exists() else ROOT / "docs" / "results" / "kernels.md"
+    base = path if path.exists() else common.RESULTS / "kernels.md"
     old = base.read_text() if base.exists() else ""
     cut = old.find("\n## CPU")
     old_gpu, old_cpu = (old, "") if cut < 0 else (old[:cut + 1], old[cut + 1:])
@@ -639,8 +645,8 @@ def run_cpu(args) -> dict:
     from noloco.quant import QuantSpec
 
     n = 1 << args.log2n
-    info = {"device": "cpu", "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "n": n, "command": " ".join(["python"] + sys.argv), "rows": []}
+    info = {"device": "cpu", "machine": common.machine(), "torch": torch.__version__, "n": n,
+            "command": common.command("kernels"), "rows": []}
     info["copy_GBps"] = copy_ceiling(n, "cpu")
     x = make_input(n, torch.float32, "cpu")
     for fmt in FORMATS:
@@ -711,9 +717,8 @@ def run_host(args) -> dict:
     if device == "cpu":
         _fake_device_launches()
     n = 1 << HOST_LOG2N
-    info = {"device": device, "mode": "host", "n": n, "command": " ".join(["python"] + sys.argv), "rows": [],
-            "machine": platform.processor() or platform.machine() if device == "cpu" else
-            torch.cuda.get_device_name(0)}
+    info = {"device": device, "mode": "host", "n": n, "command": common.command("kernels"), "rows": [],
+            "machine": common.machine()}
     backend = "triton" if device == "cpu" else None
     print(f"host time per call, n = 2^{HOST_LOG2N}, {device}" + (" (stand-in driver, launches stubbed)"
                                                                    if device == "cpu" else ""))
@@ -732,9 +737,13 @@ def run_host(args) -> dict:
     return info
 
 
+def _write_json(path: Path, info: dict) -> None:
+    common.write_json(path, info, command=info["command"], machine=info["machine"])
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
+    common.add_out(ap, "kernels")
     ap.add_argument("--quick", action="store_true", help="GPU: bf16 input, Triton rows only, fewer reps (< 2 min)")
     ap.add_argument("--cpu", action="store_true", help="measure the CPU path (torch reference)")
     ap.add_argument("--host", action="store_true", help="only the host cost per call of each op")
@@ -745,30 +754,29 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="GPU: tune the kernels' launch configurations first")
     ap.add_argument("--budget", type=float, default=330.0,
                     help="seconds from the start after which no further baseline row is started")
-    ap.add_argument("--previous", default=str(ROOT / "docs" / "results" / "kernels.json"),
+    ap.add_argument("--previous", default=str(common.RESULTS / "kernels.json"),
                     help="JSON of a previous GPU run, for the 'before' columns")
     args = ap.parse_args()
     if args.log2n is None:
         args.log2n = 22 if args.cpu else 28
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("no CUDA device; use --cpu")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = common.out_dir(args.out)
     if args.host:
         info = run_host(args)
-        (out / "kernels_host.json").write_text(json.dumps(info, indent=1))
+        _write_json(out / "kernels_host.json", info)
         print(f"wrote {out / 'kernels_host.json'}")
         return
     if args.cpu:
         info = run_cpu(args)
-        (out / "kernels_cpu.json").write_text(json.dumps(info, indent=1))
+        _write_json(out / "kernels_cpu.json", info)
         write_markdown(out / "kernels.md", cpu=cpu_markdown(info))
         print(f"wrote {out / 'kernels_cpu.json'} and the CPU section of {out / 'kernels.md'}")
         return
     prev_path = Path(args.previous)
     prev = _previous_rows(prev_path)  # read before a run with --out docs/results overwrites it
     info = run_gpu(args)
-    (out / "kernels.json").write_text(json.dumps(info, indent=1))
+    _write_json(out / "kernels.json", info)
     try:
         shown = str(prev_path.resolve().relative_to(ROOT))
     except ValueError:

@@ -6,22 +6,27 @@ small transformer built inline (torch.nn.TransformerEncoderLayer, 2 layers, d = 
 on a synthetic next-token task: its weights, its last gradient and its pseudo-gradient (weights after
 H = 30 AdamW steps minus weights before, as in the NoLoCo/DiLoCo outer step). CPU, torch reference.
 
-    python benchmarks/quantizers.py [--out docs/results]
+    python -m benchmarks.quantizers [--n 1048576] [--out DIR]     # DIR: runs/benchmarks/quantizers/
+    python -m benchmarks.quantizers --out docs/results           # the committed docs/results/quantizers.*
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 from pathlib import Path
 
+if not __package__:  # `python benchmarks/quantizers.py`: rerun as `python -m benchmarks.quantizers`, same arguments
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.quantizers", *sys.argv[1:]])
+
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from noloco.quant import QuantSpec, dequantize, quantize  # noqa: E402
+from benchmarks import common
+from noloco.quant import QuantSpec, dequantize, quantize
 
 
 def model_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -80,8 +85,8 @@ def rel_l2(y: torch.Tensor, x: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"))
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.quantizers", description=__doc__.split("\n")[0])
+    common.add_out(ap, "quantizers")
     ap.add_argument("--n", type=int, default=1 << 20, help="elements of the synthetic tensors")
     args = ap.parse_args()
     t0 = time.time()
@@ -94,12 +99,10 @@ def main() -> None:
         rows.append({"spec": s, "bits_per_element": spec.bits_per_element(), **errs})
         print(f"{s:28} {spec.bits_per_element():5.2f} " + " ".join(f"{errs[n]:.5f}" for n in names))
     sizes = {name: x.numel() for name, x in data.items()}
-    cmd = " ".join(["python"] + sys.argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quantizers.json").write_text(json.dumps({"command": cmd, "sizes": sizes, "rows": rows}, indent=1))
+    cmd, machine = common.command("quantizers"), common.machine()
     lines = ["# Quantizer quality: relative L2 error ||deq(Q(x)) - x|| / ||x||", "",
              f"Command: `{cmd}` (CPU, torch reference, {time.time() - t0:.0f} s).  ",
+             f"Machine: {machine}.  ",
              "Data: " + ", ".join(f"{k} ({v} values)" for k, v in sizes.items()) + ". Model tensors come from a "
              "2-layer d=256 TransformerEncoder LM trained 30 AdamW steps (lr 6e-4) on a synthetic next-token "
              "task; pseudo-gradient = weights after - weights before those steps.  ",
@@ -114,8 +117,9 @@ def main() -> None:
         fam = "mxfp" if r["spec"].startswith("mxfp") else r["spec"][:4]
         cells = [f"**{r[n]:.4f}**" if r[n] == best[fam][n] else f"{r[n]:.4f}" for n in names]
         lines.append(f"| {r['spec']} | {r['bits_per_element']:.2f} | " + " | ".join(cells) + " |")
-    (out / "quantizers.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'quantizers.md'}")
+    md, _ = common.write_report(args.out, "quantizers", lines, {"sizes": sizes, "rows": rows}, command=cmd,
+                                machine=machine)  # fmt: skip
+    print(f"wrote {md}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
 """Seconds and bytes per outer round of the hivemind swarm exchange vs hivemind's own averager.
 
-For N peers (processes started with ``fork``, DESIGN §4 pitfalls) on loopback, each with its own
+For N peers (processes started with ``fork``, docs/design.md §4 pitfalls) on loopback, each with its own
 DHT and p2pd daemon, it measures R rounds of:
 
-- **noloco**: :class:`~noloco.gossip.matchmaking.SwarmMatchmaking` pairs (target size 2) plus
-  :func:`noloco.collectives.allreduce` of one fp32 vector over :class:`~noloco.comm.swarm.SwarmTransport`
+- **noloco**: :class:`~noloco.swarm.matchmaking.SwarmMatchmaking` pairs (target size 2) plus
+  :func:`noloco.collectives.allreduce` of one fp32 vector over :class:`~noloco.swarm.endpoint.SwarmTransport`
   with codec ``fp32`` or ``int4``;
 - **hivemind**: ``DecentralizedAverager`` (target group size 2) with ``FLOAT16`` and
   ``UNIFORM_8BIT`` compression on the same vector. Because hivemind 1.1.12 silently drops parts it
   cannot decode under NumPy 2.x, every round's result is compared with the exact mean of the group
   (known from the gathered ranks): a round counts as *complete* only if its relative error is small.
 
-Usage: ``python benchmarks/swarm.py [--numel 1048576] [--rounds 4] [--peers 4 8]``; writes
-``docs/results/swarm.md`` and ``docs/results/swarm.json``.
+Usage: ``python -m benchmarks.swarm [--numel 1048576] [--rounds 4] [--peers 4 8] [--out DIR]``; writes
+``DIR/swarm.md`` and ``DIR/swarm.json`` (DIR: ``runs/benchmarks/swarm/``; ``--out docs/results`` rewrites the
+committed ones).
 """
 
 from __future__ import annotations
@@ -21,13 +22,19 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+if not __package__:  # `python benchmarks/swarm.py`: rerun as `python -m benchmarks.swarm`, same arguments
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.swarm", *sys.argv[1:]])
+
 import torch
+
+from benchmarks import common
 
 KEY = "benchmark-run-key"
 
@@ -38,8 +45,7 @@ def _vector(rank: int, numel: int) -> torch.Tensor:
 
 def _noloco_peer(rank, numel, rounds, codec, boot, queue, barrier):
     from noloco.collectives import allreduce
-    from noloco.comm.swarm import RunKey, SwarmEndpoint, start_dht
-    from noloco.gossip.matchmaking import PeerRegistry, SwarmMatchmaking
+    from noloco.swarm import PeerRegistry, RunKey, SwarmEndpoint, SwarmMatchmaking, start_dht
 
     torch.set_num_threads(1)
     dht = start_dht(initial_peers=boot or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -78,7 +84,7 @@ def _hivemind_peer(rank, numel, rounds, compression, boot, queue, barrier):
     import hivemind
     from hivemind.compression import Float16Compression, Uniform8BitQuantization
 
-    from noloco.comm.swarm import start_dht
+    from noloco.swarm import start_dht
 
     torch.set_num_threads(1)
     dht = start_dht(initial_peers=boot or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -144,11 +150,13 @@ def run(kind: str, variant: str, peers: int, numel: int, rounds: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.swarm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--numel", type=int, default=1 << 20)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--out", default="docs/results/swarm")
+    common.add_out(parser, "swarm")
     args = parser.parse_args()
     rows = []
     for peers in args.peers:
@@ -157,10 +165,7 @@ def main() -> None:
             row = run(kind, variant, peers, args.numel, args.rounds)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    command = "python " + " ".join(sys.argv)
-    machine = (
-        f"{platform.machine()} · {os.cpu_count()} CPU cores · {platform.python_version()} · torch {torch.__version__}"
-    )
+    command, machine = common.command("swarm"), common.machine()
     lines = [
         "# Swarm exchange: seconds and bytes per outer round (loopback, CPU)",
         "",
@@ -182,16 +187,14 @@ def main() -> None:
         "",
         "A hivemind round is *complete* only if its result matches the exact mean of the gathered group "
         "(relative error < 0.1); hivemind 1.1.12 drops parts it fails to decode under NumPy 2.x and "
-        "still reports success (DESIGN §4). hivemind's bytes are not exposed by its API; for a pair its "
+        "still reports success (docs/design.md §4). hivemind's bytes are not exposed by its API; for a pair its "
         "FLOAT16 all-reduce sends about 2 B per value (half the vector out as fp16, the averaged half back). "
         "noloco bytes are payload bytes counted by the transport (frame overhead ~150 B per message). "
         "hivemind's seconds are those of `step()`. "
         "Matchmaking time depends on the window settings (here window 3 s with early close; "
         "hivemind min_matchmaking_time 3 s).",
     ]
-    Path(args.out + ".md").parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
-    Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
+    common.write_report(args.out, "swarm", lines, rows, command=command, machine=machine)
     print("\n".join(lines))
 
 

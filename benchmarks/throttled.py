@@ -1,8 +1,12 @@
-"""DDP / DiLoCo / NoLoCo × fp32 / int8 / int4 on real rate-limited links (issue 6; DESIGN §5).
+"""DDP / DiLoCo / NoLoCo × fp32 / int8 / int4 on real rate-limited links (issue 6; docs/design.md §5).
 
-    sudo python benchmarks/throttled.py --hosts 4,8 --rates 50mbit,500mbit --to-target 320   # the whole comparison
-    sudo python benchmarks/throttled.py --hosts 4 --rates 50mbit --methods ddp/fp32 noloco/int4 --steps 60
-    python benchmarks/throttled.py --from-runs runs/throttled/<stamp>            # redraw table and plots
+    python -m benchmarks.throttled --hosts 4,8 --rates 50mbit,500mbit --to-target 320   # as root: the whole comparison
+    python -m benchmarks.throttled --hosts 4 --rates 50mbit --methods ddp/fp32 noloco/int4 --steps 60   # as root
+    python -m benchmarks.throttled --from-runs runs/throttled/<stamp>            # redraw table and plots
+    python -m benchmarks.throttled --from-runs runs/throttled/<stamp> --out docs/results   # the committed report
+
+Runs need root for the network namespaces (``sudo env PATH="$PATH" python -m benchmarks.throttled ...`` keeps
+this Python; run it from the repository root); redrawing with ``--from-runs`` does not.
 
 Every run is one ``noloco-fleet`` launch (:func:`noloco.fleet.launcher.launch`): N network
 namespaces, each host's egress and ingress shaped with ``tc tbf`` at the given rate, one
@@ -27,9 +31,10 @@ final loss is within 1% of NoLoCo-fp32's with ≥ 6× fewer bytes per worker. Wh
 reaches the target within the budget, the table says so, and a second target that every method
 reaches (the highest final loss of the group) is reported beside it.
 
-Writes ``docs/results/throttled.md`` (tables, targets, command, machine), ``throttled.json`` and one
+Writes ``<out>/throttled.md`` (tables, targets, command, machine), ``throttled.json`` and one
 ``throttled-<hosts>h-<rate>.png`` per setting (loss vs steps, wall-clock and bytes; one line per method,
-DDP's final loss dashed), plus ``…-long.png`` for the longer runs.
+DDP's final loss dashed), plus ``…-long.png`` for the longer runs (``<out>``: ``runs/benchmarks/throttled/``
+unless ``--out`` says otherwise; ``throttled``: ``--name``).
 """
 
 from __future__ import annotations
@@ -37,25 +42,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import sys
 import time
 from pathlib import Path
 
-import torch
+if not __package__:  # `python benchmarks/throttled.py`: rerun as `python -m benchmarks.throttled`, same arguments
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.throttled", *sys.argv[1:]])
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import common
+from noloco.fleet.launcher import host_cpu_sets, launch
+from noloco.fleet.netns import FleetError, is_root, parse_rate
+from noloco.train.config import load_config
+from noloco.train.plots import eval_curves, plot_runs, reach
 
-from noloco.fleet.launcher import host_cpu_sets, launch  # noqa: E402
-from noloco.fleet.netns import FleetError, is_root, parse_rate  # noqa: E402
-from noloco.train.config import load_config  # noqa: E402
-from noloco.train.plots import _eval_curves, plot_runs, reach  # noqa: E402
+ROOT = common.ROOT
 
 METHODS = ["ddp/fp32", "diloco/fp32", "diloco/fp32/outer.momentum=0.5", "diloco/int4", "diloco/int4/outer.momentum=0.5",
            "noloco/fp32", "noloco/int8", "noloco/int4"]
-# DiLoCo runs twice: with its paper's outer momentum 0.9 (the DESIGN default, tuned for runs of thousands of
+# DiLoCo runs twice: with its paper's outer momentum 0.9 (the default of docs/design.md, tuned for runs of thousands of
 # steps) and with NoLoCo's 0.5, which is much better over a few dozen outer rounds (in-process, 4 workers,
 # H = 20: DDP's 120-step loss reached at step ~140 with 0.5, not within 480 steps with 0.9).
 # A model small enough that 24 fleet runs of 8 workers fit on a 2-core machine in about an hour,
@@ -70,7 +77,9 @@ MODEL = [
     "eval.batches=4",
     "log.progress=false",
     "log.tensorboard=false",
-    "comm.timeout=600",
+    "comm.recv_timeout=600",
+    "comm.group_timeout=600",
+    "comm.startup_timeout=600",
 ]
 
 
@@ -85,7 +94,7 @@ def method_overrides(method: str) -> list[str]:
     algo, codec, *extra = method.split("/")
     overrides = [f"outer.algo={algo}", f"comm.codec={codec}", f"comm.slow_codec={codec}"]
     if codec == "fp32":
-        overrides.append("comm.algorithm=ring")
+        overrides.append("comm.reduction=ring")
     return overrides + extra
 
 
@@ -103,13 +112,9 @@ def method_label(algo: str, codec: str, momentum: float | None) -> str:
 LONG = "-long"  # run-name suffix of the longer-budget (time-to-target) runs
 
 
-def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Linux"
-
-
 def curve(run_dir: Path) -> list[tuple]:
     """Mean over workers per eval step: ``(step, wall of the slowest worker, bytes sent, loss)``."""
-    return _eval_curves(run_dir)[1]
+    return eval_curves(run_dir)[1]
 
 
 def time_to(points: list[tuple], target: float) -> float | None:
@@ -198,18 +203,18 @@ def analyse(results: list[dict]) -> tuple[list[str], dict]:
         by_method = {r["method"]: r for r in group}
         ddp = by_method.get("ddp/fp32")
         target = ddp["final_eval_loss"] if ddp else None
-        common = max(r["final_eval_loss"] for r in group) if group else None
+        common_target = max(r["final_eval_loss"] for r in group) if group else None
         for r in everything:
             hit = reach(r["curve"], target) if target is not None else None
             r["time_to_target"] = None if hit is None else hit[1]
             r["step_to_target"] = None if hit is None else hit[0]
             r["bytes_to_target"] = None if hit is None else hit[2]
-            r["time_to_common"] = time_to(r["curve"], common) if common is not None else None
+            r["time_to_common"] = time_to(r["curve"], common_target) if common_target is not None else None
         lines += ["", f"### {hosts} hosts, {rate_label(rate)} per host", ""]
         if group:
             lines += [
                 f"Target loss (DDP-fp32's final): {target:.4f}. " if target is not None else "No DDP-fp32 run. ",
-                f"Common target (the highest final loss here, reached by every method): {common:.4f}.",
+                f"Common target (the highest final loss here, reached by every method): {common_target:.4f}.",
                 "",
                 "| method | final held-out loss | loop wall (s) | MB sent per worker | time to target (s) "
                 "| time to common target (s) | idle fraction |",
@@ -289,8 +294,23 @@ def analyse(results: list[dict]) -> tuple[list[str], dict]:
     return lines, verdicts
 
 
+def rerun_args(args: argparse.Namespace) -> list[str]:
+    """The arguments that rerun the runs of a ``--from-runs`` redraw (as its other arguments describe them) and
+    write the same report: every option spelled out, methods and defaults included."""
+    return [
+        "--hosts", args.hosts, "--rates", args.rates, "--methods", *args.methods, "--steps", str(args.steps),
+        "--every", str(args.every), *(["--to-target", str(args.to_target)] if args.to_target else []),
+        *(["--cpus-per-host", str(args.cpus_per_host)] if args.cpus_per_host else []),
+        *(["--runs", str(args.runs)] if args.runs != Path("runs/throttled") else []),
+        *(["--name", args.name] if args.name != "throttled" else []),
+        *(["--out", str(args.out)] if Path(args.out) != common.RUNS / "throttled" else []),
+        *(["--", *args.overrides] if args.overrides else []),
+    ]  # fmt: skip
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.throttled", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", default="4,8", help="host counts, comma-separated")
     parser.add_argument("--rates", default="50mbit,500mbit", help="per-host rates (tc units), comma-separated")
     parser.add_argument("--methods", nargs="+", default=METHODS, help="algo/codec entries")
@@ -302,19 +322,19 @@ def main() -> int:
     parser.add_argument("--cpus-per-host", type=int, default=None, metavar="N",
                         help="pin each host's worker to N cores of its own (noloco-fleet --cpus-per-host)")
     parser.add_argument("--runs", type=Path, default=Path("runs/throttled"))
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    common.add_out(parser, "throttled")
     parser.add_argument("--name", default="throttled")
     parser.add_argument("--from-runs", type=Path, default=None, help="only redraw from a finished stamp folder")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = parser.parse_args()
 
-    common = [*MODEL, f"outer.every={args.every}", *args.overrides]
+    every_run = [*MODEL, f"outer.every={args.every}", *args.overrides]
     if args.from_runs is not None:
         folder = args.from_runs
     else:
         if not is_root():
-            print("throttled.py: needs root for the network namespaces (see docs/fleet.md); without root use "
-                  "python -m noloco.fleet.linkmodel on an unshaped run", file=sys.stderr)  # fmt: skip
+            print("benchmarks.throttled: needs root for the network namespaces (see docs/fleet.md); without root "
+                  "use python -m noloco.fleet.linkmodel on an unshaped run", file=sys.stderr)  # fmt: skip
             return 2
         folder = args.runs / time.strftime("%Y%m%d-%H%M%S")
         hosts_list = [int(h) for h in args.hosts.split(",")]
@@ -337,7 +357,7 @@ def main() -> int:
         for done, (hosts, rate, method, steps) in enumerate(plan, 1):
             name = re.sub(r"[^a-z0-9.]+", "-", f"{hosts}h-{rate}-{method}") + (LONG if steps != args.steps else "")
             command = [sys.executable, str(ROOT / "train.py"), "backend=torch", f"workers={hosts}",
-                       *common, f"steps={steps}", *method_overrides(method)]  # fmt: skip
+                       *every_run, f"steps={steps}", *method_overrides(method)]  # fmt: skip
             print(f"== [{done}/{total}] {name} ({time.monotonic() - started:.0f} s so far)", flush=True)
             try:
                 with open(os.devnull, "w") as quiet:
@@ -351,12 +371,12 @@ def main() -> int:
             print(f"   {status}: {result.wall_seconds:.0f} s, held-out loss {loss:.4f}", flush=True)
     runs = sorted(p.parent for p in folder.glob("*/fleet.json") if (p.parent / "summary.json").exists())
     if not runs:
-        print(f"throttled.py: no finished runs under {folder}", file=sys.stderr)
+        print(f"benchmarks.throttled: no finished runs under {folder}", file=sys.stderr)
         return 1
     results = [measure(run) for run in runs]
     tables, verdicts = analyse(results)
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = common.out_dir(args.out)
     pictures = []
     order = {m: i for i, m in enumerate(METHODS)}
     for hosts, rate in sorted({(r["hosts"], r["rate_bps"] or 0) for r in results}):
@@ -367,13 +387,13 @@ def main() -> int:
         target = ddp[0]["final_eval_loss"] if ddp else None
         label = f"{hosts} hosts, {rate_label(rate)} per host"
         if group:
-            png = args.out / f"{args.name}-{hosts}h-{rate_label(rate)}.png"
+            png = out / f"{args.name}-{hosts}h-{rate_label(rate)}.png"
             plot_runs([Path(r["run_dir"]) for r in group], png, title=label, target=target,
                       labels=[r["method"] for r in group])  # fmt: skip
             pictures.append(f"![{label}]({png.name})")
         longer = [r for r in everything if r.get("long")]
         if longer:
-            png = args.out / f"{args.name}-{hosts}h-{rate_label(rate)}-long.png"
+            png = out / f"{args.name}-{hosts}h-{rate_label(rate)}-long.png"
             plot_runs([Path(r["run_dir"]) for r in ddp + longer], png, target=target,
                       labels=[r["method"] + ("" if r in ddp else f" ({r['steps']} steps)") for r in ddp + longer],
                       title=f"{label}: longer budgets, time to DDP-fp32's final loss")  # fmt: skip
@@ -383,17 +403,13 @@ def main() -> int:
     group_size = None
     if gossip:
         group_size = json.loads((Path(gossip[0]["run_dir"]) / "summary.json").read_text()).get("group_size")
-    command = "sudo python benchmarks/throttled.py " + " ".join(
-        [f"--hosts {args.hosts}", f"--rates {args.rates}", "--methods", *args.methods, f"--steps {args.steps}",
-         f"--every {args.every}", *([f"--to-target {args.to_target}"] if args.to_target else []),
-         *([f"--cpus-per-host {args.cpus_per_host}"] if args.cpus_per_host else []),
-         *(args.overrides or [])]  # fmt: skip
-    )
+    command = common.command("throttled", rerun_args(args) if args.from_runs is not None else None)
+    machine = common.machine()
     lines = [
         "# Throttled fleet: DDP, DiLoCo and NoLoCo on rate-limited links",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {machine()}; every host is a network namespace on this one machine, "
+        f"Machine: {machine}; every host is a network namespace on this one machine, "
         + (f"its worker pinned to {args.cpus_per_host} cores of its own.  " if args.cpus_per_host else
            "so the workers share its cores (each runs cores ÷ hosts torch threads).  "),
         f"Date: {time.strftime('%Y-%m-%d')}  ",
@@ -409,10 +425,10 @@ def main() -> int:
         *pictures,
         "",
     ]
-    (args.out / f"{args.name}.md").write_text("\n".join(lines))
     for r in results:
         r.pop("curve", None)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"results": results, "targets": verdicts}, indent=1))
+    common.write_report(out, args.name, lines, {"results": results, "targets": verdicts}, command=command,
+                        machine=machine)  # fmt: skip
     print("\n".join(lines))
     return 0
 

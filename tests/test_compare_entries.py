@@ -1,16 +1,10 @@
-"""benchmarks/compare.py without training: entries with per-entry overrides, run names, time to a target loss."""
+"""benchmarks.compare without training: entries with per-entry overrides, run names, time to a target loss."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("compare_benchmark", ROOT / "benchmarks" / "compare.py")
-compare = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compare)
+from benchmarks import compare
 
 
 def test_plain_entries_give_the_same_overrides_as_before():

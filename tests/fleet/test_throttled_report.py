@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("throttled", ROOT / "benchmarks" / "throttled.py")
-throttled = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(throttled)
+from benchmarks import throttled
 
 
 def test_time_to_target_interpolates_between_evaluations_and_says_when_never_reached():
@@ -70,9 +64,9 @@ def test_longer_budgets_give_time_to_target_and_bound_a_method_that_never_reache
 
 
 def test_fp32_baselines_use_the_ring_and_quantized_exchanges_the_two_phase_reduction():
-    assert "comm.algorithm=ring" in throttled.method_overrides("ddp/fp32")
-    assert "comm.algorithm=ring" in throttled.method_overrides("diloco/fp32")
-    assert not any(o.startswith("comm.algorithm") for o in throttled.method_overrides("noloco/int4"))
+    assert "comm.reduction=ring" in throttled.method_overrides("ddp/fp32")
+    assert "comm.reduction=ring" in throttled.method_overrides("diloco/fp32")
+    assert not any(o.startswith("comm.reduction") for o in throttled.method_overrides("noloco/int4"))
 
 
 def test_method_labels_name_the_outer_momentum_only_when_it_is_not_the_algorithms_default():

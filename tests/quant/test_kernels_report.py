@@ -1,23 +1,17 @@
-"""benchmarks/kernels.py without a GPU: the back-to-back timing checks the payloads it made, the Triton rows are
+"""benchmarks.kernels without a GPU: the back-to-back timing checks the payloads it made, the Triton rows are
 measured through every timing but the kernel-only one on CPU tensors (interpreted), and the markdown reports
 each timing's verdicts."""
 
 from __future__ import annotations
 
-import importlib.util
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import kernels
 from noloco.quant import QuantSpec
 from noloco.quant import triton_kernels as tk
-
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("kernels_benchmark", ROOT / "benchmarks" / "kernels.py")
-kernels = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kernels)
 
 
 def test_back_to_back_time_checks_every_payload_after_the_loop(monkeypatch):
@@ -49,8 +43,9 @@ def test_rows_and_markdown_report_idle_start_back_to_back_and_kernel_verdicts(mo
                  b2b_GBps=b2b, b2b_pct_copy=b2b)
         return r if kernel is None else dict(r, kernel_ms=1.0, kernel_pct_copy=kernel)
 
-    info = {"machine": "H200", "torch": torch.__version__, "triton": "3.6.0", "n": 1 << 28, "copy_GBps": 100.0,
-            "command": "python benchmarks/kernels.py", "b2b_calls": 20, "config": dict(tk.CONFIG), "rows": [
+    info = {"machine": "1× NVIDIA H200 (CUDA 13.0), Triton 3.6.0", "gpu": "NVIDIA H200", "torch": torch.__version__,
+            "triton": "3.6.0", "n": 1 << 28, "copy_GBps": 100.0, "command": "python -m benchmarks.kernels",
+            "b2b_calls": 20, "config": dict(tk.CONFIG), "rows": [
                 row("int4", "quantize", 50.0, 85.0, 90.0),  # target 80 %: no / yes / yes
                 row("int8", "quantize+ef", 81.0, 79.0, None),  # yes / no / (none)
                 row("mxfp4", "quantize", 60.0, 65.0, 71.0),  # target 70 %: no / no / yes
@@ -68,6 +63,7 @@ def test_rows_and_markdown_report_idle_start_back_to_back_and_kernel_verdicts(mo
     assert verdicts == [["**no**", "yes", "yes"], ["yes", "**no**", ""], ["**no**", "**no**", "yes"], ["", "", ""]]
     assert len({line.count("|") for line in [header, *table]}) == 1
     assert "checked (`Packed.check`) after the timed loop" in md and "RuntimeError: boom" in md
+    assert "## GPU: fused Triton kernels on one NVIDIA H200" in md and "Machine: 1× NVIDIA H200" in md
 
 
 def test_config_literal_is_python_that_rebuilds_the_config():
