@@ -23,7 +23,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            kept = [json.dumps(r) for r in _parse(self.path) if r["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif self.path.exists():
             self.path.unlink()
@@ -55,9 +55,35 @@ class MetricsLogger:
                 self._writer.close()
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """Every record of a run folder (all ``metrics*.jsonl`` files), ordered by step then worker."""
+def metrics_files(run_dir: Path) -> list[Path]:
+    """The metrics files of a run folder, in name order: ``metrics.jsonl``, ``metrics.rank<r>.jsonl`` of a
+    multi-process run, ``metrics.attempt-<k>.jsonl`` kept from a restarted swarm peer's earlier attempts
+    (``metrics.attempt-*`` sorts before ``metrics.jsonl``, so the latest attempt's records come last)."""
+    return sorted(p for p in Path(run_dir).glob("metrics*.jsonl") if p.is_file())
+
+
+def _parse(path: Path) -> list[dict]:
+    """The records of one metrics file. A last line cut short (the process died while writing it) is
+    skipped; an unreadable line anywhere else raises ``ValueError`` naming the file and line."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
     records = []
-    for path in sorted(Path(run_dir).glob("metrics*.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON record ({exc})") from None
+    return records
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every record of a run folder (all ``metrics*.jsonl`` files, see :func:`metrics_files`), ordered by step
+    then worker; records of the same step and worker keep file order. A truncated last line is skipped."""
+    records = []
+    for path in metrics_files(run_dir):
+        records += _parse(path)
     return sorted(records, key=lambda r: (r["step"], r["worker"]))
