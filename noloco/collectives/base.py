@@ -118,6 +118,33 @@ def allreduce(
     if algorithm is not None:
         _warn_algorithm_keyword()
         reduction = algorithm
+    group = _check_arguments(x, transport, group, reduction, op, error_feedback)
+    bound = _norm_bound(x, max_norm_ratio, norm_floor, norm_rejections, norm_reference)
+    requested = get_codec(codec)
+    threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
+    flat = x.detach().reshape(-1).to(dtype=torch.float32)  # stays on x's device: codecs run there
+    residuals = None if error_feedback is None else error_feedback.residuals_for(flat.numel(), flat.device)
+    if len(group) == 1:
+        return _reduce_alone(x, flat, error_feedback, residuals)
+    n = len(group)
+    wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
+    tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
+    # A bounded ring puts an input count in front of its reduce-scatter messages: members must agree on it.
+    codec_id = f"{requested.name}|{wire.name}" + ("|counted" if bound is not None and reduction != "two_phase" else "")
+    info = CallInfo(reduction, op, x.dtype, tuple(group), group.index(transport.rank), flat.numel(), codec_id, tag)
+    ex = Exchange(transport, info, timeout, bound)
+    if reduction == "two_phase":
+        out = two_phase_allreduce(flat, ex, wire, op, residuals)
+    else:
+        out = ring_allreduce(flat, ex, wire, op, residuals, naive=reduction == "naive_ring")
+    if error_feedback is not None:
+        error_feedback.commit(*residuals)
+    return out.reshape(x.shape).to(x.device)
+
+
+def _check_arguments(x: torch.Tensor, transport: Transport, group: list[int] | None, reduction: str, op: str,
+                     error_feedback: ReductionErrorFeedback | None) -> list[int]:
+    """Refuse bad arguments of :func:`allreduce` before anything is sent; returns the group as a list of ranks."""
     group = list(range(transport.world_size)) if group is None else [int(r) for r in group]
     if transport.rank not in group:
         raise ValueError(f"rank {transport.rank} is not a member of group {group}")
@@ -135,37 +162,30 @@ def allreduce(
         raise TypeError(f"allreduce supports fp32/bf16/fp16/fp64 tensors, got {x.dtype}")
     if error_feedback is not None and not isinstance(error_feedback, ReductionErrorFeedback):
         raise TypeError(f"error_feedback must be a ReductionErrorFeedback, got {type(error_feedback).__name__}")
+    return group
+
+
+def _norm_bound(x: torch.Tensor, max_norm_ratio: float | None, norm_floor: float,
+                norm_rejections: NormRejections | None, norm_reference: torch.Tensor | None) -> NormBound | None:
+    """The :class:`NormBound` of a call with ``max_norm_ratio`` (None without one); checks ``norm_reference``."""
     bound = None
     if max_norm_ratio is not None:
         reference = None
         if norm_reference is not None:
-            reference = norm_reference.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+            reference = norm_reference.detach().reshape(-1).to(device=x.device, dtype=torch.float32)
             if reference.numel() != x.numel():
                 raise ValueError(f"norm_reference has {reference.numel()} elements, x has {x.numel()}")
         bound = NormBound(max_norm_ratio, norm_floor, norm_rejections, reference)
-    requested = get_codec(codec)
-    threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
-    flat = x.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-    residuals = None if error_feedback is None else error_feedback.residuals_for(flat.numel())
-    if len(group) == 1:
-        out = flat.clone()
-        if error_feedback is not None:  # nothing was encoded: pay back the contribution residual exactly
-            out += residuals[0] + residuals[1]
-            error_feedback.commit(torch.zeros_like(residuals[0]), torch.zeros_like(residuals[1]))
-        return out.reshape(x.shape).to(x.device)
-    n = len(group)
-    wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
-    tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
-    # A bounded ring puts an input count in front of its reduce-scatter messages: members must agree on it.
-    codec_id = f"{requested.name}|{wire.name}" + ("|counted" if bound is not None and reduction != "two_phase" else "")
-    info = CallInfo(reduction, op, x.dtype, tuple(group), group.index(transport.rank), flat.numel(), codec_id, tag)
-    ex = Exchange(transport, info, timeout, bound)
-    if reduction == "two_phase":
-        out = two_phase_allreduce(flat, ex, wire, op, residuals)
-    else:
-        out = ring_allreduce(flat, ex, wire, op, residuals, naive=reduction == "naive_ring")
-    if error_feedback is not None:
-        error_feedback.commit(*residuals)
+    return bound
+
+
+def _reduce_alone(x: torch.Tensor, flat: torch.Tensor, error_feedback: ReductionErrorFeedback | None,
+                  residuals: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The result of a group of one: ``flat`` itself, plus whatever error feedback owes it."""
+    out = flat.clone()
+    if error_feedback is not None:  # nothing was encoded: pay back the contribution residual exactly
+        out += residuals[0] + residuals[1]
+        error_feedback.commit(torch.zeros_like(residuals[0]), torch.zeros_like(residuals[1]))
     return out.reshape(x.shape).to(x.device)
 
 

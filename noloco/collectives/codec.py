@@ -37,8 +37,12 @@ class Codec(ABC):
         """``segment``: 1-D float tensor. Returns the wire bytes."""
 
     @abstractmethod
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        """Return a 1-D float32 CPU tensor of ``numel`` elements; raise :class:`PayloadMismatch`."""
+    def decode(self, payload: bytes, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Return a 1-D float32 tensor of ``numel`` elements on ``device``; raise :class:`PayloadMismatch`.
+
+        The payload is validated on the host before anything of its claimed size is allocated; only
+        then are its codes copied to ``device`` and decoded there (the fused kernels on CUDA).
+        """
 
     def encode_with_value(self, segment: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         """Wire bytes of ``segment`` and the fp32 value a receiver will decode from them.
@@ -46,7 +50,7 @@ class Codec(ABC):
         Used by error feedback (the residual is ``segment - value``). The default decodes the bytes.
         """
         payload = self.encode(segment)
-        return payload, self.decode(payload, segment.numel())
+        return payload, self.decode(payload, segment.numel(), segment.device)
 
     @property
     def exact(self) -> bool:
@@ -71,16 +75,16 @@ class Fp32Codec(Codec):
     def encode(self, segment: torch.Tensor) -> bytes:
         return segment.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+    def decode(self, payload: bytes, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
         if len(payload) != 4 * numel:
             raise PayloadMismatch(f"fp32 payload has {len(payload)} bytes, expected {4 * numel}")
         if numel == 0:
-            return torch.empty(0, dtype=torch.float32)
-        return torch.frombuffer(bytearray(payload), dtype=torch.float32)
+            return torch.empty(0, dtype=torch.float32, device=device)
+        return torch.frombuffer(bytearray(payload), dtype=torch.float32).to(device)
 
     def encode_with_value(self, segment: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        value = segment.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        return value.numpy().tobytes(), value
+        value = segment.detach().to(dtype=torch.float32).contiguous()
+        return value.cpu().numpy().tobytes(), value
 
     @property
     def exact(self) -> bool:
@@ -112,11 +116,12 @@ class QuantCodec(Codec):
         packed = self.quantize(segment)
         return packed.to_bytes(), dequantize(packed).reshape(-1)
 
-    def unpack(self, payload: bytes, numel: int, spec: QuantSpec | None = None) -> Packed:
-        """Parse ``payload`` into a :class:`Packed` of ``numel`` elements in ``spec`` (default: ours)."""
+    def unpack(self, payload: bytes, numel: int, spec: QuantSpec | None = None,
+               device: torch.device | str = "cpu") -> Packed:
+        """Parse ``payload`` into a :class:`Packed` of ``numel`` elements in ``spec`` (default: ours) on ``device``."""
         spec = self.spec if spec is None else spec
         try:
-            packed = Packed.from_bytes(payload, max_numel=max(numel, 0))
+            packed = Packed.from_bytes(payload, max_numel=max(numel, 0), device=device)
         except PayloadError as err:
             raise PayloadMismatch(f"{spec} payload rejected: {err}") from err
         if packed.spec != spec:
@@ -125,8 +130,12 @@ class QuantCodec(Codec):
             raise PayloadMismatch(f"payload holds shape {packed.shape}, expected ({numel},)")
         return packed
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        return dequantize(self.unpack(payload, numel)).reshape(-1)
+    def decode(self, payload: bytes, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        packed = self.unpack(payload, numel, device=device)
+        try:
+            return dequantize(packed).reshape(-1)
+        except PayloadError as err:  # e.g. a forged rotated payload whose inverse rotation overflows
+            raise PayloadMismatch(f"{self.spec} payload rejected: {err}") from err
 
 
 def get_codec(name: str | Codec) -> Codec:

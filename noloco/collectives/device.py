@@ -53,6 +53,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -433,7 +434,69 @@ def allreduce_device(
         PayloadMismatch: members disagree on numel, dtype, op, codec or group size (on every member).
         ValueError: this member's input holds NaN/Inf (quantized codecs); the others raise RemoteFailure.
     """
-    from noloco.collectives.base import OPS, SMALL_MESSAGE_NUMEL
+    from noloco.collectives.base import SMALL_MESSAGE_NUMEL
+
+    _check_arguments(x, op, error_feedback)
+    requested = get_codec(codec)
+    requested_spec = _wire_spec(requested)
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    if me < 0:
+        raise ValueError("this process is not a member of the process group")
+    device, nccl = _comm_device(group, x)
+    flat = _flat_input(x, device)
+    numel = flat.numel()
+    residuals = None
+    if error_feedback is not None:
+        residuals = tuple(r.to(device) for r in error_feedback.residuals_for(numel))
+    if n == 1:
+        return _reduce_alone(x, flat, error_feedback, residuals)
+
+    threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
+    spec = requested_spec if requested.exact or -(-numel // n) >= threshold else FP32
+    bounds = segment_bounds(numel, n)
+    contribution, result = residuals if residuals is not None else (None, None)
+    clock = _PhaseClock(timings, device)
+    call = _Call(group, device, nccl, me, n, spec, bounds, counter, backend, clock)
+
+    send, send_sizes, failure = _encode_phase(call, flat, contribution)
+    clock.mark("encode")
+    codec_id = crc(f"{requested.name}|{'fp32' if _is_raw(spec) else spec}")
+    _check_call([_META_MAGIC, numel, DTYPE_CODES[x.dtype], OP_CODES[op], codec_id, n], group, device, nccl,
+                me, n, failure)
+    clock.mark("check")
+
+    own, own_is_scratch, received = _reduce_scatter_phase(call, flat, send, send_sizes, contribution)
+    gather_size = message_layout(spec, bounds[0][1] - bounds[0][0])[1]  # every slot fits the largest segment
+    reduced, gather_send, status, failure = _reduce_owned_segment(call, own, received, op, result, own_is_scratch,
+                                                                  gather_size)
+    out = _all_gather_phase(call, numel, reduced, gather_send, status, failure, gather_size)
+    clock.mark("decode")
+    clock.finish()
+    if error_feedback is not None:
+        error_feedback.commit(contribution, result)
+    return out.reshape(x.shape).to(x.device)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What every phase of one :func:`allreduce_device` call shares: the group, where the payloads live, this
+    member's index, the group size, the wire format, the segments, and the counter, backend and clock."""
+
+    group: Any
+    device: torch.device
+    nccl: bool
+    me: int
+    n: int
+    spec: QuantSpec
+    bounds: list[tuple[int, int]]
+    counter: ByteCounter | None
+    backend: str | None
+    clock: _PhaseClock
+
+
+def _check_arguments(x: torch.Tensor, op: str, error_feedback: ReductionErrorFeedback | None) -> None:
+    """Refuse bad arguments of :func:`allreduce_device` before any collective."""
+    from noloco.collectives.base import OPS
 
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {OPS}")
@@ -443,34 +506,35 @@ def allreduce_device(
         raise TypeError(f"error_feedback must be a ReductionErrorFeedback, got {type(error_feedback).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized (call dist.init_process_group first)")
-    requested = get_codec(codec)
-    requested_spec = _wire_spec(requested)
-    me, n = dist.get_rank(group), dist.get_world_size(group)
-    if me < 0:
-        raise ValueError("this process is not a member of the process group")
-    device, nccl = _comm_device(group, x)
+
+
+def _flat_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` as a 1-D tensor on the payloads' ``device`` (fp64 as fp32; other dtypes as they are)."""
     flat = x.detach().reshape(-1)
     if flat.dtype == torch.float64:
         flat = flat.float()  # fp64 is reduced in fp32, as the bytes path does
     flat = flat.to(device)
-    numel = flat.numel()
-    residuals = None
-    if error_feedback is not None:
-        residuals = tuple(r.to(device) for r in error_feedback.residuals_for(numel))
-    if n == 1:
-        out = flat.float().clone()
-        if residuals is not None:  # nothing was encoded: pay back both residuals exactly
-            out += residuals[0] + residuals[1]
-            error_feedback.commit(torch.zeros_like(residuals[0]), torch.zeros_like(residuals[1]))
-        return out.reshape(x.shape).to(x.device)
+    return flat
 
-    threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
-    spec = requested_spec if requested.exact or -(-numel // n) >= threshold else FP32
-    bounds = segment_bounds(numel, n)
-    contribution, result = residuals if residuals is not None else (None, None)
-    clock = _PhaseClock(timings, device)
 
-    # Phase 1a: encode the segments other members own, into one send buffer (ordered by owner).
+def _reduce_alone(x: torch.Tensor, flat: torch.Tensor, error_feedback: ReductionErrorFeedback | None,
+                  residuals: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """The result of a group of one: ``flat`` in fp32, plus whatever error feedback owes it."""
+    out = flat.float().clone()
+    if residuals is not None:  # nothing was encoded: pay back both residuals exactly
+        out += residuals[0] + residuals[1]
+        error_feedback.commit(torch.zeros_like(residuals[0]), torch.zeros_like(residuals[1]))
+    return out.reshape(x.shape).to(x.device)
+
+
+def _encode_phase(call: _Call, flat: torch.Tensor,
+                  contribution: torch.Tensor | None) -> tuple[torch.Tensor | None, list[int], BaseException | None]:
+    """Phase 1a: encode the segments other members own, into one send buffer (ordered by owner).
+
+    Returns ``(send, send_sizes, failure)``: ``failure`` is the ``ValueError`` of an input that could not be
+    encoded (NaN/Inf), which the caller still takes into the call check, so that every member fails.
+    """
+    bounds, me, n, spec, device, backend = call.bounds, call.me, call.n, call.spec, call.device, call.backend
     send_sizes = [0 if k == me else message_layout(spec, end - start)[1] for k, (start, end) in enumerate(bounds)]
     failure: BaseException | None = None
     send = None
@@ -493,13 +557,32 @@ def allreduce_device(
         del encoded
     except ValueError as exc:  # NaN/Inf: still take part in the check, so every member fails
         failure = exc
-    clock.mark("encode")
-    codec_id = crc(f"{requested.name}|{'fp32' if _is_raw(spec) else spec}")
-    _check_call([_META_MAGIC, numel, DTYPE_CODES[x.dtype], OP_CODES[op], codec_id, n], group, device, nccl,
-                me, n, failure)
-    clock.mark("check")
+    return send, send_sizes, failure
 
-    # Phase 1b: reduce-scatter. Every member's message for segment `me` has the same size.
+
+def _own_in_fp32(flat: torch.Tensor, start: int, end: int,
+                 contribution: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """The owner's own segment in fp32 (its accumulator when it sums first) and whether it is a scratch copy."""
+    own, own_is_scratch = flat[start:end], True
+    if contribution is not None:
+        own = own + contribution[start:end]  # sent exactly: the residual is paid back in full
+        contribution[start:end] = 0.0
+    elif own.dtype != torch.float32:
+        own = own.float()
+    else:
+        own_is_scratch = False  # a view of the caller's x
+    return own, own_is_scratch
+
+
+def _reduce_scatter_phase(call: _Call, flat: torch.Tensor, send: torch.Tensor, send_sizes: list[int],
+                          contribution: torch.Tensor | None) -> tuple[torch.Tensor, bool, list[Packed | None]]:
+    """Phase 1b: reduce-scatter. Every member's message for segment `me` has the same size.
+
+    Returns the owner's own segment in fp32 (:func:`_own_in_fp32`), whether it is scratch, and the
+    messages received for segment ``me``, by member (None at ``me``).
+    """
+    bounds, me, n, spec, group, device = call.bounds, call.me, call.n, call.spec, call.group, call.device
+    counter, clock = call.counter, call.clock
     start, end = bounds[me]
     seg_numel = end - start
     recv_size = message_layout(spec, seg_numel)[1]
@@ -519,14 +602,7 @@ def allreduce_device(
         clock.mark("reduce-scatter")
     # The owner's own segment in fp32 (its accumulator when it sums first): queued before waiting on the
     # reduce-scatter, so the conversion runs on the GPU while the payloads are in flight.
-    own, own_is_scratch = flat[start:end], True
-    if contribution is not None:
-        own = own + contribution[start:end]  # sent exactly: the residual is paid back in full
-        contribution[start:end] = 0.0
-    elif own.dtype != torch.float32:
-        own = own.float()
-    else:
-        own_is_scratch = False  # a view of the caller's x
+    own, own_is_scratch = _own_in_fp32(flat, start, end, contribution)
     clock.mark("own to fp32")
     if work is not None and not clock.enabled:
         work.wait()
@@ -535,9 +611,21 @@ def allreduce_device(
     for j in range(n):
         received.append(None if j == me else unpack(recv[offset:offset + recv_size], spec, seg_numel))
         offset += recv_sizes[j]
+    return own, own_is_scratch, received
 
-    # Owner: fp32 sum in member order, encoded once.
-    gather_size = message_layout(spec, bounds[0][1] - bounds[0][0])[1]  # every slot fits the largest segment
+
+def _reduce_owned_segment(call: _Call, own: torch.Tensor, received: list[Packed | None], op: str,
+                          result: torch.Tensor | None, own_is_scratch: bool, gather_size: int,
+                          ) -> tuple[Packed | None, torch.Tensor, torch.Tensor, BaseException | None]:
+    """Owner: fp32 sum in member order, encoded once, packed into this member's all-gather slot.
+
+    Returns ``(reduced, gather_send, status, failure)``: when the reduced segment cannot be encoded,
+    ``reduced`` is None, ``gather_send`` zeros, ``status[0]`` is 1 (to tell the others through the
+    status) and ``failure`` the ``ValueError``, raised after the gather.
+    """
+    me, spec, device, backend, clock = call.me, call.spec, call.device, call.backend, call.clock
+    bounds = call.bounds
+    start, end = bounds[me]
     status = torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=device)
     gather_send = failure = reduced = None
     try:
@@ -555,9 +643,20 @@ def allreduce_device(
         status[0] = 1
     if gather_send is None:
         gather_send = torch.zeros(gather_size, dtype=torch.uint8, device=device)
+    return reduced, gather_send, status, failure
 
-    # Phase 2: all-gather of the encoded reduced segments (and of each owner's status); everyone decodes the
-    # same codes.
+
+def _all_gather_phase(call: _Call, numel: int, reduced: Packed | None, gather_send: torch.Tensor,
+                      status: torch.Tensor, failure: BaseException | None, gather_size: int) -> torch.Tensor:
+    """Phase 2: all-gather of the encoded reduced segments (and of each owner's status); everyone decodes the
+    same codes.
+
+    Returns the decoded fp32 result (flat, on ``device``). Raises this member's own ``failure`` after the
+    gather, or :class:`RemoteFailure` when another owner's status says it could not encode its segment.
+    """
+    bounds, me, n, spec, group, device = call.bounds, call.me, call.n, call.spec, call.group, call.device
+    nccl, counter, backend, clock = call.nccl, call.counter, call.backend, call.clock
+    start, end = bounds[me]
     statuses = torch.empty(n * STATUS_BYTES, dtype=torch.uint8, device=device)
     status_work = _all_gather(statuses, status, group, nccl, async_op=True)
     gathered = torch.empty(n * gather_size, dtype=torch.uint8, device=device)
@@ -590,8 +689,4 @@ def allreduce_device(
     for k, (s, e) in enumerate(bounds):
         if k != me and e > s:
             decode_segment(out[s:e], unpack(slots[k], spec, e - s), backend)
-    clock.mark("decode")
-    clock.finish()
-    if error_feedback is not None:
-        error_feedback.commit(contribution, result)
-    return out.reshape(x.shape).to(x.device)
+    return out

@@ -50,21 +50,21 @@ class ReductionErrorFeedback:
         """Length of the vector this state tracks (None before the first call)."""
         return None if self.contribution is None else self.contribution.numel()
 
-    def residuals_for(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of both residuals (zeros on first use) for a call on ``numel`` elements.
+    def residuals_for(self, numel: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of both residuals (zeros on first use) on ``device`` for a call on ``numel`` elements.
 
         Raises:
             ValueError: the state tracks a vector of another length.
         """
         if self.contribution is None or self.result is None:
-            zeros = torch.zeros(numel, dtype=torch.float32)
+            zeros = torch.zeros(numel, dtype=torch.float32, device=device)
             return zeros, zeros.clone()
         if self.contribution.numel() != numel:
             raise ValueError(
                 f"error-feedback state tracks {self.contribution.numel()} values, this call reduces {numel}; "
                 "use one ReductionErrorFeedback per buffer (or reset() it)"
             )
-        return self.contribution.clone(), self.result.clone()
+        return self.contribution.to(device, copy=True), self.result.to(device, copy=True)
 
     def commit(self, contribution: torch.Tensor, result: torch.Tensor) -> None:
         """Store the residuals of a call that succeeded."""

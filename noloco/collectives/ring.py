@@ -89,10 +89,10 @@ def partial_sum_codec(base: Codec, contributors: int, naive: bool) -> Codec:
     return Fp32Codec()
 
 
-def _decode_partial(codec: Codec, payload: bytes, numel: int) -> Packed | torch.Tensor:
+def _decode_partial(codec: Codec, payload: bytes, numel: int, device: torch.device) -> Packed | torch.Tensor:
     if isinstance(codec, QuantCodec):
-        return codec.unpack(payload, numel)
-    return codec.decode(payload, numel)
+        return codec.unpack(payload, numel, device=device)
+    return codec.decode(payload, numel, device)
 
 
 def _value(partial: Packed | torch.Tensor) -> torch.Tensor:
@@ -119,91 +119,128 @@ def ring_allreduce(
     contribution there instead, but forwarding the bytes unchanged).
     """
     n, me = len(ex.info.group), ex.info.me
-    succ, pred = (me + 1) % n, (me - 1) % n
+    succ = (me + 1) % n
     bounds = segment_bounds(flat.numel(), n)
     contribution, result = residuals if residuals is not None else (None, None)
     bound = ex.bound
     ex.expect_sends([(succ, PHASE_REDUCE, (me - s) % n, s) for s in range(n - 1)]
                     + [(succ, PHASE_GATHER, (me + 1 - t) % n, t) for t in range(n - 1)])
     contributed = None  # with a bound: this member's own contribution (input + residual), before any encoding
+    own_norms = None
     if bound is not None:
         contributed = flat.clone() if contribution is None else flat + contribution
         own_norms = ex.bound.own_norms(contributed, bounds)
 
-    def own(seg: int) -> torch.Tensor:
-        start, end = bounds[seg]
-        if contribution is None:
-            return flat[start:end]
-        return flat[start:end] + contribution[start:end]
-
-    def hop(seg: int, incoming: Packed | torch.Tensor | None, out_codec: Codec) -> bytes:
-        """This member's contribution to ``seg`` plus ``incoming``, encoded in ``out_codec``."""
-        start, end = bounds[seg]
-        mine = own(seg)
-        fused = (contribution is None and isinstance(incoming, Packed) and isinstance(out_codec, QuantCodec))
-        if fused:
-            return dequantize_accumulate_requantize(mine, [incoming], out_codec.spec).to_bytes()
-        total = mine if incoming is None else mine + _value(incoming)
-        if contribution is None:
-            return out_codec.encode(total)
-        payload, decoded = out_codec.encode_with_value(total)
-        contribution[start:end] = total - decoded  # what this hop lost from the group total
-        return payload
-
     with ex:
-        # Reduce-scatter: step s sends a partial sum of s + 1 contributors (fewer if a hop dropped some).
-        incoming: Packed | torch.Tensor | None = None
-        inputs = 0  # number of members' contributions summed into ``incoming``
-        for s in range(n - 1):
-            seg = (me - s) % n
-            body = hop(seg, incoming, partial_sum_codec(codec, s + 1, naive))
-            ex.send(succ, PHASE_REDUCE, seg, s, body if bound is None else COUNT.pack(inputs + 1) + body)
-            seg_in = (me - s - 1) % n
-            in_codec = partial_sum_codec(codec, s + 1, naive)
-            body = ex.recv(pred, PHASE_REDUCE, seg_in, s)
-            inputs = s + 1
-            if bound is not None:
-                inputs = _read_count(body, s + 1, ex, pred)
-                body = body[COUNT.size :]
-            incoming = _decode_partial(in_codec, body, bounds[seg_in][1] - bounds[seg_in][0])
-            if bound is not None or isinstance(incoming, torch.Tensor):
-                incoming = _value(incoming)
-                ex.check_finite(incoming, pred, seg_in)
-            if bound is not None and not ex.admits(pred, seg_in, incoming, own_norms[seg_in], inputs):
-                incoming, inputs = None, 0
-
+        incoming, inputs = _reduce_scatter_phase(flat, ex, codec, bounds, contribution, own_norms, naive)
         # This member now owns segment me + 1: add its contribution, reduce, encode once.
         seg = (me + 1) % n
-        start, end = bounds[seg]
-        total = own(seg).clone() if incoming is None else own(seg) + _value(incoming)
-        if contribution is not None:
-            contribution[start:end] = 0.0  # added exactly
-        if op == "mean":
-            total /= torch.tensor(float(inputs + 1), device=total.device)  # exact division on CUDA too
-        if result is not None:
-            total = total + result[start:end]
-            codes, decoded = codec.encode_with_value(total)
-            result[start:end] = total - decoded
-        else:
-            codes = codec.encode(total)
+        codes = _reduce_owned_segment(flat, codec, op, bounds, seg, incoming, inputs, contribution, result)
+        out = _all_gather_phase(flat, ex, codec, op, bounds, seg, codes, contribution, contributed, own_norms)
+    return out
 
-        # All-gather: forward the owners' bytes unchanged around the ring.
-        out = torch.empty(flat.numel(), dtype=torch.float32)
-        out[start:end] = codec.decode(codes, end - start)
-        forward = codes
-        for t in range(n - 1):
-            ex.send(succ, PHASE_GATHER, (me + 1 - t) % n, t, forward)
-            seg_in = (me - t) % n
-            forward = ex.recv(pred, PHASE_GATHER, seg_in, t)
-            start, end = bounds[seg_in]
-            value = codec.decode(forward, end - start)
-            ex.check_finite(value, pred, seg_in)
-            if bound is not None and not ex.admits(pred, seg_in, value, own_norms[seg_in], n if op == "sum" else 1,
-                                                   result=True, owner=(seg_in - 1) % n):
-                value = contributed[start:end]
-                if contribution is not None:
-                    contribution[start:end] = 0.0  # this member's own value stands there, exactly
-            out[start:end] = value
+
+def _own(flat: torch.Tensor, contribution: torch.Tensor | None, bounds: list[tuple[int, int]],
+         seg: int) -> torch.Tensor:
+    """This member's contribution to segment ``seg``: its input there, plus the contribution residual if any."""
+    start, end = bounds[seg]
+    if contribution is None:
+        return flat[start:end]
+    return flat[start:end] + contribution[start:end]
+
+
+def _hop(flat: torch.Tensor, contribution: torch.Tensor | None, bounds: list[tuple[int, int]], seg: int,
+         incoming: Packed | torch.Tensor | None, out_codec: Codec) -> bytes:
+    """This member's contribution to ``seg`` plus ``incoming``, encoded in ``out_codec``."""
+    start, end = bounds[seg]
+    mine = _own(flat, contribution, bounds, seg)
+    fused = (contribution is None and isinstance(incoming, Packed) and isinstance(out_codec, QuantCodec))
+    if fused:
+        return dequantize_accumulate_requantize(mine, [incoming], out_codec.spec).to_bytes()
+    total = mine if incoming is None else mine + _value(incoming)
+    if contribution is None:
+        return out_codec.encode(total)
+    payload, decoded = out_codec.encode_with_value(total)
+    contribution[start:end] = total - decoded  # what this hop lost from the group total
+    return payload
+
+
+def _reduce_scatter_phase(flat: torch.Tensor, ex: Exchange, codec: Codec, bounds: list[tuple[int, int]],
+                          contribution: torch.Tensor | None, own_norms: list[float] | None,
+                          naive: bool) -> tuple[Packed | torch.Tensor | None, int]:
+    """The ring reduce-scatter: returns the partial sum that reached this member and its number of inputs.
+
+    Step s sends a partial sum of s + 1 contributors (fewer if a hop dropped some).
+    """
+    n, me = len(ex.info.group), ex.info.me
+    succ, pred = (me + 1) % n, (me - 1) % n
+    bound = ex.bound
+    incoming: Packed | torch.Tensor | None = None
+    inputs = 0  # number of members' contributions summed into ``incoming``
+    for s in range(n - 1):
+        seg = (me - s) % n
+        body = _hop(flat, contribution, bounds, seg, incoming, partial_sum_codec(codec, s + 1, naive))
+        ex.send(succ, PHASE_REDUCE, seg, s, body if bound is None else COUNT.pack(inputs + 1) + body)
+        seg_in = (me - s - 1) % n
+        in_codec = partial_sum_codec(codec, s + 1, naive)
+        body = ex.recv(pred, PHASE_REDUCE, seg_in, s)
+        inputs = s + 1
+        if bound is not None:
+            inputs = _read_count(body, s + 1, ex, pred)
+            body = body[COUNT.size :]
+        incoming = _decode_partial(in_codec, body, bounds[seg_in][1] - bounds[seg_in][0], flat.device)
+        if bound is not None or isinstance(incoming, torch.Tensor):
+            incoming = _value(incoming)
+            ex.check_finite(incoming, pred, seg_in)
+        if bound is not None and not ex.admits(pred, seg_in, incoming, own_norms[seg_in], inputs):
+            incoming, inputs = None, 0
+    return incoming, inputs
+
+
+def _reduce_owned_segment(flat: torch.Tensor, codec: Codec, op: str, bounds: list[tuple[int, int]], seg: int,
+                          incoming: Packed | torch.Tensor | None, inputs: int, contribution: torch.Tensor | None,
+                          result: torch.Tensor | None) -> bytes:
+    """The owner's step: its contribution to ``seg`` plus ``incoming``, reduced and encoded once in ``codec``."""
+    start, end = bounds[seg]
+    mine = _own(flat, contribution, bounds, seg)
+    total = mine.clone() if incoming is None else mine + _value(incoming)
+    if contribution is not None:
+        contribution[start:end] = 0.0  # added exactly
+    if op == "mean":
+        total /= torch.tensor(float(inputs + 1), device=total.device)  # exact division on CUDA too
+    if result is not None:
+        total = total + result[start:end]
+        codes, decoded = codec.encode_with_value(total)
+        result[start:end] = total - decoded
+    else:
+        codes = codec.encode(total)
+    return codes
+
+
+def _all_gather_phase(flat: torch.Tensor, ex: Exchange, codec: Codec, op: str, bounds: list[tuple[int, int]],
+                      seg: int, codes: bytes, contribution: torch.Tensor | None, contributed: torch.Tensor | None,
+                      own_norms: list[float] | None) -> torch.Tensor:
+    """The ring all-gather: forward the owners' bytes unchanged around the ring; returns the decoded result."""
+    n, me = len(ex.info.group), ex.info.me
+    succ, pred = (me + 1) % n, (me - 1) % n
+    bound = ex.bound
+    start, end = bounds[seg]
+    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+    out[start:end] = codec.decode(codes, end - start, flat.device)
+    forward = codes
+    for t in range(n - 1):
+        ex.send(succ, PHASE_GATHER, (me + 1 - t) % n, t, forward)
+        seg_in = (me - t) % n
+        forward = ex.recv(pred, PHASE_GATHER, seg_in, t)
+        start, end = bounds[seg_in]
+        value = codec.decode(forward, end - start, flat.device)
+        ex.check_finite(value, pred, seg_in)
+        if bound is not None and not ex.admits(pred, seg_in, value, own_norms[seg_in], n if op == "sum" else 1,
+                                               result=True, owner=(seg_in - 1) % n):
+            value = contributed[start:end]
+            if contribution is not None:
+                contribution[start:end] = 0.0  # this member's own value stands there, exactly
+        out[start:end] = value
     return out
 
 

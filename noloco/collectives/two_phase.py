@@ -61,7 +61,7 @@ def two_phase_allreduce(
     """Reduce the 1-D fp32 ``flat`` over the exchange's group; returns a new fp32 tensor.
 
     Args:
-        flat: this member's input, 1-D fp32 CPU; not modified.
+        flat: this member's input, 1-D fp32 on any device (codecs run there); not modified.
         ex: the call's :class:`Exchange` (group, my index, headers, timeout, optional norm bound).
         codec: wire format of both phases.
         op: ``"mean"`` or ``"sum"``.
@@ -96,14 +96,14 @@ def two_phase_allreduce(
         if contribution is not None:
             own = own + contribution[start:end]  # sent exactly: the residual is paid back in full
             contribution[start:end] = 0.0
-        reduced = torch.zeros(numel, dtype=torch.float32)
+        reduced = torch.zeros(numel, dtype=torch.float32, device=flat.device)
         admitted = 0
         for j in range(n):  # fixed member order: the sum does not depend on arrival order
             if j == me:
                 reduced += own
                 admitted += 1
                 continue
-            value = codec.decode(ex.recv(j, PHASE_REDUCE, me), numel)
+            value = codec.decode(ex.recv(j, PHASE_REDUCE, me), numel, flat.device)
             ex.check_finite(value, j, me)
             if ex.bound is None or ex.admits(j, me, value, own_norms[me]):
                 reduced += value
@@ -120,12 +120,12 @@ def two_phase_allreduce(
         for j in range(n):
             if j != me:
                 ex.send(j, PHASE_GATHER, me, 0, codes)
-        out = torch.empty(flat.numel(), dtype=torch.float32)
+        out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
         for k, (start, end) in enumerate(bounds):
             if k == me:
-                out[start:end] = codec.decode(codes, end - start)
+                out[start:end] = codec.decode(codes, end - start, flat.device)
                 continue
-            value = codec.decode(ex.recv(k, PHASE_GATHER, k), end - start)
+            value = codec.decode(ex.recv(k, PHASE_GATHER, k), end - start, flat.device)
             ex.check_finite(value, k, k)
             if ex.bound is not None and not ex.admits(k, k, value, own_norms[k], n if op == "sum" else 1, True):
                 value = contributed[start:end]

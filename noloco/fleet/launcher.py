@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -163,6 +164,36 @@ def launch(
     Raises :class:`~noloco.fleet.netns.FleetError` when not root, tools are missing or setup fails.
     """
     out = out or sys.stdout
+    delay = _check_request(command, latency)
+    rate_bps = _rate_bps(rate)
+    cpu_sets = host_cpu_sets(hosts, cpus_per_host) if cpus_per_host is not None else None
+    prefix = prefix or f"nlc{os.getpid()}"
+    name = name or time.strftime(f"fleet-{hosts}h-%Y%m%d-%H%M%S")
+    command, folder = _with_run_folder(list(command), Path(run_dir).absolute(), name)
+    queue_s = float(queue) if isinstance(queue, (int, float)) else parse_duration(queue)
+    fleet = Fleet(hosts, rate_bps, prefix=prefix, queue_latency=queue_s)
+    workers = _Workers()
+    codes: list[int | None] = [None] * hosts
+    started = time.perf_counter()
+    result = FleetResult(returncode=1, exit_codes=codes, wall_seconds=0.0, run_dir=folder, prefix=prefix,
+                         cpus=[sorted(cpus) for cpus in cpu_sets] if cpu_sets else None)  # fmt: skip
+    try:
+        _bring_up(fleet, hosts, rate_bps, prefix, folder, out)
+        env = functools.partial(_worker_env, fleet, hosts=hosts, port=port, local_world_size=local_world_size,
+                                pinned=bool(cpu_sets), delay=delay)
+        _start_hosts(workers, fleet, command, hosts, env, folder, cpu_sets, out)
+        _wait_for_workers(workers.procs, codes, grace, out)
+        for thread in workers.threads:
+            thread.join(5)
+        _record_result(result, fleet, command, hosts, rate_bps, queue_s, started)
+        return result
+    finally:
+        _tear_down(workers, fleet)
+
+
+def _check_request(command: list[str], latency: str | float | None) -> float:
+    """Refuse a launch that cannot run (not root, tools missing, bad latency, no command); returns the latency
+    in seconds (0 when none is given)."""
     if not is_root():
         raise FleetError(NOT_ROOT)
     if missing_tools():
@@ -174,98 +205,127 @@ def launch(
             raise FleetError(f"noloco-fleet: latency must be >= 0, got {latency!r}")
     if not command:
         raise FleetError("noloco-fleet: no command given (put it after --)")
+    return delay
+
+
+def _rate_bps(rate: str | float | None) -> float | None:
+    """The per-host link rate in bits/s, or None for unshaped links."""
     if rate in (None, "", "none"):
         rate_bps = None
     else:
         rate_bps = float(rate) if isinstance(rate, (int, float)) else parse_rate(rate)
-    cpu_sets = host_cpu_sets(hosts, cpus_per_host) if cpus_per_host is not None else None
-    prefix = prefix or f"nlc{os.getpid()}"
-    name = name or time.strftime(f"fleet-{hosts}h-%Y%m%d-%H%M%S")
-    command, folder = _with_run_folder(list(command), Path(run_dir).absolute(), name)
-    queue_s = float(queue) if isinstance(queue, (int, float)) else parse_duration(queue)
-    fleet = Fleet(hosts, rate_bps, prefix=prefix, queue_latency=queue_s)
-    procs: list[subprocess.Popen] = []
-    threads: list[threading.Thread] = []
-    logs: list[TextIO] = []
-    codes: list[int | None] = [None] * hosts
+    return rate_bps
+
+
+@dataclass
+class _Workers:
+    """What :func:`launch` started and must undo: the workers' processes, their log threads and log files."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+    logs: list[TextIO] = field(default_factory=list)
+
+
+def _bring_up(fleet: Fleet, hosts: int, rate_bps: float | None, prefix: str, folder: Path | None,
+              out: TextIO) -> None:
+    """Build the fleet's namespaces and links, say so on ``out``, and create the run folder."""
+    fleet.up()
+    shaping = f"{rate_bps / 1e6:g} Mbit/s each way (ingress via {fleet.ingress_mode})" if rate_bps else "unshaped"
+    out.write(f"noloco-fleet: {hosts} hosts {fleet.ip(0)}..{fleet.ip(hosts - 1)} ({prefix}-h*), {shaping}\n")
+    out.flush()
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def _worker_env(fleet: Fleet, host: int, *, hosts: int, port: int, local_world_size: int | None, pinned: bool,
+                delay: float) -> dict[str, str]:
+    """The environment of host ``host``'s worker: its torch.distributed rank and rendezvous, and noloco's."""
+    return {
+        "RANK": str(host),
+        "WORLD_SIZE": str(hosts),
+        "MASTER_ADDR": fleet.ip(0),
+        "MASTER_PORT": str(port),
+        "LOCAL_WORLD_SIZE": str(local_world_size or (1 if pinned else hosts)),
+        "GLOO_SOCKET_IFNAME": IFNAME,
+        "TP_SOCKET_IFNAME": IFNAME,
+        "PYTHONUNBUFFERED": "1",
+        "NOLOCO_FLEET_HOST": str(host),
+        "NOLOCO_LINK_LATENCY": repr(delay),
+    }
+
+
+def _start_hosts(workers: _Workers, fleet: Fleet, command: list[str], hosts: int, env: Callable[[int], dict],
+                 folder: Path | None, cpu_sets: list[set[int]] | None, out: TextIO) -> None:
+    """Start ``command`` once per host (pinned to its cores if ``cpu_sets``), each with a thread that streams
+    its output to ``out`` (and its log file in ``folder``); everything started goes into ``workers`` at once,
+    so that teardown finds it if a later host fails to start."""
     lock = threading.Lock()
-    started = time.perf_counter()
-    result = FleetResult(returncode=1, exit_codes=codes, wall_seconds=0.0, run_dir=folder, prefix=prefix,
-                         cpus=[sorted(cpus) for cpus in cpu_sets] if cpu_sets else None)  # fmt: skip
-    try:
-        fleet.up()
-        shaping = f"{rate_bps / 1e6:g} Mbit/s each way (ingress via {fleet.ingress_mode})" if rate_bps else "unshaped"
-        out.write(f"noloco-fleet: {hosts} hosts {fleet.ip(0)}..{fleet.ip(hosts - 1)} ({prefix}-h*), {shaping}\n")
-        out.flush()
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-        for host in range(hosts):
-            env = {
-                "RANK": str(host),
-                "WORLD_SIZE": str(hosts),
-                "MASTER_ADDR": fleet.ip(0),
-                "MASTER_PORT": str(port),
-                "LOCAL_WORLD_SIZE": str(local_world_size or (1 if cpu_sets else hosts)),
-                "GLOO_SOCKET_IFNAME": IFNAME,
-                "TP_SOCKET_IFNAME": IFNAME,
-                "PYTHONUNBUFFERED": "1",
-                "NOLOCO_FLEET_HOST": str(host),
-                "NOLOCO_LINK_LATENCY": repr(delay),
-            }
-            log = open(folder / f"fleet.h{host}.log", "w") if folder is not None else None  # noqa: SIM115
-            if log is not None:
-                logs.append(log)
-            start = functools.partial(
-                fleet.popen, host, command, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, text=True, bufsize=1, errors="replace",
-            )  # fmt: skip
-            proc = _pinned(cpu_sets[host], start) if cpu_sets is not None else start()
-            procs.append(proc)
-            thread = threading.Thread(target=_stream, args=(proc, host, out, log, lock), daemon=True)
-            thread.start()
-            threads.append(thread)
-        failed_at = None
-        while True:
-            for host, proc in enumerate(procs):
-                codes[host] = proc.poll()
-            if all(code is not None for code in codes):
-                break
-            if failed_at is None and any(code not in (None, 0) for code in codes):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > grace:
-                out.write(f"noloco-fleet: a worker failed; stopping the others after {grace:g} s\n")
-                _stop(procs, 3.0)
-                codes[:] = [proc.poll() for proc in procs]
-                break
-            time.sleep(0.1)
-        for thread in threads:
-            thread.join(5)
-        result.link_stats = [fleet.link_stats(host) for host in range(hosts)]
-        result.wall_seconds = time.perf_counter() - started
-        # the first worker that failed on its own (a positive code), not the ones stopped after it
-        failed = [code for code in codes if code is not None and code > 0]
-        result.returncode = failed[0] if failed else (0 if all(code == 0 for code in codes) else 1)
-        if folder is not None and (folder / "summary.json").exists():
-            result.summary = json.loads((folder / "summary.json").read_text())
-        if folder is not None:
-            record = {
-                "hosts": hosts,
-                "rate_bps": rate_bps,
-                "ingress": fleet.ingress_mode,
-                "queue_seconds": queue_s,
-                "cpus": result.cpus,
-                "command": command,
-                "exit_codes": codes,
-                "wall_seconds": result.wall_seconds,
-                "link_stats": result.link_stats,
-            }
-            (folder / "fleet.json").write_text(json.dumps(record, indent=1))
-        return result
-    finally:
-        _stop(procs, 3.0)
-        for log in logs:
-            log.close()
-        fleet.down()
+    for host in range(hosts):
+        host_env = env(host)
+        log = open(folder / f"fleet.h{host}.log", "w") if folder is not None else None  # noqa: SIM115
+        if log is not None:
+            workers.logs.append(log)
+        start = functools.partial(
+            fleet.popen, host, command, host_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, text=True, bufsize=1, errors="replace",
+        )  # fmt: skip
+        proc = _pinned(cpu_sets[host], start) if cpu_sets is not None else start()
+        workers.procs.append(proc)
+        thread = threading.Thread(target=_stream, args=(proc, host, out, log, lock), daemon=True)
+        thread.start()
+        workers.threads.append(thread)
+
+
+def _wait_for_workers(procs: list[subprocess.Popen], codes: list[int | None], grace: float, out: TextIO) -> None:
+    """Poll the workers into ``codes`` until all exited; once one failed, stop the others after ``grace`` s."""
+    failed_at = None
+    while True:
+        for host, proc in enumerate(procs):
+            codes[host] = proc.poll()
+        if all(code is not None for code in codes):
+            break
+        if failed_at is None and any(code not in (None, 0) for code in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            out.write(f"noloco-fleet: a worker failed; stopping the others after {grace:g} s\n")
+            _stop(procs, 3.0)
+            codes[:] = [proc.poll() for proc in procs]
+            break
+        time.sleep(0.1)
+
+
+def _record_result(result: FleetResult, fleet: Fleet, command: list[str], hosts: int, rate_bps: float | None,
+                   queue_s: float, started: float) -> None:
+    """Fill in ``result`` (link stats, wall time, exit status, summary) and write ``fleet.json`` to the run folder."""
+    codes, folder = result.exit_codes, result.run_dir
+    result.link_stats = [fleet.link_stats(host) for host in range(hosts)]
+    result.wall_seconds = time.perf_counter() - started
+    # the first worker that failed on its own (a positive code), not the ones stopped after it
+    failed = [code for code in codes if code is not None and code > 0]
+    result.returncode = failed[0] if failed else (0 if all(code == 0 for code in codes) else 1)
+    if folder is not None and (folder / "summary.json").exists():
+        result.summary = json.loads((folder / "summary.json").read_text())
+    if folder is not None:
+        record = {
+            "hosts": hosts,
+            "rate_bps": rate_bps,
+            "ingress": fleet.ingress_mode,
+            "queue_seconds": queue_s,
+            "cpus": result.cpus,
+            "command": command,
+            "exit_codes": codes,
+            "wall_seconds": result.wall_seconds,
+            "link_stats": result.link_stats,
+        }
+        (folder / "fleet.json").write_text(json.dumps(record, indent=1))
+
+
+def _tear_down(workers: _Workers, fleet: Fleet) -> None:
+    """Stop every worker still running, close the log files and delete the namespaces."""
+    _stop(workers.procs, 3.0)
+    for log in workers.logs:
+        log.close()
+    fleet.down()
 
 
 def _pinned(cpus: set[int], start):
