@@ -132,8 +132,19 @@ class Algorithm:
         self.feedback = ReductionErrorFeedback() if error_feedback and not self.codec.exact else None
         self.inner_step = 0
         self.last_round: OuterRoundInfo | None = None
-        self.nonfinite_events = 0  # gradients or fast weights found non-finite and neutralised
+        self._nonfinite_host = 0  # gradients or fast weights found non-finite and neutralised
+        self._nonfinite_on_device: torch.Tensor | None = None  # the same count, still on the GPU (read lazily)
         self.norm_rejections = NormRejections()  # partners' contributions a norm bound refused (none for DDP)
+
+    @property
+    def nonfinite_events(self) -> int:
+        """Steps whose gradients (or fast weights) were non-finite and neutralised (reading it waits for the GPU)."""
+        on_device = 0 if self._nonfinite_on_device is None else int(self._nonfinite_on_device.item())
+        return self._nonfinite_host + on_device
+
+    @nonfinite_events.setter
+    def nonfinite_events(self, value: int) -> None:
+        self._nonfinite_host, self._nonfinite_on_device = int(value), None
 
     def sync_gradients(self) -> None:
         """Called after ``backward()``; averages gradients where the algorithm does so."""
@@ -146,7 +157,13 @@ class Algorithm:
         """
         faults.fire("inner.step", self.inner_step + 1, getattr(self.transport, "rank", None))
         grads = [p.grad for p in self.params if p.grad is not None]
-        if grads and not all(torch.isfinite(g).all() for g in grads):
+        if grads and grads[0].is_cuda and self.inner_opt.defaults.get("fused"):
+            # on the device, no host sync: the fused optimizer skips the step itself when found_inf is set
+            found_inf = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).float()
+            self._nonfinite_on_device = found_inf if self._nonfinite_on_device is None else (
+                self._nonfinite_on_device + found_inf)
+            self.inner_opt.found_inf, self.inner_opt.grad_scale = found_inf, None
+        elif grads and not all(torch.isfinite(g).all() for g in grads):
             self.nonfinite_events += 1
             self.inner_opt.zero_grad(set_to_none=True)
         self.inner_opt.step()
@@ -411,11 +428,14 @@ class OuterAlgorithm(Algorithm):
             raise ValueError(
                 f"checkpoint slow weights have shape {tuple(state['slow'].shape)}, model needs {tuple(self.slow.shape)}"
             )
-        self.slow = state["slow"].float().clone()
+        device = self.slow.device  # checkpoints are device-agnostic: their tensors go where this worker runs
+        self.slow = state["slow"].to(device, torch.float32).clone()
         self.rule.load_state_dict(state["rule"])
+        if self.rule.velocity is not None:
+            self.rule.velocity = self.rule.velocity.to(device)
         self.nonfinite_events = int(state.get("nonfinite_events", 0))
         if "reference" in state:
-            self.reference = state["reference"].float().clone()
+            self.reference = state["reference"].to(device, torch.float32).clone()
         _ef_load(self.feedback, state.get("feedback"))
         _ef_load(self.slow_feedback, state.get("slow_feedback"))
         if "norm_rejections" in state:

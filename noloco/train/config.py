@@ -125,16 +125,31 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.backend in BACKENDS, f"backend={cfg.backend!r} is not one of {BACKENDS}")
     _require(isinstance(cfg.workers, int) and cfg.workers >= 1, f"workers must be an integer >= 1, got {cfg.workers!r}")
     _require(isinstance(cfg.steps, int) and cfg.steps >= 1, f"steps must be an integer >= 1, got {cfg.steps!r}")
+    from noloco.train.device import DeviceError, check_device
+
+    try:
+        check_device(str(cfg.device))
+    except DeviceError as exc:
+        raise ConfigError(str(exc)) from None
+    _require(cfg.precision in ("auto", "bf16", "fp32"), f"precision={cfg.precision!r} is not one of auto, bf16, fp32")
+    _require(isinstance(cfg.compile, bool), f"compile must be true or false, got {cfg.compile!r}")
+    _require(cfg.log.flush_every is None or cfg.log.flush_every >= 1, "log.flush_every must be >= 1 (or null)")
     outer = cfg.outer
     _require(outer.algo in ALGOS, f"outer.algo={outer.algo!r} is not one of {ALGOS}")
     _require(outer.every >= 1, f"outer.every must be >= 1, got {outer.every}")
-    if outer.algo == "noloco":
-        _require(outer.group_size >= 2, f"outer.group_size must be >= 2 for noloco, got {outer.group_size}")
+    if outer.algo == "noloco" and cfg.backend != "hivemind":
+        if cfg.workers < outer.group_size:  # a single-worker sanity run: its group is itself
+            print(f"note: outer.group_size={outer.group_size} clamped to workers={cfg.workers}", file=sys.stderr)
+            outer.group_size = cfg.workers
+        _require(outer.group_size >= 1, f"outer.group_size must be >= 1 for noloco, got {outer.group_size}")
         _require(
             cfg.workers % outer.group_size == 0,
             f"outer.group_size={outer.group_size} does not divide workers={cfg.workers} "
-            "(seeded random groups need equal sizes)",
+            "(seeded random groups need equal sizes; e.g. outer.group_size=1 or workers="
+            f"{cfg.workers + outer.group_size - cfg.workers % outer.group_size})",
         )
+    elif outer.algo == "noloco":
+        _require(outer.group_size >= 2, f"outer.group_size must be >= 2 for noloco, got {outer.group_size}")
     if outer.momentum is None:
         outer.momentum = default_momentum(outer.algo)
     _require(0 <= outer.momentum < 1, f"outer.momentum must be in [0, 1), got {outer.momentum}")

@@ -21,10 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm.base import Transport
 from noloco.gossip.base import GroupSource
-from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, PeriodicAveraging
+from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, OuterAlgorithm, PeriodicAveraging
+from noloco.optim.algorithms import copy_flat_into
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.data import BatchSampler, TokenizedCorpus, eval_batches
+from noloco.train.device import autocast, flops_per_token, local_index, peak_tflops, resolve_precision, worker_device
 from noloco.train.metrics import MetricsLogger
 from noloco.train.model import LLaMA, model_config
 
@@ -41,6 +43,7 @@ class WorkerResult:
     eval_history: list[tuple[int, float]] = field(default_factory=list)
     nonfinite_events: int = 0
     norm_rejections: int = 0  # partners' contributions the outer exchange's norm bound refused
+    peak_memory_bytes: int = 0  # peak GPU memory allocated by this worker's process (CUDA only)
 
 
 def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
@@ -61,7 +64,8 @@ def build_inner_optimizer(
         [{"params": decay, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=inner.lr,
         betas=(inner.beta1, inner.beta2),
-        foreach=True,
+        # CUDA: one fused kernel, which also skips a step with non-finite gradients on the device (found_inf)
+        **({"fused": True} if decay and decay[0].is_cuda else {"foreach": True}),
     )
     floor = inner.min_lr / inner.lr
 
@@ -118,12 +122,16 @@ def build_algorithm(
 
 
 @torch.no_grad()
-def evaluate(model: LLaMA, batches) -> float:
-    """Mean cross-entropy (nats/token) over fixed held-out batches."""
+def evaluate(model: torch.nn.Module, batches, device: torch.device | None = None, precision: str = "fp32") -> float:
+    """Mean cross-entropy (nats/token) over fixed held-out batches (one host read at the end)."""
     model.eval()
-    total = sum(model(x, y)[1].item() for x, y in batches)
+    with autocast(device or torch.device("cpu"), precision):
+        losses = [model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))[1].float()
+                  for x, y in batches] if device is not None else [model(x, y)[1] for x, y in batches]  # fmt: skip
     model.train()
-    return total / len(batches)
+    if device is None:  # the CPU path sums Python floats in order (the default run's numbers)
+        return sum(loss.item() for loss in losses) / len(batches)
+    return sum(torch.stack(losses).tolist()) / len(batches)
 
 
 @dataclass
@@ -138,6 +146,11 @@ class RunContext:
     resume_step: int = 0
     progress: object | None = None
     stop_after: int | None = None  # testing hook: return after this step, as if killed
+    stop: object | None = None  # Ctrl-C: the step every worker stops at (checkpoint.LocalStop / StoreStop)
+
+    def should_stop(self, rank: int, step: int) -> bool:
+        """Ctrl-C: True once worker ``rank`` finished the step every worker of the run stops (and saves) at."""
+        return checkpoint.stop_here(self.stop, rank, step)
 
 
 @dataclass
@@ -152,50 +165,111 @@ class Worker:
     algo: Algorithm
     sampler: BatchSampler
     held_out: list
+    device: torch.device = torch.device("cpu")
+    precision: str = "fp32"
     start: int = 0
     wall_offset: float = 0.0
     history: list = field(default_factory=list)
 
     def state(self, step: int, wall: float) -> dict:
-        """Everything a checkpoint of ``step`` holds for this worker."""
+        """Everything a checkpoint of ``step`` holds for this worker, less what can be rebuilt exactly:
+
+        - the outer algorithm's initial weights φ₀ (``reference``): the seed's initial weights, rebuilt by
+          building the model from ``run.seed``; stored as a marker with their SHA-256, checked on load;
+        - the model weights θ when they equal the slow weights φ bit for bit (after an outer step, or
+          on a late joiner's first steps): stored as a marker, rebuilt from φ (buffers still stored).
+
+        AdamW moments, slow weights, outer momentum and error-feedback residuals stay fp32: a resume is
+        bit-exact only with the values the run had.
+        """
+        algorithm = self.algo.state_dict()
+        model = self.model.state_dict()
+        if isinstance(self.algo, OuterAlgorithm):
+            if not getattr(self, "_explicit_reference", False):  # φ₀ is this config's seed init
+                ref = self.algo.reference
+                memo = getattr(self, "_reference_digest", None)
+                if memo is None or memo[0] is not ref or memo[1] != ref._version:
+                    memo = (ref, ref._version, checkpoint.digest(ref))
+                    self._reference_digest = memo
+                algorithm["reference"] = {checkpoint.REBUILT: "seed", "sha256": memo[2]}
+            if _equals_flat(self.algo.params, self.algo.slow):
+                params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+                model = {checkpoint.REBUILT: "slow", "buffers": {k: v for k, v in model.items() if k not in params}}
         return {
             "step": step,
-            "model": self.model.state_dict(),
+            "vocab_size": self.model.cfg.vocab_size,
+            "model": model,
             "inner_opt": self.opt.state_dict(),
             "schedule": self.schedule.state_dict(),
-            "algorithm": self.algo.state_dict(),
+            "algorithm": algorithm,
             "counter": self.algo.counter.state_dict(),
             "wall_seconds": wall,
             "eval_history": self.history,
         }
 
+    def evaluate(self) -> float:
+        if self.device.type == "cpu" and self.precision == "fp32":
+            return evaluate(self.model, self.held_out)
+        return evaluate(self.model, self.held_out, self.device, self.precision)
+
     def load(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["inner_opt"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.algo.load_state_dict(state["algorithm"])
-        self.algo.counter.load_state_dict(state["counter"])
-        self.start, self.wall_offset, self.history = state["step"], state["wall_seconds"], state["eval_history"]
+        """Continue from a checkpoint's state (checked by :meth:`checkpoint.Layout.check`); rebuilds what
+        :meth:`state` left out. :class:`~noloco.train.checkpoint.CheckpointError` if φ₀ cannot be rebuilt."""
+        algorithm, model = dict(state["algorithm"]), state["model"]
+        reference = algorithm.pop("reference", None)
+        if isinstance(self.algo, OuterAlgorithm):
+            if isinstance(reference, dict):  # rebuilt: this worker's φ₀ was built from run.seed
+                if checkpoint.digest(self.algo.reference) != reference["sha256"]:
+                    raise checkpoint.CheckpointError(
+                        f"worker {self.rank}: the initial weights rebuilt from run.seed={self.seed} differ from the "
+                        "checkpoint's (run.seed or the model changed since it was saved)")
+            elif reference is not None and not torch.equal(reference.to(self.algo.reference), self.algo.reference):
+                algorithm["reference"] = reference  # an older checkpoint's φ₀ that is not the seed's
+                self._explicit_reference = True
+        try:
+            if not (isinstance(model, dict) and checkpoint.REBUILT in model):
+                self.model.load_state_dict(model)
+            self.opt.load_state_dict(state["inner_opt"])
+            self.schedule.load_state_dict(state["schedule"])
+            self.algo.load_state_dict(algorithm)
+            if isinstance(model, dict) and checkpoint.REBUILT in model:  # θ = φ
+                self.model.load_state_dict(model["buffers"], strict=False)
+                copy_flat_into(self.algo.slow, self.algo.params)
+            self.algo.counter.load_state_dict(state["counter"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise checkpoint.CheckpointError(f"worker {self.rank}: cannot load its state: {exc}") from None
+        self.start, self.wall_offset = state["step"], state["wall_seconds"]
+        self.history = [tuple(h) for h in state["eval_history"]]
 
 
 def build_worker(ctx: RunContext, backend: Backend) -> Worker:
     """Model, inner optimizer, algorithm and data of one worker; resumed, or started through the backend."""
     cfg = ctx.cfg
-    model = build_model(cfg, ctx.corpus.vocab_size)
+    device = worker_device(str(cfg.device), local_index(backend.rank))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_model(cfg, ctx.corpus.vocab_size).to(device)
     opt, schedule = build_inner_optimizer(cfg, model)
     algo = build_algorithm(cfg, model, opt, backend.groups(), skip_failed_rounds=backend.skip_failed_rounds)
+    forward = backend.wrap(model, algo)
     worker = Worker(
         rank=backend.rank,
         model=model,
-        forward=backend.wrap(model, algo),
+        forward=torch.compile(forward) if cfg.compile else forward,
         opt=opt,
         schedule=schedule,
         algo=algo,
         sampler=BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed),
         held_out=eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches),
+        device=device,
+        precision=resolve_precision(str(cfg.precision), device),
     )
-    if ctx.resume_from is not None:
-        worker.load(checkpoint.load_worker(ctx.resume_from, worker.rank))
+    if ctx.resume_from is not None:  # checked as a whole (noloco.train.cli) before the run wrote anything
+        state = checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step)
+        checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm)).check(
+            state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
+        worker.seed = cfg.run.seed
+        worker.load(state)
     else:
         worker.start = backend.start(algo, model)
         for _ in range(worker.start):  # the LR schedule continues where the live peers are
@@ -207,30 +281,27 @@ def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
     """One worker's whole run on ``backend``; returns its final numbers."""
     cfg = ctx.cfg
     worker = build_worker(ctx, backend)
-    algo, tokens_per_step = worker.algo, cfg.data.batch_size * cfg.data.seq_len
-    started = time.perf_counter()
-    wall = lambda: worker.wall_offset + time.perf_counter() - started  # noqa: E731
-
+    algo = worker.algo
+    log = StepLog(ctx, worker)
     if ctx.resume_from is None:  # the curve starts at the initial loss (a late joiner's: the live weights)
-        worker.history.append((worker.start, evaluate(worker.model, worker.held_out)))
-        ctx.metrics.log({"worker": worker.rank, "step": worker.start, "tokens": worker.start * tokens_per_step,
-                         "bytes_sent": 0, "bytes_received": 0, "wall": round(wall(), 4),
-                         "eval_loss": worker.history[-1][1]})  # fmt: skip
+        worker.history.append((worker.start, worker.evaluate()))
+        log.first(worker.history[-1][1])
     for step in range(worker.start + 1, cfg.steps + 1):
-        loss, lr, outer_round = inner_step(cfg, worker, step)
-        record = step_record(worker, step, loss, lr, outer_round, tokens_per_step, wall())
-        if step % cfg.eval.every == 0 or step == cfg.steps:
-            worker.history.append((step, evaluate(worker.model, worker.held_out)))
-            record["eval_loss"] = worker.history[-1][1]
-        ctx.metrics.log(record)
-        if ctx.progress is not None:
-            ctx.progress.advance(worker.rank, record["loss"])
+        loss, lr, outer_round, outer_seconds = inner_step(cfg, worker, step)
+        log.add(step, loss, lr, outer_round, outer_seconds)
+        evaluated = step % cfg.eval.every == 0 or step == cfg.steps
+        checkpointed = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps
+        if evaluated:
+            worker.history.append((step, worker.evaluate()))
+            log.evaluated(worker.history[-1][1])
+        if evaluated or checkpointed or step % log.flush_every == 0 or algo.last_round is not None:
+            log.flush()
         backend.after_step(step, algo)
-        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
-            save_checkpoint(ctx, backend, worker, step, wall())
+        if checkpointed:
+            save_checkpoint(ctx, backend, worker, step, log.wall())
         if ctx.stop_after is not None and step >= ctx.stop_after:
             break
-
+    log.flush()
     return WorkerResult(
         rank=worker.rank,
         final_eval_loss=worker.history[-1][1],
@@ -240,31 +311,116 @@ def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
         eval_history=worker.history,
         nonfinite_events=algo.nonfinite_events,
         norm_rejections=algo.norm_rejections.total,
+        peak_memory_bytes=torch.cuda.max_memory_allocated(worker.device) if worker.device.type == "cuda" else 0,
     )
 
 
+class StepLog:
+    """A worker's ``metrics.jsonl`` lines, written in batches: the loss stays on the device until a flush,
+    so a GPU worker reads back to the host once every ``log.flush_every`` steps, not every step.
+
+    Besides the per-step fields, a flushed line carries ``tokens_per_second`` (over the steps since the
+    last flush), ``mfu`` (where a peak is known, docs/design.md §8), ``gpu_peak_memory_gb`` on CUDA and
+    ``outer_ms`` on steps with an outer round.
+    """
+
+    def __init__(self, ctx: RunContext, worker: Worker):
+        cfg = ctx.cfg
+        self.ctx, self.worker = ctx, worker
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        default_flush = 10 if worker.device.type == "cuda" else 1
+        self.flush_every = int(cfg.log.flush_every or default_flush)
+        self.pending: list[tuple[dict, torch.Tensor]] = []
+        self.started = time.perf_counter()
+        self.window = (self.started, worker.start)
+        model = worker.model
+        embedding = model.embed.weight.numel() if hasattr(model, "embed") else 0
+        mcfg = getattr(model, "cfg", None)
+        self.flops = None if mcfg is None else flops_per_token(
+            sum(p.numel() for p in model.parameters()), embedding, mcfg.n_layers, mcfg.dim, cfg.data.seq_len)
+        self.peak = peak_tflops(worker.device, cfg.log.peak_tflops)
+
+    def wall(self) -> float:
+        return self.worker.wall_offset + time.perf_counter() - self.started
+
+    def first(self, eval_loss: float) -> None:
+        w = self.worker
+        self.ctx.metrics.log({"worker": w.rank, "step": w.start, "tokens": w.start * self.tokens_per_step,
+                              "bytes_sent": 0, "bytes_received": 0, "wall": round(self.wall(), 4),
+                              "eval_loss": eval_loss})  # fmt: skip
+
+    def add(self, step: int, loss: torch.Tensor, lr: float, outer_round, outer_seconds: float | None) -> None:
+        record = step_record(self.worker, step, lr, outer_round, self.tokens_per_step, self.wall())
+        if outer_seconds is not None:
+            record["outer_ms"] = round(1e3 * outer_seconds, 3)
+        self.pending.append((record, loss))
+
+    def evaluated(self, eval_loss: float) -> None:
+        self.pending[-1][0]["eval_loss"] = eval_loss
+
+    def flush(self) -> None:
+        """Read the pending losses (one host sync) and write their lines."""
+        if not self.pending:
+            return
+        losses = torch.stack([loss.detach().float() for _, loss in self.pending]).tolist()
+        algo, now = self.worker.algo, time.perf_counter()
+        last = self.pending[-1][0]
+        steps = last["step"] - self.window[1]
+        rate = steps * self.tokens_per_step / max(now - self.window[0], 1e-9)
+        last["tokens_per_second"] = round(rate, 1)
+        if self.flops is not None and self.peak is not None:
+            last["mfu"] = round(rate * self.flops / (self.peak * 1e12), 4)
+        if self.worker.device.type == "cuda":
+            last["gpu_peak_memory_gb"] = round(torch.cuda.max_memory_allocated(self.worker.device) / 2**30, 3)
+        if algo.nonfinite_events:
+            last["nonfinite_events"] = algo.nonfinite_events
+        for (record, _), loss in zip(self.pending, losses):
+            record["loss"] = loss
+            self.ctx.metrics.log(record)
+            if self.ctx.progress is not None:
+                self.ctx.progress.advance(self.worker.rank, loss)
+        self.window = (now, last["step"])
+        self.pending.clear()
+
+
 def inner_step(cfg: DictConfig, worker: Worker, step: int):
-    """batch → loss → backward → sync → clip → algorithm step (outer step every H); returns (loss, lr, round)."""
-    inputs, targets = worker.sampler.batch(worker.rank, step)
-    _, loss = worker.forward(inputs, targets)
+    """batch → loss → backward → sync → clip → algorithm step (outer step every H).
+
+    Returns (loss tensor, lr, outer round info or None, seconds the outer step took or None). Nothing
+    here waits for the GPU except an outer step (its exchange needs the weights).
+    """
+    if worker.device.type == "cpu":
+        inputs, targets = worker.sampler.batch(worker.rank, step)
+    else:  # pinned host buffer, non-blocking copy
+        inputs, targets = worker.sampler.batch(worker.rank, step, device=worker.device)
+    with autocast(worker.device, worker.precision):
+        _, loss = worker.forward(inputs, targets)
     loss.backward()
     worker.algo.sync_gradients()
     if cfg.inner.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(worker.model.parameters(), cfg.inner.grad_clip)
     lr = worker.schedule.get_last_lr()[0]
+    every = getattr(worker.algo, "every", 0)
+    if every and (worker.algo.inner_step + 1) % every == 0 and worker.device.type == "cuda":
+        torch.cuda.synchronize(worker.device)  # outer_ms then times the outer step, not the queued inner steps
+    started = time.perf_counter()
     outer_round = worker.algo.step()
+    outer_seconds = None
+    if outer_round is not None:
+        if worker.device.type == "cuda":
+            torch.cuda.synchronize(worker.device)
+        outer_seconds = time.perf_counter() - started
     worker.schedule.step()
-    return loss.item(), lr, outer_round
+    return loss.detach(), lr, outer_round, outer_seconds
 
 
-def step_record(worker: Worker, step: int, loss: float, lr: float, outer_round, tokens_per_step: int,
-                wall: float) -> dict:
-    """The ``metrics.jsonl`` line of one step (evaluation added by the caller)."""
+def step_record(worker: Worker, step: int, lr: float, outer_round, tokens_per_step: int, wall: float) -> dict:
+    """The ``metrics.jsonl`` line of one step (the loss and evaluation are added when it is flushed)."""
     algo = worker.algo
     record = {
         "worker": worker.rank,
         "step": step,
-        "loss": loss,
+        "loss": None,
         "lr": lr,
         "tokens": step * tokens_per_step,
         "bytes_sent": algo.counter.bytes_sent,
@@ -275,8 +431,6 @@ def step_record(worker: Worker, step: int, loss: float, lr: float, outer_round, 
         record["outer_round"], record["group"] = outer_round.round, outer_round.group
         if outer_round.skipped:
             record["outer_skipped"] = outer_round.skipped
-    if algo.nonfinite_events:
-        record["nonfinite_events"] = algo.nonfinite_events
     if algo.norm_rejections.total:
         record["norm_rejections"] = algo.norm_rejections.total
     return record
@@ -284,6 +438,20 @@ def step_record(worker: Worker, step: int, loss: float, lr: float, outer_round, 
 
 def save_checkpoint(ctx: RunContext, backend: Backend, worker: Worker, step: int, wall: float) -> None:
     """Save this worker's state; once every worker has (the backend's barrier), mark the step complete."""
+    if backend.marks_complete():
+        checkpoint.completes_checkpoints()
     checkpoint.save_worker(ctx.run_dir, step, worker.rank, worker.state(step, wall))
     if backend.barrier(step) and backend.marks_complete():
         checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(ctx.cfg), ctx.cfg.checkpoint.keep)
+    checkpoint.saved(ctx.run_dir, step)
+
+
+def _equals_flat(params: list[torch.Tensor], flat: torch.Tensor) -> bool:
+    """Whether ``params`` hold exactly the consecutive slices of ``flat`` (θ = φ after an outer step)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.dtype != flat.dtype or not torch.equal(p.detach().reshape(-1), flat[offset : offset + n]):
+            return False
+        offset += n
+    return offset == flat.numel()

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "docker-fleet-key-0123"
 TINY = ("model.dim=64 model.n_layers=2 model.n_heads=2 data.vocab_size=512 data.seq_len=32 data.batch_size=4 "
-        "eval.batches=2 log.tensorboard=false inner.warmup=5 comm.recv_timeout=15 comm.group_timeout=15 peer.window=3.0 peer.slack=0.5 "
+        "eval.batches=2 log.tensorboard=false inner.warmup=5 comm.timeout=15 peer.window=3.0 peer.slack=0.5 "
         "peer.live_timeout=15 peer.confirm_timeout=4 peer.matchmaking_timeout=8 peer.wait_for_peers=1")  # fmt: skip
 
 

@@ -78,3 +78,17 @@ def test_each_timeout_has_its_own_key():
     assert (cfg.comm.recv_timeout, cfg.comm.group_timeout, cfg.comm.startup_timeout) == (3, 4, 5)
     with pytest.raises(ConfigError, match="comm.group_timeout must be > 0"):
         load_config(["comm.group_timeout=0"])
+
+
+def test_a_gpu_asked_for_without_one_fails_at_start_up_with_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "device=cuda"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: device=cuda but no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+        "use device=cpu or device=auto"
+    ]

@@ -1,0 +1,86 @@
+"""Where a worker runs and in what precision: device placement, bf16 autocast, compile, MFU.
+
+``device``: ``auto`` (CUDA when a GPU is visible, else the CPU), ``cpu``, ``cuda`` (workers placed
+round robin over the visible GPUs by their index on this host) or ``cuda:N`` (every worker of this
+process on GPU N). ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16`` (autocast of
+the forward and backward in bfloat16; the weights, gradients, AdamW state and every outer buffer
+stay fp32: "fp32 master weights") or ``fp32``. ``compile: true`` wraps the module the loop calls in
+``torch.compile``. A GPU asked for on a machine without one is a config error (exit 2), found
+before any work.
+
+MFU (model FLOPs utilisation) counts ``6·N + 12·layers·dim·seq`` FLOPs per trained token (N the
+parameters without the input embedding's lookup: the forward and backward matmuls, plus attention)
+against ``log.peak_tflops``, by default the dense bf16 matmul rate measured on an H100/H200
+(790 TFLOP/s, docs/design.md §8); on other devices MFU is reported only when ``log.peak_tflops``
+is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+#: dense bf16 matmul TFLOP/s measured on one H200 (docs/design.md §8); H100 SXM is within a few %
+MEASURED_PEAK_TFLOPS = {"H200": 790.0, "H100": 790.0}
+
+
+class DeviceError(ValueError):
+    """A device or precision this machine cannot provide; the message is one line for the user."""
+
+
+def check_device(name: str) -> None:
+    """Raise :class:`DeviceError` unless ``name`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) can run here."""
+    if name in ("auto", "cpu"):
+        return
+    if name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise DeviceError(f"device={name!r} is not one of auto, cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device={name} but no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                          "use device=cpu or device=auto")  # fmt: skip
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise DeviceError(f"device={name} but this machine has {torch.cuda.device_count()} visible GPU(s)")
+
+
+def local_index(rank: int) -> int:
+    """This worker's index among the workers of its host: ``LOCAL_RANK`` under torchrun, else ``rank``."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def worker_device(name: str, index: int) -> torch.device:
+    """The device of the worker with host-local ``index`` (round robin over the visible GPUs)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", index % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` → ``bf16`` on CUDA, ``fp32`` on the CPU; ``bf16``/``fp32`` as given."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def autocast(device: torch.device, precision: str):
+    """The context the forward and backward run in: bf16 autocast, or nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def flops_per_token(params: int, embedding_params: int, layers: int, dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·(N − input embedding) + 12·layers·dim·seq (forward + backward)."""
+    return 6.0 * (params - embedding_params) + 12.0 * layers * dim * seq_len
+
+
+def peak_tflops(device: torch.device, configured: float | None) -> float | None:
+    """The peak MFU is measured against: ``configured``, else the measured rate of a known GPU, else None."""
+    if configured:
+        return float(configured)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in MEASURED_PEAK_TFLOPS.items() if key in name), None)
