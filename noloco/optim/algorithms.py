@@ -35,6 +35,8 @@ contribution more than that many times larger than this worker's own is dropped,
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import warnings
 from dataclasses import dataclass, replace
 
@@ -48,6 +50,8 @@ from noloco.gossip import GroupSource, ScheduledGroups
 from noloco.optim.base import OuterRule
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.noloco import NoLoCoRule
+
+logger = logging.getLogger(__name__)
 
 #: Default norm bound of the outer exchange (``comm.max_norm_ratio``): honest NoLoCo contributions are
 #: within a factor 1.4 of each other per segment (measured, docs/reliability.md), so 10 never refuses
@@ -63,6 +67,54 @@ class OuterRoundInfo:
     group: list[int]
     skipped: str | None = None
     rejected: int = 0  # partners' contributions (or reduced segments) the norm bound refused this round
+
+
+SAME_START = ("broadcast", "check", "trust")
+
+
+@torch.no_grad()
+def agree_on_start(params: list[torch.nn.Parameter], transport: Transport, mode: str, timeout: float) -> None:
+    """Make every rank of ``transport`` start from the same weights (NoLoCo, DiLoCo and DDP assume it).
+
+    Each rank sends rank 0 a SHA-256 of its weights. ``broadcast`` (the default): ranks whose weights
+    differ from rank 0's receive rank 0's and copy them in (a model built from the global RNG in
+    each thread, say). ``check``: such a rank raises ``ValueError`` instead. ``trust``: no check. The
+    start-up messages are not counted as traffic.
+    """
+    if mode not in SAME_START:
+        raise ValueError(f"same_start={mode!r} is not one of {SAME_START}")
+    if mode == "trust" or transport.world_size == 1:
+        return
+    flat = parameters_to_vector(params).detach().float().cpu().contiguous()
+    digest = hashlib.sha256(flat.numpy().tobytes()).digest()
+    before = transport.counter.state_dict()
+    try:
+        if transport.rank != 0:
+            transport.send(0, "start/digest", digest)
+            verdict = transport.recv(0, "start/verdict", timeout)
+            if verdict == b"same":
+                return
+            if mode == "check":
+                raise ValueError(f"rank {transport.rank} starts from other weights than rank 0: build every "
+                                 "replica from the same seed or state_dict (or pass same_start='broadcast')")
+            weights = transport.recv(0, "start/weights", timeout)
+            if len(weights) != 4 * flat.numel():
+                raise ValueError(f"rank 0's starting weights have {len(weights)} bytes, expected {4 * flat.numel()}")
+            copy_flat_into(torch.frombuffer(bytearray(weights), dtype=torch.float32).to(params[0].device), params)
+            return
+        differ = []
+        for rank in range(1, transport.world_size):
+            same = transport.recv(rank, "start/digest", timeout) == digest
+            transport.send(rank, "start/verdict", b"same" if same else b"differ")
+            if not same:
+                differ.append(rank)
+        if differ and mode == "broadcast":
+            payload = flat.numpy().tobytes()
+            for rank in differ:
+                transport.send(rank, "start/weights", payload)
+            logger.warning("ranks %s started from other weights than rank 0; they now start from rank 0's", differ)
+    finally:
+        transport.counter.load_state_dict(before)
 
 
 @dataclass
@@ -123,6 +175,7 @@ class Algorithm:
         error_feedback: bool = True,
         reduction: str = "two_phase",
         algorithm: str | None = None,
+        same_start: str = "broadcast",
     ):
         self.model, self.inner_opt, self.transport = model, inner_opt, transport
         self.params = _unique_params(model)
@@ -135,6 +188,8 @@ class Algorithm:
         self._nonfinite_host = 0  # gradients or fast weights found non-finite and neutralised
         self._nonfinite_on_device: torch.Tensor | None = None  # the same count, still on the GPU (read lazily)
         self.norm_rejections = NormRejections()  # partners' contributions a norm bound refused (none for DDP)
+        if transport is not None:
+            agree_on_start(self.params, transport, same_start, self.timeout)
 
     @property
     def nonfinite_events(self) -> int:
@@ -252,6 +307,7 @@ class OuterAlgorithm(Algorithm):
         max_norm_ratio: float | None = DEFAULT_MAX_NORM_RATIO,
         group_timeout: float | None = None,
         algorithm: str | None = None,
+        same_start: str = "broadcast",
     ):
         super().__init__(
             model,
@@ -261,6 +317,7 @@ class OuterAlgorithm(Algorithm):
             timeout=timeout,
             error_feedback=error_feedback,
             reduction=_reduction_name(reduction, algorithm),
+            same_start=same_start,
         )
         # seconds a round may spend forming its group (an open swarm's matchmaking); default: timeout
         self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
