@@ -6,20 +6,17 @@
 
 import warnings
 
-from noloco.optim.algorithms import (  # noqa: F401 - re-exported for old user code
-    DDP,
-    DEFAULT_MAX_NORM_RATIO,
-    Algorithm,
-    DiLoCo,
-    NoLoCo,
-    OuterAlgorithm,
-    OuterRoundInfo,
-    PeriodicAveraging,
-    copy_flat_into,
-)
+from noloco.optim import algorithms as _algorithms
 
 warnings.warn(
     "noloco.train.algorithms is deprecated: import NoLoCo, DiLoCo, DDP and PeriodicAveraging from noloco.optim",
     DeprecationWarning,
     stacklevel=2,
 )
+
+
+def __getattr__(name: str):
+    """Every public name of :mod:`noloco.optim.algorithms`, under its old module."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(_algorithms, name)

@@ -125,22 +125,20 @@ def _exchange(fabric, rank, tag="outer/r3/delta", group=(0, 1, 2)):
     return Exchange(fabric.transports[rank], info, timeout=1.0)
 
 
-def test_payload_from_the_wrong_member_is_rejected():
+@pytest.mark.parametrize(
+    "sender, sender_tag, reason",
+    [
+        (2, "outer/r3/delta", "sender index"),  # member 2 forges the message member 1 owes member 0
+        (1, "outer/r2/delta", "round"),  # member 1's message of another round
+    ],
+    ids=["from-the-wrong-member", "from-another-round"],
+)
+def test_payload_under_another_members_address_or_round_is_rejected(sender, sender_tag, reason):
     fabric = LocalFabric(3)
-    receiver, forger = _exchange(fabric, 0), _exchange(fabric, 2)
-    # member 2 forges the message member 1 owes member 0, under member 1's address
-    header = forger.info.header(0, sender=2, segment=0).pack()
+    receiver, other = _exchange(fabric, 0, tag="outer/r3/delta"), _exchange(fabric, sender, tag=sender_tag)
+    header = other.info.header(0, sender=sender, segment=0).pack()
     fabric._deliver(1, 0, receiver.tag_of(0, 0, 0), header + b"x")
-    with pytest.raises(PayloadMismatch, match="sender index"):
-        receiver.recv(1, 0, 0)
-
-
-def test_payload_from_another_round_is_rejected():
-    fabric = LocalFabric(3)
-    receiver, stale = _exchange(fabric, 0, tag="outer/r3/delta"), _exchange(fabric, 1, tag="outer/r2/delta")
-    header = stale.info.header(0, sender=1, segment=0).pack()
-    fabric._deliver(1, 0, receiver.tag_of(0, 0, 0), header + b"x")
-    with pytest.raises(PayloadMismatch, match="round"):
+    with pytest.raises(PayloadMismatch, match=reason):
         receiver.recv(1, 0, 0)
 
 

@@ -78,27 +78,28 @@ def test_forged_header_fields_are_rejected(offset, value, match):
         Packed.from_bytes(_reseal(bytes(body)))
 
 
-def test_forged_values_that_would_decode_to_non_finite_are_rejected():
-    p = quantize(torch.randn(64), "int8")
-    p.scales[0] = 0x7F80  # bf16 +inf
-    with pytest.raises(PayloadError, match="scale"):
+def _forge_section(section: str, index, value):
+    def forge(p):
+        getattr(p, section)[index] = value
+    return forge
+
+
+@pytest.mark.parametrize(
+    "spec, numel, forge, reason",
+    [
+        ("int8", 64, _forge_section("scales", 0, 0x7F80), "scale"),  # bf16 +inf
+        ("mxfp8", 64, _forge_section("scales", 1, 255), "E8M0"),
+        ("mxfp8", 64, _forge_section("codes", 3, 0x7F), "NaN"),
+        ("fp32", 8, _forge_section("codes", slice(0, 4), torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)), "NaN"),
+        ("int4", 64, _forge_section("zero_points", 0, 200), "zero point"),
+    ],
+    ids=["int8-inf-scale", "mx-nan-scale", "e4m3-nan-code", "fp32-nan", "int4-zero-point"],
+)
+def test_forged_values_that_would_decode_to_non_finite_are_rejected(spec, numel, forge, reason):
+    p = quantize(torch.randn(numel), spec)
+    forge(p)
+    with pytest.raises(PayloadError, match=reason):
         Packed.from_bytes(p.to_bytes())
-    m = quantize(torch.randn(64), "mxfp8")
-    m.scales[1] = 255
-    with pytest.raises(PayloadError, match="E8M0"):
-        Packed.from_bytes(m.to_bytes())
-    m = quantize(torch.randn(64), "mxfp8")
-    m.codes[3] = 0x7F
-    with pytest.raises(PayloadError, match="NaN"):
-        Packed.from_bytes(m.to_bytes())
-    f = quantize(torch.randn(8), "fp32")
-    f.codes[:4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
-    with pytest.raises(PayloadError, match="NaN"):
-        Packed.from_bytes(f.to_bytes())
-    z = quantize(torch.randn(64), "int4")
-    z.zero_points[0] = 200
-    with pytest.raises(PayloadError, match="zero point"):
-        Packed.from_bytes(z.to_bytes())
 
 
 def test_non_canonical_spec_is_rejected():
