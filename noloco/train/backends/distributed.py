@@ -37,7 +37,7 @@ from noloco.optim import OuterAlgorithm
 from noloco.train.backends.local import WorldBackend
 from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger
-from noloco.train.run import Progress, default_run_name, finish, prepare, relative_spread, summarize
+from noloco.train.run import Progress, default_run_name, finish, prepare, relative_spread, summarize, weight_sketch
 
 
 def _under_launcher() -> bool:
@@ -249,11 +249,12 @@ def _gather_summary(cfg, folder: Path, corpus, params: int, result: WorkerResult
         dist.all_gather_object(results, own)
         dist.all_gather_object(waits, transport.wait_seconds)
         dist.all_gather_object(inner, inner_bytes)
-        slow = result.slow_weights.double()
-        mean = slow.clone()
+        # a sketch of the weights, not the weights: on a shaped link this must not cost a model's worth of bytes
+        sketch = weight_sketch(result.slow_weights)
+        mean = sketch.clone()
         dist.all_reduce(mean)
         mean /= world
-        spread = (slow - mean).pow(2).sum().reshape(1)
+        spread = (sketch - mean).pow(2).sum().reshape(1)
         dist.all_reduce(spread)
         consensus = relative_spread(mean, spread / world)
     except Exception as exc:  # noqa: BLE001 - a rank died: this survivor reports on its own
