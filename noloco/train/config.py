@@ -150,6 +150,9 @@ def validate(cfg: DictConfig) -> None:
         )
     elif outer.algo == "noloco":
         _require(outer.group_size >= 2, f"outer.group_size must be >= 2 for noloco, got {outer.group_size}")
+    if outer.algo != "ddp" and cfg.steps < outer.every:
+        print(f"warning: steps={cfg.steps} < outer.every={outer.every}: this run has no outer exchange "
+              "(every worker trains alone)", file=sys.stderr)  # fmt: skip
     if outer.momentum is None:
         outer.momentum = default_momentum(outer.algo)
     _require(0 <= outer.momentum < 1, f"outer.momentum must be in [0, 1), got {outer.momentum}")

@@ -92,3 +92,10 @@ def test_a_gpu_asked_for_without_one_fails_at_start_up_with_one_line():
         "error: device=cuda but no CUDA GPU is visible here (torch.cuda.is_available() is False); "
         "use device=cpu or device=auto"
     ]
+
+
+def test_a_run_shorter_than_one_round_warns_that_it_has_no_exchange(capsys):
+    load_config(["steps=10", "outer.every=20"])
+    assert "no outer exchange" in capsys.readouterr().err
+    load_config(["steps=40", "outer.every=20"])
+    assert "no outer exchange" not in capsys.readouterr().err
