@@ -118,6 +118,16 @@ def agree_on_start(params: list[torch.nn.Parameter], transport: Transport, mode:
 
 
 @dataclass
+class _RoundResult:
+    """An outer round's exchange: what to log, the group means to apply (None: skipped), whether the
+    fast weights were non-finite."""
+
+    info: OuterRoundInfo
+    means: tuple[torch.Tensor, torch.Tensor | None] | None
+    guarded: bool = False
+
+
+@dataclass
 class OuterState:
     """What a joining worker adopts from a live one: the inner step, the slow weights φ and the outer
     momentum (flat fp32; ``None`` for rules without momentum). AdamW moments are not part of it."""
@@ -359,45 +369,56 @@ class OuterAlgorithm(Algorithm):
         return info
 
     def _outer_step(self, round_index: int) -> OuterRoundInfo:
+        result = self._exchange_round(round_index, parameters_to_vector(self.params).detach().float())
+        if result.guarded:
+            self.inner_opt.state.clear()  # moments may hold NaN/Inf too
+        if result.means is not None:
+            self.rule.step(self.slow, *result.means)
+            copy_flat_into(self.slow, self.params)
+        return result.info
+
+    def _exchange_round(self, round_index: int, fast: torch.Tensor) -> _RoundResult:
+        """Form the round's group and reduce ``fast`` (this worker's fast weights, flat fp32) over it.
+
+        Changes nothing but the exchange's own state (error feedback, counters), so it can run in the
+        background while training goes on (``overlap``); the caller applies the means.
+        """
         rank = getattr(self.transport, "rank", None)
         link = faults.fire("outer.exchange", self.inner_step, rank)
+        guarded = not bool(torch.isfinite(fast).all())
+        if guarded:  # contribute a zero pseudo-gradient; partners are not poisoned, this worker restarts from φ
+            self.nonfinite_events += 1
+            fast = self.slow.clone()
         group = self.groups.form(round_index, self.group_timeout)
         if group is None:
             if not self.skip_failed_rounds:
                 raise CommError(f"round {round_index}: no group could be formed")
-            return OuterRoundInfo(round=round_index, group=[], skipped="no partner")
+            return _RoundResult(OuterRoundInfo(round=round_index, group=[], skipped="no partner"), None, guarded)
         rejected_before = self.norm_rejections.total
         try:
             transport = faults.exchange_transport(group.transport, link, self.inner_step, rank)
-            mean_delta, mean_slow = self._exchange(group if transport is group.transport else
-                                                   replace(group, transport=transport))  # fmt: skip
+            means = self._exchange(group if transport is group.transport else replace(group, transport=transport),
+                                   fast, guarded)  # fmt: skip
         except CommAborted:
             raise
         except (CommError, ValueError) as exc:
             if not self.skip_failed_rounds:
                 raise
-            return OuterRoundInfo(round_index, group.members, skipped=f"{type(exc).__name__}: {exc}",
+            info = OuterRoundInfo(round_index, group.members, skipped=f"{type(exc).__name__}: {exc}",
                                   rejected=self.norm_rejections.total - rejected_before)  # fmt: skip
+            return _RoundResult(info, None, guarded)
         finally:
             self.groups.release(group)
-        self.rule.step(self.slow, mean_delta, mean_slow)
-        copy_flat_into(self.slow, self.params)
-        return OuterRoundInfo(round=round_index, group=group.peer_ids or group.members,
+        info = OuterRoundInfo(round=round_index, group=group.peer_ids or group.members,
                               rejected=self.norm_rejections.total - rejected_before)  # fmt: skip
+        return _RoundResult(info, means, guarded)
 
-    def _exchange(self, group) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _exchange(self, group, fast: torch.Tensor, guarded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Group means of the pseudo-gradient and (if the rule needs it) the slow weights.
 
-        Fast weights that went non-finite are replaced by the slow weights before anything is sent:
-        this worker contributes a zero pseudo-gradient, its partners are not poisoned, and its own
-        model restarts from φ.
+        ``fast``: what this worker contributes (its fast weights; its slow weights when they went
+        non-finite, ``guarded``).
         """
-        fast = parameters_to_vector(self.params).detach().float()
-        guarded = not torch.isfinite(fast).all()
-        if guarded:
-            self.nonfinite_events += 1
-            fast = self.slow.clone()
-            self.inner_opt.state.clear()  # moments may hold NaN/Inf too
         tag = f"outer/r{group.round}"
 
         def reduce(x: torch.Tensor, what: str, codec: Codec, feedback, reference=None) -> torch.Tensor:
