@@ -81,6 +81,7 @@ class TorchDistTransport(Transport):
         self._closed_peers: set[int] = set()
         self._cond = threading.Condition()
         self._send_locks = {peer: threading.Lock() for peer in range(self.world_size)}
+        self._pending_lock = threading.Lock()
         self._pending_sends: list[Any] = []
         self._closed = False
         if latency is None:
@@ -160,9 +161,9 @@ class TorchDistTransport(Transport):
     # ---- sending ---------------------------------------------------------------------------------------
     def _post(self, dst: int, tensors: list[torch.Tensor]) -> None:
         with self._send_locks[dst]:
-            for tensor in tensors:
-                self._pending_sends.append(dist.isend(tensor, dst=self._global(dst), group=self.group, tag=_CHANNEL))
-        self._pending_sends = [w for w in self._pending_sends if not w.is_completed()]
+            works = [dist.isend(tensor, dst=self._global(dst), group=self.group, tag=_CHANNEL) for tensor in tensors]
+        with self._pending_lock:  # delay threads post too: one list, changed under one lock
+            self._pending_sends = [w for w in self._pending_sends if not w.is_completed()] + works
 
     def send(self, dst: int, tag: str, payload: bytes) -> None:
         self._check_peer(dst)
@@ -241,14 +242,20 @@ class TorchDistTransport(Transport):
                     pass
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        for work in self._pending_sends:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()  # delay threads exit
+        # no thread of ours may still be inside gloo when the process group is destroyed (that aborts the
+        # process: "terminate called without an active exception")
+        for thread in list(self._delay_threads.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._pending_lock:
+            pending, self._pending_sends = self._pending_sends, []
+        for work in pending:
             try:
                 work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()  # delay threads exit
 
 
 def free_port() -> int:
