@@ -302,15 +302,19 @@ def file_documents(spec: str) -> list[Document]:
     return docs
 
 
-def load_documents(source: str, path: str | None = None) -> list[Document]:
-    """The documents of a data source (see module docstring)."""
+def load_documents(source: str, path: str | None = None, hf: dict | None = None) -> list[Document]:
+    """The documents of a data source (see module docstring; ``hf``: the ``data.hf_*`` options, noloco/train/hf.py)."""
     sources = {"shakespeare": shakespeare_documents, "kjv": kjv_documents}
     if source == "files":
         return file_documents(path or "")
+    if source == "hf":
+        from noloco.train.hf import hf_documents
+
+        return hf_documents(hf or {})
     if source == "shakespeare+kjv":
         return shakespeare_documents() + kjv_documents()
     if source not in sources:
-        raise DataError(f"unknown data.source {source!r}; use shakespeare, kjv, shakespeare+kjv or files")
+        raise DataError(f"unknown data.source {source!r}; use shakespeare, kjv, shakespeare+kjv, files or hf")
     return sources[source]()
 
 
@@ -514,15 +518,24 @@ def prepare_corpus(
     vocab_size: int = 4096,
     eval_fraction: float = 0.1,
     cache_dir: str | os.PathLike = "~/.cache/noloco",
+    *,
+    tokenizer: str | None = None,
+    hf: dict | None = None,
 ) -> TokenizedCorpus:
-    """Load, split, train the tokenizer and tokenize, reusing the cache when the inputs match."""
+    """Load, split, train the tokenizer and tokenize, reusing the cache when the inputs match.
+
+    ``tokenizer`` (``data.tokenizer``) and ``hf`` (``data.source=hf``: :func:`noloco.train.hf.corpus_options`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    if tokenizer or (hf and hf.get("streaming")):  # a user tokenizer or a streamed dataset: noloco/train/hf.py
+        from noloco.train import hf as hf_adapters
+
+        return hf_adapters.prepare_corpus(source, path, vocab_size, eval_fraction, cache_dir, tokenizer, hf)
     if not 256 < vocab_size <= MAX_VOCAB:
         raise DataError(f"data.vocab_size must be in (256, {MAX_VOCAB}], got {vocab_size}")
     if not 0 < eval_fraction < 1:
         raise DataError(f"data.eval_fraction must be in (0, 1), got {eval_fraction}")
-    docs = load_documents(source, path)
+    docs = load_documents(source, path, hf)
     folder = Path(os.path.expanduser(str(cache_dir))) / "data" / _cache_key(docs, vocab_size, eval_fraction)
     cached = _load_cached(folder) if (folder / "meta.json").exists() else None
     if cached is not None:

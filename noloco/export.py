@@ -1,0 +1,300 @@
+"""Export a run's model as a transformers folder: ``python -m noloco.export runs/<run> --out exported/``.
+
+The weights are the slow weights φ of one worker (``--worker``, default 0) or their mean over the
+workers (``--mean``) in the run's latest complete checkpoint (or the checkpoint folder given); a DDP
+run has no slow weights and exports its model weights. noloco's own LLaMA becomes a
+``LlamaForCausalLM`` (config.json + model.safetensors): the fused ``qkv`` and ``gate_up`` weights are
+split into Llama's ``q/k/v_proj`` and ``gate/up_proj``, and the rows of ``q`` and ``k`` of every head
+are permuted from noloco's rotary convention (pairs of even and odd dimensions) to Llama's (the first
+and second half of the head), so the exported model computes the same logits. A ``model.source=hf``
+model is written with its own ``save_pretrained``. The tokenizer goes beside it (``tokenizer.json``,
+``tokenizer_config.json``), so ``AutoModelForCausalLM.from_pretrained(out)`` and
+``AutoTokenizer.from_pretrained(out)`` load the pair.
+
+Which tokenizer: ``--tokenizer``, else ``<run>/tokenizer.json`` if the run has one, else the run's
+``data.tokenizer``, else the run's data cache (the corpus is looked up again; its tokens are cached).
+Its vocabulary must be the checkpoint's. Exit status 0, or 2 with one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from noloco.train import checkpoint
+from noloco.train.config import ConfigError, _merge, default_config
+from noloco.train.data import DataError
+from noloco.train.model import LLaMA
+
+
+class ExportError(ValueError):
+    """What cannot be exported; one line for the user."""
+
+
+ERRORS = (ExportError, ConfigError, DataError, checkpoint.CheckpointError)
+
+
+# ------------------------------------------------------------------------------- reading a run
+
+
+def find_checkpoint(path) -> tuple[Path, Path, int]:
+    """(checkpoint folder, run folder, step) of a run folder (its latest checkpoint) or a checkpoint path."""
+    given = Path(path).expanduser()
+    if (given / "checkpoints").is_dir():
+        given = given / "checkpoints" / "latest"
+    elif not given.exists() and not given.is_symlink():
+        raise ExportError(f"{path}: no such run or checkpoint")
+    return checkpoint.resolve(given)
+
+
+def run_config(folder: Path) -> DictConfig:
+    """The checkpoint's config over the defaults (not validated: the run's data need not be here)."""
+    saved = folder / "config.yaml"
+    if not saved.is_file():
+        raise checkpoint.CheckpointError(f"{saved}: missing: the checkpoint is damaged")
+    return _merge(default_config(), OmegaConf.load(saved), str(saved))
+
+
+def build(cfg: DictConfig, vocab: int) -> torch.nn.Module:
+    from noloco.train.loop import build_model
+
+    return build_model(cfg, vocab)
+
+
+def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]  # the order of the algorithms' flat vectors
+
+
+def worker_weights(folder: Path, step: int, rank: int, model: torch.nn.Module, initial) -> torch.Tensor:
+    """Worker ``rank``'s slow weights (a DDP run: its model weights) as one flat fp32 vector in
+    ``model.parameters()`` order; ``model`` is one the run built (its buffers are loaded on the way);
+    ``initial()``: the seed's initial weights (flat), for a checkpoint that stores φ = φ₀ as a marker."""
+    from torch.nn.utils import parameters_to_vector
+
+    state = checkpoint.load_worker(folder, rank, step)
+    algo, weights = state.get("algorithm") or {}, state.get("model")
+    if isinstance(weights, dict) and checkpoint.REBUILT in weights:
+        model.load_state_dict(weights.get("buffers") or {}, strict=False)
+    elif isinstance(weights, dict):
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as exc:
+            reason = str(exc)[:200]
+            raise checkpoint.CheckpointError(f"{folder}/worker_{rank}: not this run's model ({reason})") from None
+    slow = algo.get("slow")
+    if isinstance(slow, dict):  # φ = φ₀ (no outer step has changed it): the stored or the seed's initial weights
+        reference = algo.get("reference")
+        slow = reference if isinstance(reference, torch.Tensor) else initial()
+    if slow is None:  # DDP: the model weights
+        if not isinstance(weights, dict) or checkpoint.REBUILT in weights:
+            raise checkpoint.CheckpointError(f"{folder}/worker_{rank}: holds neither slow nor model weights")
+        slow = parameters_to_vector(_trainable(model)).detach().float()
+    expected = sum(p.numel() for p in _trainable(model))
+    if not isinstance(slow, torch.Tensor) or slow.numel() != expected:
+        raise checkpoint.CheckpointError(f"{folder}/worker_{rank}: its slow weights are not {expected} numbers")
+    return slow.float()
+
+
+def load_run_model(path, worker: int | None = 0, mean: bool = False):
+    """(model holding the chosen weights, config, run folder, checkpoint folder, step, which weights) of a run."""
+    from torch.nn.utils import parameters_to_vector
+
+    from noloco.optim.algorithms import copy_flat_into
+
+    folder, run_dir, step = find_checkpoint(path)
+    cfg = run_config(folder)
+    ranks = checkpoint.worker_ranks(folder)
+    if not ranks:
+        raise checkpoint.CheckpointError(f"{folder} holds no worker state")
+    vocab = checkpoint.checkpoint_vocab_size(folder)
+    if vocab is None:
+        raise checkpoint.CheckpointError(f"{folder}: cannot tell its models' vocabulary")
+    model = build(cfg, vocab)
+    seed_init = parameters_to_vector(_trainable(model)).detach().float().clone()  # built from run.seed: φ₀
+    initial = lambda: seed_init
+    if mean:
+        total = None
+        for rank in ranks:
+            flat = worker_weights(folder, step, rank, model, initial).double()
+            total = flat if total is None else total + flat
+        flat, what = (total / len(ranks)).float(), f"the mean of workers {ranks}"
+    else:
+        rank = ranks[0] if worker is None else worker
+        if rank not in ranks:
+            raise ExportError(f"{folder}: no worker {rank} (workers: {ranks})")
+        flat, what = worker_weights(folder, step, rank, model, initial), f"worker {rank}"
+    copy_flat_into(flat, _trainable(model))
+    model.eval()
+    return model, cfg, run_dir, folder, step, what
+
+
+def run_tokenizer(cfg: DictConfig, run_dir: Path, override=None):
+    """The tokenizer the run trained with (see the module docstring for where it is looked for)."""
+    from noloco.train.hf import corpus_options, corpus_tokenizer, load_tokenizer
+
+    if override:
+        return load_tokenizer(override)
+    if (run_dir / "tokenizer.json").is_file():
+        return load_tokenizer(run_dir / "tokenizer.json")
+    if cfg.data.get("tokenizer"):
+        return load_tokenizer(cfg.data.tokenizer)
+    from noloco.train.data import prepare_corpus
+
+    try:
+        corpus = prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction,
+                                cfg.data.cache_dir, **corpus_options(cfg.data))  # fmt: skip
+    except DataError as exc:
+        raise ExportError(f"cannot find the run's tokenizer ({exc}); pass --tokenizer") from None
+    return corpus_tokenizer(corpus)
+
+
+def check_vocab(tokenizer, vocab: int) -> None:
+    if tokenizer.vocab_size != vocab:
+        raise ExportError(f"the tokenizer {tokenizer.source} has {tokenizer.vocab_size} tokens, the checkpoint's "
+                          f"model a vocabulary of {vocab}")  # fmt: skip
+
+
+# ------------------------------------------------------------------------ noloco LLaMA -> Llama
+
+
+def rope_permutation(head_dim: int) -> torch.Tensor:
+    """Row order taking one head of noloco's q/k (rotating pairs 2i, 2i+1) to Llama's (rotating i, i + d/2)."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
+def llama_config(model: LLaMA, eot_id: int | None = None):
+    from transformers import LlamaConfig
+
+    c = model.cfg
+    return LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.hidden_dim,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_heads,
+        head_dim=c.dim // c.n_heads,
+        hidden_act="silu",
+        max_position_embeddings=c.max_seq_len,
+        initializer_range=c.init_std,
+        rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=eot_id,
+        eos_token_id=eot_id,
+        pad_token_id=None,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+@torch.no_grad()
+def llama_state_dict(model: LLaMA) -> dict[str, torch.Tensor]:
+    """noloco's LLaMA weights under LlamaForCausalLM's names (q/k rows permuted for Llama's rotary)."""
+    c = model.cfg
+    head_dim = c.dim // c.n_heads
+    perm = rope_permutation(head_dim)
+
+    def rope_rows(weight: torch.Tensor) -> torch.Tensor:
+        return weight.view(c.n_heads, head_dim, -1)[:, perm].reshape(c.dim, -1)
+
+    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight,
+           "lm_head.weight": model.head.weight}  # fmt: skip
+    for i, block in enumerate(model.blocks):
+        prefix = f"model.layers.{i}."
+        q, k, v = block.attn.qkv.weight.chunk(3, dim=0)
+        gate, up = block.mlp.gate_up.weight.chunk(2, dim=0)
+        out.update({
+            prefix + "input_layernorm.weight": block.attn_norm.weight,
+            prefix + "self_attn.q_proj.weight": rope_rows(q),
+            prefix + "self_attn.k_proj.weight": rope_rows(k),
+            prefix + "self_attn.v_proj.weight": v,
+            prefix + "self_attn.o_proj.weight": block.attn.out.weight,
+            prefix + "post_attention_layernorm.weight": block.mlp_norm.weight,
+            prefix + "mlp.gate_proj.weight": gate,
+            prefix + "mlp.up_proj.weight": up,
+            prefix + "mlp.down_proj.weight": block.mlp.down.weight,
+        })  # fmt: skip
+    return {name: t.detach().float().contiguous().clone() for name, t in out.items()}
+
+
+def save_llama(model: LLaMA, out: Path, eot_id: int | None = None) -> None:
+    """Write ``model`` as a ``LlamaForCausalLM`` folder: config.json and model.safetensors (what
+    ``save_pretrained`` writes; a tied ``lm_head`` is stored once, as the embedding)."""
+    from safetensors.torch import save_file
+
+    config = llama_config(model, eot_id)
+    state = llama_state_dict(model)
+    if config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    config.save_pretrained(out)
+    save_file(state, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+def save_tokenizer(tokenizer, out: Path) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` (a transformers tokenizer folder keeps its own files)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    source = Path(str(tokenizer.source)).expanduser()
+    if source.is_dir():
+        AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out)
+        return
+    eot = tokenizer.tokenizer.id_to_token(tokenizer.eot_id)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizer, eos_token=eot, bos_token=eot).save_pretrained(out)
+
+
+def export(path, out, worker: int | None = 0, mean: bool = False, tokenizer=None) -> dict:
+    """Write the transformers folder ``out`` for the run or checkpoint ``path``; returns what was written."""
+    from noloco.train.hf import HFCausalLM, _transformers
+
+    _transformers("noloco.export")
+    model, cfg, run_dir, folder, step, what = load_run_model(path, worker, mean)
+    vocab = model.cfg.vocab_size
+    tok = run_tokenizer(cfg, run_dir, tokenizer)
+    check_vocab(tok, vocab)
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, HFCausalLM):
+        model.hf.config.use_cache = True
+        model.hf.save_pretrained(out)
+    elif isinstance(model, LLaMA):
+        save_llama(model, out, tok.eot_id)
+    else:
+        raise ExportError(f"cannot export a {type(model).__name__}")
+    save_tokenizer(tok, out)
+    info = {"run": str(run_dir), "checkpoint": str(folder), "step": step, "weights": what, "vocab_size": vocab,
+            "model": "hf" if isinstance(model, HFCausalLM) else "noloco-llama"}  # fmt: skip
+    (out / "noloco_export.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m noloco.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("run", help="a run folder (its latest checkpoint) or a checkpoint folder")
+    parser.add_argument("--out", required=True, help="the transformers folder to write")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--worker", type=int, default=0, help="export this worker's slow weights (default 0)")
+    which.add_argument("--mean", action="store_true", help="export the mean of every worker's slow weights")
+    parser.add_argument("--tokenizer", help="a tokenizers JSON file or tokenizer folder (default: the run's)")
+    args = parser.parse_args(argv)
+    try:
+        info = export(args.run, args.out, args.worker, args.mean, args.tokenizer)
+    except ERRORS as exc:
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 2
+    print(f"exported {info['weights']} of {info['checkpoint']} (step {info['step']}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
