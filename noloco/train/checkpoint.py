@@ -1,29 +1,53 @@
-"""Per-worker checkpoints: safetensors for tensors, JSON for the rest, checksummed and written atomically.
+"""Per-worker checkpoints: safetensors for tensors, JSON for the rest, checksummed, validated, written atomically.
 
 Layout::
 
-    runs/<run>/checkpoints/step_000120/worker_0.safetensors   # every tensor of the worker's state
+    runs/<run>/checkpoints/step_000120/worker_0.safetensors   # every stored tensor of the worker's state
     runs/<run>/checkpoints/step_000120/worker_0.json          # the rest, with the tensors' SHA-256
     runs/<run>/checkpoints/step_000120/config.yaml
     runs/<run>/checkpoints/step_000120/COMPLETE               # written once every worker has saved
-    runs/<run>/checkpoints/latest -> step_000120               # symlink, replaced atomically
+    runs/<run>/checkpoints/latest -> step_000120               # symlink (a bare name beside it), replaced atomically
 
 A worker's state is a nested structure of dicts, lists, tensors and plain values (model, AdamW
 state, LR schedule, algorithm state, byte counters, wall-clock offset, eval history). Tensors go to
 safetensors under their path in the structure (``inner_opt/state/3/exp_avg``); the structure itself,
 with each tensor replaced by a reference, goes to JSON together with the SHA-256 of the
-safetensors file. Every file is written to a temporary name, fsynced and renamed, so a crash
-mid-write leaves the previous checkpoint intact and ``latest`` pointing at it; loading verifies the
-checksum, so a damaged file is refused instead of silently resumed.
+safetensors file. What can be rebuilt exactly is not stored (``noloco.train.loop.Worker.state``): the
+outer algorithm's initial weights φ₀ (rebuilt from ``run.seed``; their SHA-256 is kept to check), the
+slow weights before the first outer step (φ = φ₀) and, right after an outer step, the model weights
+(θ = φ). AdamW moments, slow weights, momentum and residuals are fp32, as the run holds them.
+
+Every file is written to a temporary name (``.<name>.<pid>.<random>.tmp``), fsynced and renamed, so
+a crash mid-write leaves the previous checkpoint intact and ``latest`` pointing at it. Loading is
+all-or-nothing: :func:`load_run` reads and checks every worker's state (checksum, JSON structure,
+format, step, every tensor finite; with a :class:`Layout`, every entry's type, dtype and shape
+against the model, optimizer and algorithm the run builds) before the caller writes anything, and
+every malformed checkpoint is one :class:`CheckpointError` line. Pruning removes a checkpoint's
+``COMPLETE`` first, so a kill mid-removal leaves an incomplete folder, which the next completed
+checkpoint removes (with any stale temporary file).
+
+Ctrl-C (:data:`INTERRUPT`, installed by ``noloco.train.cli``): the first SIGINT asks every worker to
+stop at one common step (:class:`LocalStop` for threads, :class:`StoreStop` over the torch.distributed
+store for processes, the next step for a single swarm peer), save it and raise :class:`Interrupted`;
+a second one quits at once (:func:`hard_exit`): this process's temporary files and its unfinished
+step folder are removed, the last complete checkpoint is left as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
+import re
 import shutil
+import signal
+import sys
 import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,8 +56,16 @@ from safetensors.torch import save as save_tensors
 
 from noloco.comm import faults
 
+logger = logging.getLogger(__name__)
+
 COMPLETE = "COMPLETE"
-FORMAT = "noloco-checkpoint-1"
+FORMAT = "noloco-checkpoint-2"  # 2: rebuildable entries (φ₀, θ = φ) may be stored as markers
+FORMATS = ("noloco-checkpoint-1", FORMAT)
+STEP_NAME = re.compile(r"step_(\d{6,})")
+# markers of what was not stored: {"__rebuilt__": "slow"} (model weights θ = φ), {"__rebuilt__": "reference"}
+# (slow weights φ = φ₀), {"__rebuilt__": "seed", "sha256": ...} (φ₀: the initial weights of run.seed)
+REBUILT = "__rebuilt__"
+_MAX_DEPTH = 64
 
 
 class CheckpointError(ValueError):
@@ -44,10 +76,45 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
+def _step_of(folder: Path) -> int | None:
+    match = STEP_NAME.fullmatch(folder.name)
+    return int(match.group(1)) if match else None
+
+
+# --------------------------------------------------------------------------------------- writing
+
+
+class _Writes:
+    """What this process is writing, so that a second Ctrl-C can remove it (see :func:`hard_exit`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # reentrant: the signal handler may run in the writing thread
+        self.closing = False  # set by hard_exit: no new temporary file or folder from then on
+        self.temps: set[str] = set()
+        self.dirs: set[str] = set()
+        self.folders: set[Path] = set()  # step folders being written, not yet complete
+        self.commit = threading.Lock()  # held while COMPLETE, latest and pruning change
+        self.commit_owner: int | None = None
+        self.commits = False  # this process writes COMPLETE markers (a run's rank 0, a swarm peer)
+
+
+_WRITES = _Writes()
+
+
+class Closing(RuntimeError):
+    """This process is quitting at once (a second Ctrl-C): no more checkpoint files."""
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path``, fsync it, and rename it onto ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    path = Path(path)
+    with _WRITES.lock:
+        if _WRITES.closing:
+            raise Closing(f"not writing {path}: quitting")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _WRITES.dirs.add(str(path.parent))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+        _WRITES.temps.add(tmp)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -55,6 +122,8 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
+        with _WRITES.lock:
+            _WRITES.temps.discard(tmp)
         if os.path.exists(tmp):
             os.unlink(tmp)
 
@@ -83,22 +152,51 @@ def flatten(state, tensors: dict[str, torch.Tensor], path: str = ""):
     raise TypeError(f"cannot checkpoint a {type(state).__name__} at {path!r}")
 
 
-def unflatten(node, tensors: dict[str, torch.Tensor]):
+class _Malformed(Exception):
+    pass
+
+
+def unflatten(node, tensors: dict[str, torch.Tensor], used: set[str] | None = None, depth: int = 0):
+    """The structure :func:`flatten` wrote; :class:`_Malformed` for anything it cannot have written."""
+    if depth > _MAX_DEPTH:
+        raise _Malformed(f"nested deeper than {_MAX_DEPTH} levels")
     if isinstance(node, dict):
-        if "__tensor__" in node:
-            return tensors[node["__tensor__"]]
-        if "__dict__" in node:
-            return {k: unflatten(v, tensors) for k, v in node["__dict__"]}
-        if "__tuple__" in node:
-            return tuple(unflatten(v, tensors) for v in node["__tuple__"])
+        if len(node) != 1:
+            raise _Malformed(f"object with keys {sorted(node)[:4]} (expected one of __tensor__, __dict__, __tuple__)")
+        ((marker, value),) = node.items()
+        if marker == "__tensor__":
+            if not isinstance(value, str) or value not in tensors:
+                raise _Malformed(f"reference to a tensor {value!r} the safetensors file does not hold")
+            if used is not None:
+                used.add(value)
+            return tensors[value]
+        if marker == "__dict__":
+            if not isinstance(value, list):
+                raise _Malformed("__dict__ is not a list of [key, value] pairs")
+            out = {}
+            for item in value:
+                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
+                        and not isinstance(item[0], bool)):  # fmt: skip
+                    raise _Malformed(f"__dict__ entry {str(item)[:60]!r} is not a [key, value] pair")
+                out[item[0]] = unflatten(item[1], tensors, used, depth + 1)
+            return out
+        if marker == "__tuple__":
+            if not isinstance(value, list):
+                raise _Malformed("__tuple__ is not a list")
+            return tuple(unflatten(v, tensors, used, depth + 1) for v in value)
+        raise _Malformed(f"unknown marker {marker!r}")
     if isinstance(node, list):
-        return [unflatten(v, tensors) for v in node]
-    return node
+        return [unflatten(v, tensors, used, depth + 1) for v in node]
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    raise _Malformed(f"value of type {type(node).__name__}")
 
 
 def save_worker(run_dir: Path, step: int, rank: int, state: dict) -> Path:
     """Write one worker's state for ``step``; returns the JSON file's path."""
     folder = step_dir(run_dir, step)
+    with _WRITES.lock:
+        _WRITES.folders.add(folder)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = flatten(state, tensors)
     blob = save_tensors({key: tensor.contiguous() for key, tensor in tensors.items()})
@@ -110,40 +208,126 @@ def save_worker(run_dir: Path, step: int, rank: int, state: dict) -> Path:
     return path
 
 
+def saved(run_dir: Path, step: int) -> None:
+    """This process is done with ``step``'s folder (complete or left incomplete by a failed barrier)."""
+    with _WRITES.lock:
+        _WRITES.folders.discard(step_dir(run_dir, step))
+
+
+class _Commit:
+    """The commit lock (COMPLETE, ``latest``, pruning), refused once this process is quitting."""
+
+    def __enter__(self):
+        _WRITES.commit.acquire()
+        _WRITES.commit_owner = threading.get_ident()
+        if _WRITES.closing:
+            _WRITES.commit_owner = None
+            _WRITES.commit.release()
+            raise Closing("not completing a checkpoint: quitting")
+        return self
+
+    def __exit__(self, *exc):
+        _WRITES.commit_owner = None
+        _WRITES.commit.release()
+
+
 def mark_complete(run_dir: Path, step: int, config_yaml: str, keep: int) -> Path:
-    """Write the config and the COMPLETE marker, move ``latest``, prune old checkpoints."""
+    """Write the config and the COMPLETE marker, move ``latest``, prune old and stale checkpoints."""
     folder = step_dir(run_dir, step)
-    atomic_write(folder / "config.yaml", config_yaml.encode())
-    atomic_write(folder / COMPLETE, str(step).encode())
-    latest = folder.parent / "latest"
-    tmp_link = folder.parent / f".latest.{os.getpid()}"
-    if tmp_link.is_symlink() or tmp_link.exists():
-        tmp_link.unlink()
-    os.symlink(folder.name, tmp_link)
-    os.replace(tmp_link, latest)
-    complete = sorted(p for p in folder.parent.glob("step_*") if (p / COMPLETE).exists())
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    with _Commit():
+        atomic_write(folder / "config.yaml", config_yaml.encode())
+        atomic_write(folder / COMPLETE, str(step).encode())
+        latest = folder.parent / "latest"
+        tmp_link = folder.parent / f".latest.{os.getpid()}.link.tmp"
+        if tmp_link.is_symlink() or tmp_link.exists():
+            tmp_link.unlink()
+        os.symlink(folder.name, tmp_link)
+        os.replace(tmp_link, latest)
+        saved(run_dir, step)
+        prune(folder.parent, step, keep)
     return folder
 
 
+def prune(root: Path, step: int, keep: int) -> None:
+    """After ``step`` completed: keep the ``keep`` newest complete checkpoints (0: all), remove incomplete
+    step folders older than ``step`` and every temporary file up to it. Every worker has passed ``step``'s
+    barrier, so nothing writes there any more. A checkpoint loses its COMPLETE marker before its files."""
+    folders = sorted(((s, p) for p in root.iterdir() if (s := _step_of(p)) is not None and not p.is_symlink()
+                      and p.is_dir()), key=lambda item: item[0])  # fmt: skip
+    complete = [p for s, p in folders if (p / COMPLETE).exists()]
+    for old in complete[:-keep] if keep > 0 else []:
+        (old / COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(old, ignore_errors=True)
+    for s, p in folders:
+        if s < step and p.exists() and not (p / COMPLETE).exists():
+            shutil.rmtree(p, ignore_errors=True)  # a kill mid-save or mid-prune left it
+        elif s <= step and p.exists():
+            for stale in p.glob(".*"):
+                stale.unlink(missing_ok=True)  # temporary files of killed writers
+    for stale in root.glob(".latest.*"):
+        if stale.name != f".latest.{os.getpid()}.link.tmp":
+            stale.unlink(missing_ok=True)
+
+
+def bytes_per_worker(run_dir: Path) -> int | None:
+    """Mean size on disk of one worker's files (safetensors + JSON) in ``run_dir``'s latest checkpoint."""
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    try:
+        folder, _, _ = resolve(latest)
+    except CheckpointError:
+        return None
+    ranks = worker_ranks(folder)
+    if not ranks:
+        return None
+    sizes = [sum((folder / f"worker_{r}{ext}").stat().st_size for ext in (".json", ".safetensors")) for r in ranks]
+    return round(sum(sizes) / len(sizes))
+
+
+# --------------------------------------------------------------------------------------- reading
+
+
 def resolve(path: str | os.PathLike) -> tuple[Path, Path, int]:
-    """Return (checkpoint folder, run folder, step) for a path given to ``resume=``."""
-    folder = Path(path).expanduser()
-    if folder.is_symlink() or folder.name == "latest":
-        if not folder.exists():
-            raise CheckpointError(f"resume={path}: no such checkpoint")
-        folder = folder.resolve()
+    """Return (checkpoint folder, run folder, step) for a path given to ``resume=``.
+
+    ``latest`` must be a link to a step folder beside it (a bare ``step_NNNNNN``): a link that leads
+    anywhere else (another run's checkpoints, ``..``) is refused, so a resume never writes into or
+    prunes another run. The run folder is the one that holds the checkpoint.
+    """
+    given = Path(path).expanduser()
+    if given.is_symlink():
+        target = os.readlink(given)
+        if not STEP_NAME.fullmatch(target):
+            raise CheckpointError(f"resume={path}: {given.name} points to {target!r}, not to a step folder beside it "
+                                  "in its own checkpoints/ folder; refusing to follow it")  # fmt: skip
+        folder = given.parent / target
+    elif given.name == "latest":
+        if given.exists():
+            raise CheckpointError(f"resume={path}: 'latest' is not a link to a step folder")
+        raise CheckpointError(f"resume={path}: no such checkpoint")
+    else:
+        folder = given
+    if folder.is_symlink():
+        raise CheckpointError(f"resume={path}: {folder.name} is a link; a checkpoint must be a folder of its run")
     if not folder.is_dir():
         raise CheckpointError(f"resume={path}: no such checkpoint folder")
-    if not (folder / COMPLETE).exists():
+    step = _step_of(folder)
+    real = folder.resolve()
+    if step is None or real.parent.name != "checkpoints":
+        raise CheckpointError(f"resume={path}: not a checkpoint folder (expected <run>/checkpoints/step_NNNNNN)")
+    marker = folder / COMPLETE
+    if not marker.is_file():
         raise CheckpointError(f"resume={path}: checkpoint is incomplete (no {COMPLETE} marker)")
-    step = int((folder / COMPLETE).read_text().strip())
-    return folder, folder.parent.parent, step
+    try:
+        written = int(marker.read_bytes().decode().strip())
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{marker}: not a step number: the checkpoint is damaged") from None
+    if written != step:
+        raise CheckpointError(f"{marker}: says step {written}, the folder is step {step}: the checkpoint is damaged")
+    return real, real.parent.parent, step
 
 
 def worker_ranks(folder: Path) -> list[int]:
-    """The ranks whose state a checkpoint folder holds, ascending."""
+    """The ranks whose state a checkpoint folder holds (a ``worker_<r>.json``), ascending."""
     ranks = []
     for meta in Path(folder).glob("worker_*.json"):
         suffix = meta.stem.removeprefix("worker_")
@@ -152,18 +336,517 @@ def worker_ranks(folder: Path) -> list[int]:
     return sorted(ranks)
 
 
-def load_worker(folder: Path, rank: int) -> dict:
-    """Read and verify one worker's state; :class:`CheckpointError` if missing or damaged."""
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
+    """Read and verify one worker's state; :class:`CheckpointError` (one line) if missing, damaged or malformed.
+
+    Checks the JSON (structure, format, ``step`` and ``rank``), the safetensors file's checksum and
+    contents (every tensor referenced exactly as stored, none unreferenced) and that every floating
+    tensor is finite. What the tensors must look like for a model is :meth:`Layout.check`.
+    """
     meta_path, blob_path = Path(folder) / f"worker_{rank}.json", Path(folder) / f"worker_{rank}.safetensors"
-    if not meta_path.exists() or not blob_path.exists():
+    if not meta_path.is_file() or not blob_path.is_file():
         raise CheckpointError(f"{folder} has no state for worker {rank}")
     try:
-        meta = json.loads(meta_path.read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"{meta_path} is not valid JSON: {exc}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: unknown checkpoint format {meta.get('format')!r}")
+        meta = json.loads(meta_path.read_bytes().decode())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{meta_path} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path}: not a checkpoint (a JSON {type(meta).__name__}, not an object)")
+    if meta.get("format") not in FORMATS:
+        raise CheckpointError(f"{meta_path}: unknown checkpoint format {str(meta.get('format'))[:80]!r}")
+    for key, check in (("step", _is_int), ("rank", _is_int), ("sha256", lambda v: isinstance(v, str)),
+                       ("state", lambda v: isinstance(v, dict))):  # fmt: skip
+        if not check(meta.get(key)):
+            raise CheckpointError(f"{meta_path}: missing or malformed {key!r}")
+    if step is not None and meta["step"] != step:
+        raise CheckpointError(f"{meta_path}: holds step {meta['step']}, the checkpoint is of step {step}")
+    if meta["rank"] != rank:
+        raise CheckpointError(f"{meta_path}: holds worker {meta['rank']}, not worker {rank}")
     blob = blob_path.read_bytes()
-    if hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
+    if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
         raise CheckpointError(f"{blob_path} does not match its checksum: the checkpoint is damaged")
-    return unflatten(meta["state"], load_tensors(blob))
+    try:
+        tensors = load_tensors(blob)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"{blob_path}: not a safetensors file ({str(exc).splitlines()[0][:200]})") from None
+    used: set[str] = set()
+    try:
+        state = unflatten(meta["state"], tensors, used)
+    except (_Malformed, RecursionError) as exc:
+        raise CheckpointError(f"{meta_path}: malformed state: {exc}") from None
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise CheckpointError(f"{blob_path} holds tensors its JSON does not reference: {unused[:3]}")
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{blob_path}: tensor {key} holds NaN or Inf")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{meta_path}: the state is a {type(state).__name__}, not an object")
+    return state
+
+
+def state_vocab_size(state: dict) -> int | None:
+    """The vocabulary size of the model a worker state was saved from (None where it cannot tell)."""
+    vocab = state.get("vocab_size")
+    if _is_int(vocab):
+        return vocab
+    embed = state.get("model", {}).get("embed.weight") if isinstance(state.get("model"), dict) else None
+    return int(embed.shape[0]) if isinstance(embed, torch.Tensor) and embed.dim() == 2 else None
+
+
+def load_run(folder: Path, step: int, ranks: Iterable[int], check: Callable[[dict, int], None] | None = None) -> int:
+    """Read and check the state of every one of ``ranks`` (one at a time, so memory holds one worker's state)
+    before anything of the run is written; returns the checkpoint's vocabulary size (None if unknown).
+
+    A folder that holds workers the run does not have, or lacks one it has, is refused; ``check(state,
+    rank)`` raises :class:`CheckpointError` for a state the run cannot load (see :class:`Layout`).
+    """
+    ranks = list(ranks)
+    present = worker_ranks(folder)
+    missing = sorted(set(ranks) - set(present))
+    if missing:
+        raise CheckpointError(f"{folder} has no state for worker {missing[0]}"
+                              + (f" (nor {missing[1:]})" if len(missing) > 1 else ""))  # fmt: skip
+    extra = sorted(set(present) - set(ranks))
+    if extra:
+        raise CheckpointError(f"{folder} holds workers {present}, this run has {len(ranks)} "
+                              f"(a resume continues every worker; workers= must match)")  # fmt: skip
+    vocab = None
+    for rank in ranks:
+        state = load_worker(folder, rank, step)
+        size = state_vocab_size(state)
+        if vocab is not None and size is not None and size != vocab:
+            raise CheckpointError(f"{folder}: worker {rank} has a vocabulary of {size}, worker {ranks[0]} of {vocab}")
+        vocab = vocab if size is None else size
+        if check is not None:
+            check(state, rank)
+        del state
+    return vocab
+
+
+def checkpoint_vocab_size(folder: Path) -> int | None:
+    """The vocabulary size a checkpoint's models have (from its first worker's JSON, or its tensors' header)."""
+    ranks = worker_ranks(folder)
+    if not ranks:
+        return None
+    try:
+        meta = json.loads((Path(folder) / f"worker_{ranks[0]}.json").read_bytes().decode())
+        for key, value in meta["state"]["__dict__"]:
+            if key == "vocab_size" and _is_int(value):
+                return value
+        from safetensors import safe_open
+
+        with safe_open(str(Path(folder) / f"worker_{ranks[0]}.safetensors"), "pt") as blob:
+            if "model/embed.weight" in blob.keys():
+                return int(blob.get_slice("model/embed.weight").get_shape()[0])
+    except Exception:  # noqa: BLE001 - load_run has checked the files; this is a second look only
+        return None
+    return None
+
+
+# ------------------------------------------------------------------------- what a state must hold
+
+
+@dataclass
+class Layout:
+    """What one worker's checkpoint must hold for the run's model, AdamW and algorithm (shapes fp32).
+
+    Build it with :meth:`of` from the objects the run builds (a model on the ``meta`` device is enough).
+    """
+
+    model: dict[str, tuple[int, ...]]  # model.state_dict() entries
+    buffers: set[str]  # entries that are not parameters (stored even when the weights are rebuilt)
+    opt_shapes: list[tuple[int, ...]]  # AdamW state, per parameter index
+    opt_groups: list[list[int]]
+    numel: int  # flat parameter count: slow weights, momentum, residuals
+    outer: bool  # an outer algorithm (slow weights, rule, φ₀) rather than DDP
+    vocab_size: int | None = None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, opt: torch.optim.Optimizer, outer: bool) -> Layout:
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        entries = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        by_index = [p for group in opt.param_groups for p in group["params"]]
+        groups = [list(g["params"]) for g in opt.state_dict()["param_groups"]]
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+        return cls(entries, set(entries) - params, [tuple(p.shape) for p in by_index], groups, numel, outer, vocab)
+
+    def check(self, state: dict, step: int, where: str = "checkpoint") -> None:
+        """:class:`CheckpointError` naming the first entry of ``state`` this run cannot load."""
+        try:
+            self._check(state, step)
+        except _Malformed as exc:
+            raise CheckpointError(f"{where}: {exc}") from None
+
+    def _check(self, state: dict, step: int) -> None:
+        _keys(state, "state", {"step", "model", "inner_opt", "schedule", "algorithm", "counter", "wall_seconds",
+                               "eval_history"}, {"vocab_size", "sampler"})  # fmt: skip
+        if "sampler" in state and not isinstance(state["sampler"], dict):
+            raise _Malformed("sampler: not a stream position")
+        if state["step"] != step or not _is_int(state["step"]):
+            raise _Malformed(f"state is of step {state['step']!r}, the checkpoint of step {step}")
+        if "vocab_size" in state and state["vocab_size"] != self.vocab_size:
+            raise _Malformed(f"model has a vocabulary of {state['vocab_size']!r}, this run's has {self.vocab_size}")
+        model = state["model"]
+        if isinstance(model, dict) and REBUILT in model:
+            if not self.outer or model.get(REBUILT) != "slow":
+                raise _Malformed(f"model: cannot rebuild the weights from {model.get(REBUILT)!r}")
+            _keys(model, "model", {REBUILT, "buffers"})
+            _keys(model["buffers"], "model/buffers", self.buffers)
+            for name in self.buffers:
+                _tensor(model["buffers"][name], f"model/{name}", self.model[name])
+        else:
+            _keys(model, "model", set(self.model))
+            for name, shape in self.model.items():
+                _tensor(model[name], f"model/{name}", shape)
+        self._check_optimizer(state["inner_opt"])
+        schedule = state["schedule"]
+        if not isinstance(schedule, dict) or schedule.get("last_epoch") != step:
+            raise _Malformed(f"schedule: not at step {step}")
+        self._check_algorithm(state["algorithm"], step)
+        counter = state["counter"]
+        if not isinstance(counter, dict) or not all(isinstance(k, str) and _is_int(v) and v >= 0
+                                                    for k, v in counter.items()):  # fmt: skip
+            raise _Malformed("counter: not a mapping of byte counts")
+        wall = state["wall_seconds"]
+        if not isinstance(wall, (int, float)) or isinstance(wall, bool) or not math.isfinite(wall) or wall < 0:
+            raise _Malformed(f"wall_seconds: {wall!r}")
+        history = state["eval_history"]
+        if not isinstance(history, list) or not all(
+            isinstance(h, (list, tuple)) and len(h) == 2 and _is_int(h[0]) and isinstance(h[1], (int, float))
+            and not isinstance(h[1], bool) for h in history
+        ):  # fmt: skip
+            raise _Malformed("eval_history: not a list of (step, loss)")
+
+    def _check_optimizer(self, opt) -> None:
+        _keys(opt, "inner_opt", {"state", "param_groups"})
+        groups = opt["param_groups"]
+        if not isinstance(groups, list) or [g.get("params") if isinstance(g, dict) else None
+                                            for g in groups] != self.opt_groups:  # fmt: skip
+            raise _Malformed("inner_opt/param_groups: not this model's parameter groups")
+        states = opt["state"]
+        if not isinstance(states, dict):
+            raise _Malformed("inner_opt/state: not a mapping")
+        for index, entry in states.items():
+            where = f"inner_opt/state/{index}"
+            if not _is_int(index) or not 0 <= index < len(self.opt_shapes):
+                raise _Malformed(f"{where}: no such parameter")
+            _keys(entry, where, {"step", "exp_avg", "exp_avg_sq"}, {"max_exp_avg_sq"})
+            _tensor(entry["step"], f"{where}/step", ())
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in entry:
+                    _tensor(entry[key], f"{where}/{key}", self.opt_shapes[index])
+
+    def _check_algorithm(self, algo, step: int) -> None:
+        n = (self.numel,)
+        if not self.outer:
+            _keys(algo, "algorithm", {"inner_step", "feedback"})
+        else:
+            _keys(algo, "algorithm", {"inner_step", "slow", "rule", "reference", "feedback"},
+                  {"slow_feedback", "nonfinite_events", "norm_rejections", "in_flight"})  # fmt: skip
+            pending = algo.get("in_flight")
+            if pending is not None:  # an overlapped round's exchange, finished before the save
+                where = "algorithm/in_flight"
+                _keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"})
+                _tensor(pending["snapshot"], f"{where}/snapshot", n)
+                for key in ("mean_delta", "mean_slow"):
+                    if pending[key] is not None:
+                        _tensor(pending[key], f"{where}/{key}", n)
+                info = pending["info"]
+                _keys(info, f"{where}/info", {"round", "group", "skipped", "rejected"})
+                if not (_is_int(pending["round"]) and _is_int(info["round"]) and isinstance(info["group"], list)
+                        and all(_is_int(g) for g in info["group"]) and _is_int(info["rejected"])
+                        and (info["skipped"] is None or isinstance(info["skipped"], str))
+                        and isinstance(pending["guarded"], bool)):  # fmt: skip
+                    raise _Malformed(f"{where}: not an outer round's exchange")
+            if isinstance(algo["slow"], dict):  # φ = φ₀
+                _keys(algo["slow"], "algorithm/slow", {REBUILT})
+                if algo["slow"][REBUILT] != "reference":
+                    raise _Malformed("algorithm/slow: cannot rebuild the slow weights from it")
+            else:
+                _tensor(algo["slow"], "algorithm/slow", n)
+            rule = algo["rule"]
+            _keys(rule, "algorithm/rule", set(), {"velocity"})
+            if rule.get("velocity") is not None:
+                _tensor(rule["velocity"], "algorithm/rule/velocity", n)
+            reference = algo["reference"]
+            if isinstance(reference, dict):
+                _keys(reference, "algorithm/reference", {REBUILT, "sha256"})
+                if reference[REBUILT] != "seed" or not isinstance(reference["sha256"], str):
+                    raise _Malformed("algorithm/reference: cannot rebuild the initial weights from it")
+            else:
+                _tensor(reference, "algorithm/reference", n)
+            if not _is_int(algo.get("nonfinite_events", 0)) or algo.get("nonfinite_events", 0) < 0:
+                raise _Malformed("algorithm/nonfinite_events: not a count")
+            if not isinstance(algo.get("norm_rejections", {}), dict):
+                raise _Malformed("algorithm/norm_rejections: not a mapping")
+        if algo["inner_step"] != step or not _is_int(algo["inner_step"]):
+            raise _Malformed(f"algorithm: at inner step {algo['inner_step']!r}, the checkpoint is of step {step}")
+        for key in ("feedback", "slow_feedback"):
+            feedback = algo.get(key)
+            if feedback is None:
+                continue
+            where = f"algorithm/{key}"
+            _keys(feedback, where, {"version", "contribution", "result"})
+            if feedback["version"] != 1 or (feedback["contribution"] is None) != (feedback["result"] is None):
+                raise _Malformed(f"{where}: not an error-feedback state")
+            for part in ("contribution", "result"):
+                if feedback[part] is not None:
+                    _tensor(feedback[part], f"{where}/{part}", n)
+
+
+def _keys(node, where: str, required: set, optional: Iterable = ()) -> None:
+    if not isinstance(node, dict):
+        raise _Malformed(f"{where}: a {type(node).__name__}, not a mapping")
+    missing, extra = required - set(node), set(node) - required - set(optional)
+    if missing:
+        raise _Malformed(f"{where}: missing {sorted(map(str, missing))[:3]}")
+    if extra:
+        raise _Malformed(f"{where}: unexpected {sorted(map(str, extra))[:3]}")
+
+
+def _tensor(value, where: str, shape: tuple[int, ...]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise _Malformed(f"{where}: a {type(value).__name__}, not a tensor")
+    if value.dtype != torch.float32:
+        raise _Malformed(f"{where}: dtype {str(value.dtype).removeprefix('torch.')}, expected float32")
+    if tuple(value.shape) != tuple(shape):
+        raise _Malformed(f"{where}: shape {tuple(value.shape)}, expected {tuple(shape)}")
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's values (fp32, C order): how a rebuilt tensor is checked against the saved one."""
+    return hashlib.sha256(tensor.detach().float().contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ Ctrl-C
+
+
+class Interrupted(Exception):
+    """Training stopped early on Ctrl-C: every worker stopped at ``step`` and saved it (if ``complete``)."""
+
+    def __init__(self, step: int | None, run_dir: Path | None, complete: bool, quiet: bool = False):
+        super().__init__(step)
+        self.step, self.run_dir, self.complete, self.quiet = step, run_dir, complete, quiet
+
+    def line(self) -> str:
+        where = f" at step {self.step}" if self.step is not None else ""
+        if self.run_dir is None:
+            return f"interrupted{where}"
+        latest = Path(self.run_dir) / "checkpoints" / "latest"
+        if self.complete:
+            return f"interrupted{where}: resume with python train.py resume={latest}"
+        try:
+            _, _, last = resolve(latest)
+        except CheckpointError:
+            return f"interrupted{where}: its checkpoint is incomplete and there is no earlier one to resume from"
+        return (f"interrupted{where}: its checkpoint is incomplete; resume from step {last} with "
+                f"python train.py resume={latest}")  # fmt: skip
+
+
+class _Interrupt:
+    """Process-wide Ctrl-C state. ``armed`` while workers train; before and after, SIGINT is a
+    KeyboardInterrupt. ``forward``: called with the count on every interrupt (the torch launcher passes
+    it on to its ranks); ``hard``: what a second interrupt does instead of :func:`hard_exit`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.requested = False
+        self.armed = False
+        self.announce = True
+        self.run_dir: Path | None = None
+        self.forward: Callable[[int], None] | None = None
+        self.hard: Callable[[], None] | None = None
+        self.solo = SoloStop()  # a process of one worker (a swarm peer): where it stopped
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def handler(self, signum, frame) -> None:
+        self.count += 1
+        if self.forward is not None:
+            self.forward(self.count)
+        if self.count == 1 and not self.armed:
+            raise KeyboardInterrupt
+        if self.count == 1:
+            self.requested = True
+            if self.announce:
+                os.write(2, b"\nnoloco: stopping every worker at the next step to save a checkpoint "
+                            b"(Ctrl-C again quits at once)\n")  # fmt: skip
+            return
+        if self.hard is not None:
+            self.hard()
+        hard_exit(130, self.run_dir, say=self.announce)
+
+    def install(self, signum: int = signal.SIGINT) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signum, self.handler)
+
+
+def remove_temporary_files(run_dir: Path | None = None) -> None:
+    """This process's temporary checkpoint files (and, with ``run_dir``, any in its checkpoint folders)."""
+    pid = os.getpid()
+    with _WRITES.lock:
+        for tmp in list(_WRITES.temps):
+            Path(tmp).unlink(missing_ok=True)
+        for folder in list(_WRITES.dirs):
+            for tmp in Path(folder).glob(f".*.{pid}.*.tmp"):
+                tmp.unlink(missing_ok=True)
+    root = None if run_dir is None else Path(run_dir) / "checkpoints"
+    if root is not None and root.is_dir():
+        for tmp in [*root.glob(".latest.*"), *root.glob("step_*/.*")]:
+            tmp.unlink(missing_ok=True)
+
+
+def hard_exit(code: int = 130, run_dir: Path | None = None, say: bool = True) -> None:
+    """Quit at once: no more checkpoint files, remove this process's temporary files and (where this process
+    completes checkpoints) the step folders it was writing that are not complete, then ``os._exit``."""
+    with _WRITES.lock:
+        _WRITES.closing = True
+        remove_temporary_files()
+        unfinished = list(_WRITES.folders)
+    if _WRITES.commits and unfinished and _WRITES.commit_owner != threading.get_ident():
+        if _WRITES.commit.acquire(timeout=10):  # held until exit: nobody completes a folder being removed
+            for folder in unfinished:
+                if not (folder / COMPLETE).exists():
+                    shutil.rmtree(folder, ignore_errors=True)
+    if say:
+        try:
+            os.write(2, (quit_line(run_dir) + "\n").encode())
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:  # release semaphores (tqdm's lock) as a normal exit would: no resource_tracker warning
+        try:
+            mp_util._run_finalizers(0)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(code)
+
+
+def quit_line(run_dir: Path | None) -> str:
+    """The line a second Ctrl-C prints: where to resume from."""
+    if run_dir is None:
+        return "interrupted again: quit without saving"
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    try:
+        return (
+            f"interrupted again: quit without saving; resume from step {resolve(latest)[2]} with "
+            f"python train.py resume={latest}"
+        )
+    except CheckpointError:
+        return "interrupted again: quit without saving; there is no complete checkpoint to resume from"
+
+
+def completes_checkpoints() -> None:
+    """This process writes COMPLETE markers (so a second Ctrl-C may remove its unfinished step folders)."""
+    _WRITES.commits = True
+
+
+class LocalStop:
+    """The step every worker of one process stops at on Ctrl-C (threads of the local backend).
+
+    At each step boundary a worker reports its step (:meth:`__call__`, under a lock). The first worker to
+    see the interrupt picks the stop step: its own step, or one past the furthest boundary another worker
+    has already passed, whichever is later, so no worker has gone beyond it and none waits for another.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done: dict[int, int] = {}
+        self.target: int | None = None
+
+    def __call__(self, rank: int, step: int) -> bool:
+        with self.lock:
+            if self.target is None and INTERRUPT.requested:
+                self.target = max([step] + [s + 1 for r, s in self.done.items() if r != rank])
+            self.done[rank] = step
+            return self.target is not None and step >= self.target
+
+
+class SoloStop:
+    """A single worker (a swarm peer): stop at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.target: int | None = None
+
+    def __call__(self, rank: int, step: int) -> bool:
+        if self.target is None and INTERRUPT.requested:
+            self.target = step
+        return self.target is not None and step >= self.target
+
+
+class StoreStop:
+    """The same rule as :class:`LocalStop` across processes, over a ``torch.distributed`` key-value store.
+
+    Every boundary: report ``at/<rank>``, then look for ``requested`` (two small store requests, ~0.1 ms on
+    loopback). A rank that saw its interrupt first sets ``requested``, reads every rank's report and
+    proposes the stop step with a compare-and-set on ``target`` (the first proposal wins). A rank that
+    finds ``requested`` set waits for ``target``; it reported before looking, so the proposal counted it.
+    If the store is gone (its host died), the rank goes on alone: it stops at its next step on Ctrl-C.
+    """
+
+    def __init__(self, store, rank: int, world: int, start: int, timeout: float):
+        self.store, self.rank, self.world, self.start, self.timeout = store, rank, world, start, timeout
+        self.target: int | None = None
+        self.proposed = False
+        self.alone: SoloStop | None = None
+
+    def __call__(self, rank: int, step: int) -> bool:
+        if self.alone is not None:
+            return self.alone(rank, step)
+        if self.target is None:
+            try:
+                self._agree(step)
+            except Exception as exc:  # noqa: BLE001 - the store's host is gone: no agreement any more
+                logger.warning("rank %d: the stop agreement's store is gone (%s); on Ctrl-C this rank stops alone",
+                               self.rank, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
+                self.alone = SoloStop()
+                return self.alone(rank, step)
+        if self.target is not None and step > self.target:
+            logger.warning("rank %d: past the agreed stop step %d (at %d)", self.rank, self.target, step)
+        return self.target is not None and step >= self.target
+
+    def _agree(self, step: int) -> None:
+        from datetime import timedelta
+
+        store = self.store
+        store.set(f"at/{self.rank}", str(step))
+        if INTERRUPT.requested and not self.proposed:
+            self.proposed = True
+            store.set("requested", "1")
+            others = [int(store.get(f"at/{r}")) if store.check([f"at/{r}"]) else self.start
+                      for r in range(self.world) if r != self.rank]  # fmt: skip
+            proposal = max([step] + [s + 1 for s in others])
+            self.target = int(store.compare_set("target", "", str(proposal)))
+        elif store.check(["requested"]):
+            try:
+                store.wait(["target"], timedelta(seconds=self.timeout))
+            except Exception:  # noqa: BLE001 - the proposing rank died before proposing: stop here
+                logger.warning("rank %d: no stop step agreed; stopping at step %d", self.rank, step)
+                self.target = step
+                return
+            self.target = int(store.get("target"))
+
+
+def stop_here(stop, rank: int, step: int, run_dir: Path | None = None) -> bool:
+    """Whether the worker ``rank``, having finished ``step``, stops there (Ctrl-C); ``stop`` is the run's
+    agreement (:class:`LocalStop`, :class:`StoreStop`) or None for a single worker per process. From a
+    process's first step boundary on, Ctrl-C stops training instead of raising KeyboardInterrupt."""
+    INTERRUPT.armed = True
+    if INTERRUPT.run_dir is None and run_dir is not None:
+        INTERRUPT.run_dir = Path(run_dir)
+    if stop is None:
+        if not INTERRUPT.requested:
+            return False
+        stop = INTERRUPT.solo
+    return stop(rank, step)
+
+
+INTERRUPT = _Interrupt()

@@ -6,18 +6,65 @@ Examples::
     python train.py outer.algo=diloco workers=8 outer.every=50
     python train.py --config configs/experiments/diloco.yaml
     python train.py resume=runs/<run>/checkpoints/latest    # continue exactly where it stopped
+
+Exit status: 0 done; 2 a bad config, data or checkpoint (one ``error:`` line; a refused resume leaves
+the run folder as it was); 130 interrupted (Ctrl-C: every worker stops at one step and saves it, and
+the last line says how to resume; a second Ctrl-C quits at once, keeping the last complete checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+from pathlib import Path
 
-from omegaconf import OmegaConf
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.utils import parameters_to_vector
 
 from noloco.train import backends, checkpoint
 from noloco.train.config import ConfigError, load_config
 from noloco.train.data import DataError
+
+
+def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
+    """Load and check every worker's state of the checkpoint against the model, AdamW and algorithm ``cfg``
+    builds (:class:`checkpoint.Layout`), before anything of the run is written; CheckpointError if any fails."""
+    from noloco.train.loop import build_inner_optimizer, build_model
+
+    if cfg.backend == "hivemind":  # a peer's folder holds its own worker, whatever its rank
+        ranks = checkpoint.worker_ranks(folder)
+        if not ranks:
+            raise checkpoint.CheckpointError(f"{folder} holds no worker state")
+    elif cfg.backend == "torch":
+        ranks = range(int(os.environ.get("WORLD_SIZE") or cfg.workers * cfg.inner.processes))
+    else:
+        ranks = range(cfg.workers)
+    layouts: dict[int | None, checkpoint.Layout] = {}
+    seed_digests: dict[int | None, str] = {}
+
+    def check(state: dict, rank: int) -> None:
+        where = f"{folder}/worker_{rank}"
+        vocab = checkpoint.state_vocab_size(state)
+        if vocab not in layouts:
+            with torch.device("meta"):  # shapes only: nothing allocated
+                model = build_model(cfg, vocab or cfg.data.vocab_size)
+                opt, _ = build_inner_optimizer(cfg, model)
+            layouts[vocab] = checkpoint.Layout.of(model, opt, outer=cfg.outer.algo != "ddp")
+        layouts[vocab].check(state, step, where)
+        reference = state["algorithm"].get("reference")
+        if isinstance(reference, dict):  # φ₀ is rebuilt from run.seed: the seed's initial weights must match
+            if vocab not in seed_digests:
+                model = build_model(cfg, vocab or cfg.data.vocab_size)
+                seed_digests[vocab] = checkpoint.digest(parameters_to_vector(model.parameters()))
+                del model
+            if seed_digests[vocab] != reference["sha256"]:
+                raise checkpoint.CheckpointError(f"{where}: its initial weights are not those of run.seed="
+                                                 f"{cfg.run.seed} (was run.seed or the model changed?)")  # fmt: skip
+
+    checkpoint.load_run(folder, step, ranks, check)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,14 +76,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (omegaconf dotlist)")
     args = parser.parse_args(argv)
 
+    interrupt = checkpoint.INTERRUPT
+    interrupt.reset()
+    previous = signal.getsignal(signal.SIGINT)
     try:
         cfg = load_config(args.overrides, args.config)
         resume_from, run_dir, resume_step = None, None, 0
         if cfg.resume:
             resume_from, run_dir, resume_step = checkpoint.resolve(cfg.resume)
+            saved = resume_from / "config.yaml"
+            if not saved.is_file():
+                raise checkpoint.CheckpointError(f"{saved}: missing: the checkpoint is damaged")
+            try:
+                OmegaConf.load(saved)
+            except Exception as exc:  # noqa: BLE001 - yaml errors of every kind
+                raise checkpoint.CheckpointError(f"{saved}: cannot parse: {str(exc).splitlines()[0]}") from None
             # The checkpoint's own config, with this command line's overrides on top.
             others = [o for o in args.overrides if not o.startswith("resume=")]
-            cfg = load_config(others, [str(resume_from / "config.yaml"), *args.config])
+            cfg = load_config(others, [str(saved), *args.config])
             cfg.resume = str(resume_from)
             if resume_step >= cfg.steps:
                 raise ConfigError(
@@ -45,11 +102,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(OmegaConf.to_yaml(cfg))
             return 0
+        if resume_from is not None:
+            check_resume(cfg, resume_from, resume_step)  # all or nothing: before config.yaml or metrics change
+        interrupt.install(signal.SIGINT)
         # local: threads of this process; torch: a process per worker; hivemind: one swarm peer (docs/swarm.md)
         backends.launch(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)
+        if interrupt.solo.target is not None and interrupt.solo.target < cfg.steps:  # a swarm peer stopped early
+            folder = checkpoint.step_dir(interrupt.run_dir or Path("."), interrupt.solo.target)
+            raise checkpoint.Interrupted(interrupt.solo.target, interrupt.run_dir, (folder / "COMPLETE").exists())
+        if interrupt.requested:  # after the last step: the run is complete
+            print("interrupted after the last step: the run is complete", file=sys.stderr)
+            return 130
+    except checkpoint.Interrupted as exc:
+        if not exc.quiet:
+            print(exc.line(), file=sys.stderr, flush=True)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted before training started or after it ended: nothing new to resume", file=sys.stderr)
+        return 130
     except (ConfigError, DataError, checkpoint.CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2
+    finally:
+        if signal.getsignal(signal.SIGINT) == interrupt.handler:
+            signal.signal(signal.SIGINT, previous)
     return 0
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from noloco.comm import faults
 from noloco.train import checkpoint
@@ -85,4 +86,59 @@ def test_sigkill_mid_checkpoint_resumes_from_the_previous_one_exactly(tiny_overr
     assert losses(tmp_path / "killed") == losses(tmp_path / "clean")
     a = json.loads((tmp_path / "killed" / "summary.json").read_text())
     b = json.loads((tmp_path / "clean" / "summary.json").read_text())
+    assert a["final_eval_loss_per_worker"] == b["final_eval_loss_per_worker"]
+
+
+# ------------------------------------------------------------------------- what a checkpoint stores
+
+
+def _run(tiny_config, *overrides, **kwargs):
+    from noloco.train.backends.local import launch
+
+    common = ("workers=2", "threads=1", "steps=6", "outer.every=3", "log.tensorboard=false", "log.plot=false")
+    return launch(tiny_config(*common, *overrides), quiet=True, **kwargs)
+
+
+def test_checkpoint_stores_only_what_cannot_be_rebuilt(tiny_config, tmp_path):
+    """φ₀ is never stored (rebuilt from run.seed); φ not before the first outer step (φ = φ₀); θ not right
+    after one (θ = φ); the rest is fp32. The summary reports the size of the latest checkpoint."""
+    summary = _run(tiny_config, "steps=4", "checkpoint.every=1", "checkpoint.keep=5", "run.name=kinds")
+    run_dir = tmp_path / "kinds"
+    numel = summary["params"]
+    stored = {}
+    for step in (1, 2, 3, 4):
+        folder = checkpoint.step_dir(run_dir, step)
+        tensors = load_file(folder / "worker_0.safetensors")
+        assert all(t.dtype == torch.float32 for t in tensors.values())
+        assert "algorithm/reference" not in tensors
+        stored[step] = {"slow": "algorithm/slow" in tensors, "model": any(k.startswith("model/") for k in tensors)}
+        vectors = sum(t.numel() for t in tensors.values()) / numel  # fp32 values per parameter
+        expected = 2 + stored[step]["slow"] + stored[step]["model"] + 3 * (step >= 3)  # moments; momentum, residuals
+        assert abs(vectors - expected) < 0.01, (step, vectors, expected)
+    assert stored == {1: {"slow": False, "model": True}, 2: {"slow": False, "model": True},
+                      3: {"slow": True, "model": False}, 4: {"slow": True, "model": True}}  # fmt: skip
+    latest = checkpoint.step_dir(run_dir, 4)
+    files = [latest / f"worker_{r}{ext}" for r in (0, 1) for ext in (".json", ".safetensors")]
+    assert summary["checkpoint_bytes_per_worker"] == round(sum(f.stat().st_size for f in files) / 2)
+    assert json.loads((run_dir / "summary.json").read_text())["checkpoint_bytes_per_worker"] > 0
+
+
+@pytest.mark.parametrize(
+    "overrides, at",
+    [(("outer.algo=noloco",), 2), (("outer.algo=noloco",), 3), (("outer.algo=noloco",), 4),
+     (("outer.algo=diloco",), 3), (("outer.algo=ddp",), 4), (("outer.overlap=true",), 4)],
+    ids=["phi-is-phi0", "theta-is-phi", "mid-round", "diloco", "ddp", "overlap"],
+)  # fmt: skip
+def test_resume_from_each_kind_of_checkpoint_is_exact(tiny_config, tmp_path, overrides, at):
+    """From a checkpoint whose φ (step 2: = φ₀) or θ (step 3: = φ) is rebuilt, or both stored (step 4)."""
+    from noloco.train.cli import main
+
+    common = (*overrides, "checkpoint.every=1")
+    _run(tiny_config, *common, "run.name=full")
+    _run(tiny_config, *common, "run.name=cut", stop_after=at)
+    assert main([f"resume={tmp_path}/cut/checkpoints/step_{at:06d}", "log.progress=false"]) == 0
+    losses = lambda d: {(r["worker"], r["step"]): r.get("loss") for r in read_metrics(d)}  # noqa: E731
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    b = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert a["final_eval_loss_per_worker"] == b["final_eval_loss_per_worker"]

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm.torchdist import TorchDistTransport, free_port
 from noloco.optim import OuterAlgorithm
-from noloco.train.backends.local import WorldBackend
+from noloco.train import checkpoint
+from noloco.train.backends.local import WorldBackend, check_vocab
 from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger
 from noloco.train.run import Progress, default_run_name, finish, prepare, relative_spread, summarize, weight_sketch
@@ -63,13 +66,17 @@ def launch(
             quiet,
         )
     run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
-    prepare(cfg, run_dir, quiet=True)  # build the data cache once, before the workers start
+    corpus, _ = prepare(cfg, run_dir, quiet=True)  # build the data cache once, before the workers start
+    if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
+        check_vocab(Path(resume_from), corpus.vocab_size)
     import torch.multiprocessing as mp
 
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = []
+    # (step, complete) from each rank that stopped on Ctrl-C; pipes, not a queue: no semaphores to leak on a hard exit
     world = cfg.workers * cfg.inner.processes
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = []
     for rank in range(world):
         env = {
             "RANK": str(rank),
@@ -80,6 +87,7 @@ def launch(
         }
         args = (
             env,
+            pipes[rank][1],
             OmegaConf.to_yaml(cfg),
             str(run_dir),
             str(resume_from) if resume_from else None,
@@ -88,15 +96,29 @@ def launch(
             quiet,
         )
         procs.append(ctx.Process(target=_spawned_rank, args=args, name=f"noloco-rank{rank}"))
+    # Ctrl-C reaches the whole process group; the ranks ignore SIGINT and get it from here, once per Ctrl-C,
+    # as SIGUSR1 (first: every rank stops at one step and saves it; second: they quit at once)
+    interrupt = checkpoint.INTERRUPT
+    interrupt.run_dir = run_dir
+    interrupt.forward = lambda count: _signal_ranks(procs, signal.SIGUSR1)
+    interrupt.hard = lambda: _quit_at_once(procs, run_dir)
     try:
         for proc in procs:
             proc.start()
+        interrupt.armed = True
         for proc in procs:
             proc.join()
-        failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+        interrupt.armed = False
+        codes = [p.exitcode for p in procs]
+        if interrupt.requested and set(codes) <= {0, 130} and 130 in codes:
+            reader = pipes[0][0]
+            step, complete = reader.recv() if reader.poll() else (None, False)  # rank 0 completes checkpoints
+            raise checkpoint.Interrupted(step, run_dir, complete)
+        failed = [(i, code) for i, code in enumerate(codes) if code != 0]
         if failed:
             raise RuntimeError(f"backend=torch: worker processes failed (rank, exit code): {failed}")
     finally:
+        interrupt.armed, interrupt.forward, interrupt.hard = False, None, None
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
@@ -104,9 +126,43 @@ def launch(
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _spawned_rank(env: dict, *args) -> None:
+def _signal_ranks(procs, signum: int) -> None:
+    for proc in procs:
+        if proc.pid is not None and proc.is_alive():
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _quit_at_once(procs, run_dir: Path) -> None:
+    """A second Ctrl-C in the launcher: the ranks (told by SIGUSR1) quit; any still there after 5 s are
+    killed; then their temporary files go and the launcher exits 130."""
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2)
+    checkpoint.remove_temporary_files(run_dir)
+    checkpoint.hard_exit(130, run_dir)
+
+
+def _spawned_rank(env: dict, stopped, *args) -> None:
+    """A rank the local launcher started; ``stopped``: its end of a pipe for (step, complete) on Ctrl-C."""
     os.environ.update(env)
-    run_rank(*args)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on as SIGUSR1
+    interrupt = checkpoint.INTERRUPT
+    interrupt.announce = False  # the launcher tells the user
+    interrupt.install(signal.SIGUSR1)
+    try:
+        run_rank(*args)
+    except checkpoint.Interrupted as exc:
+        stopped.send((exc.step, exc.complete))
+        sys.exit(130)
+    except KeyboardInterrupt:  # before training started
+        sys.exit(130)
 
 
 class Replicas:
@@ -199,6 +255,8 @@ def run_rank(
         dist.broadcast_object_list(name, src=0)
         folder = Path(name[0])
         corpus, params = prepare(cfg, folder, quiet=quiet or rank != 0)
+        if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
+            check_vocab(Path(resume_from), corpus.vocab_size)
         if rank == 0:
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         outer_groups, ddp_groups, hook_groups = _groups(world, k)
@@ -212,11 +270,24 @@ def run_rank(
         progress = Progress(cfg.steps, resume_step, 1, cfg.log.progress and not quiet and rank == 0)
         ctx = RunContext(cfg, corpus, folder, metrics, Path(resume_from) if resume_from else None, resume_step,
                          progress, stop_after)  # fmt: skip
+        # Ctrl-C: every rank stops at one step, agreed over the run's store (a client of its own, with a short
+        # timeout, so a dead store host costs a rank one timeout; keys fresh for each torchrun attempt)
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=timedelta(seconds=10))  # fmt: skip
+        store = dist.PrefixStore(f"noloco/stop/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)
+        ctx.stop = checkpoint.StoreStop(store, rank, world, resume_step, cfg.comm.startup_timeout)
+        interrupt = checkpoint.INTERRUPT
+        interrupt.run_dir, interrupt.armed = folder, True
+        interrupt.announce = interrupt.announce and rank == 0
         try:
             result = train_worker(ctx, DistributedBackend(transport, rank, replicas, cfg.comm.startup_timeout))
         finally:
+            interrupt.armed = False
             progress.close()
             metrics.close()
+        if ctx.stop.target is not None and ctx.stop.target < cfg.steps:  # (at the last step: complete)
+            complete = (checkpoint.step_dir(folder, ctx.stop.target) / checkpoint.COMPLETE).exists()
+            raise checkpoint.Interrupted(ctx.stop.target, folder, complete, quiet=rank != 0)
         inner_bytes = replicas.hook_state.transport.counter.bytes_sent if replicas else 0
         summary = _gather_summary(cfg, folder, corpus, params, result, transport, inner_bytes, k,
                                   time.perf_counter() - started, stop_after, resume_step, quiet)  # fmt: skip

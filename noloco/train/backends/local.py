@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from noloco.collectives import barrier
 from noloco.comm import LocalFabric
 from noloco.comm.base import CommAborted, CommError, Transport
+from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger
@@ -68,20 +69,36 @@ def launch(
     started = time.perf_counter()
     run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
     corpus, params = prepare(cfg, run_dir, quiet)
+    if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
+        check_vocab(resume_from, corpus.vocab_size)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
     metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, resume_step=resume_step if resume_from else None)
     progress = Progress(cfg.steps, resume_step, cfg.workers, cfg.log.progress and not quiet)
     ctx = RunContext(cfg, corpus, run_dir, metrics, resume_from, resume_step, progress, stop_after)
+    ctx.stop = checkpoint.LocalStop()  # Ctrl-C: one stop step for every worker
+    interrupt = checkpoint.INTERRUPT
+    interrupt.run_dir, interrupt.armed = run_dir, True
     fabric = LocalFabric(cfg.workers)
     try:
         results: list[WorkerResult] = fabric.run(
             lambda transport: train_worker(ctx, LocalBackend(transport, startup_timeout=cfg.comm.startup_timeout))
         )
     finally:
+        interrupt.armed = False
         progress.close()
         metrics.close()
+    if ctx.stop.target is not None and ctx.stop.target < cfg.steps:  # (at the last step the run is complete)
+        complete = (checkpoint.step_dir(run_dir, ctx.stop.target) / checkpoint.COMPLETE).exists()
+        raise checkpoint.Interrupted(ctx.stop.target, run_dir, complete)
     summary = summarize(cfg, run_dir, corpus, params, results, consensus_distance([r.slow_weights for r in results]),
                         time.perf_counter() - started, stop_after or cfg.steps, resume_step)  # fmt: skip
     return finish(cfg, summary, quiet)
 
+
+def check_vocab(resume_from: Path, vocab_size: int) -> None:
+    """CheckpointError unless the checkpoint's models have the corpus's vocabulary (a changed ``data.*``)."""
+    saved = checkpoint.checkpoint_vocab_size(resume_from)
+    if saved is not None and saved != vocab_size:
+        raise checkpoint.CheckpointError(f"resume={resume_from}: its models have a vocabulary of {saved}, this run's "
+                                         f"data {vocab_size} (were data.* overrides given?)")  # fmt: skip

@@ -1,0 +1,289 @@
+"""Ctrl-C (issue #15 item 2): the first SIGINT stops every worker at one step, saves it on every worker and
+exits 130 with one line that says how to resume; a second one quits at once, keeping the last complete
+checkpoint and leaving no temporary files. A resumed run ends exactly where an uninterrupted one does.
+
+The stop step is agreed without waiting for anyone: at each step boundary a worker reports its step, and
+the first to see the interrupt picks max(its step, 1 + the furthest step another worker has passed)
+(:class:`~noloco.train.checkpoint.LocalStop` for threads, :class:`~noloco.train.checkpoint.StoreStop` over
+the torch.distributed store for processes), so the agreement is tested here on its own too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from noloco.train import checkpoint
+from noloco.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"interrupted at step (\d+): resume with python train\.py resume=(\S+)/checkpoints/latest$")
+TRAIN = [sys.executable, str(ROOT / "train.py")]
+
+
+@pytest.fixture
+def interrupt():
+    checkpoint.INTERRUPT.reset()
+    yield checkpoint.INTERRUPT
+    checkpoint.INTERRUPT.reset()
+
+
+# ------------------------------------------------------------------------------- agreeing on a step
+
+
+def _race(make_stop, workers: int, seed: int, interrupt) -> dict[int, list[int]]:
+    """``workers`` threads stepping at different speeds; the interrupt lands at a random moment. Returns the
+    steps each worker finished (it stops after the step its agreement names)."""
+    rng = random.Random(seed)
+    delays = [rng.uniform(0.0005, 0.004) for _ in range(workers)]
+    done: dict[int, list[int]] = {r: [] for r in range(workers)}
+
+    def worker(rank: int) -> None:
+        stop = make_stop(rank)
+        for step in range(1, 2000):
+            time.sleep(delays[rank] * (1 + rng.random()))
+            done[rank].append(step)
+            if stop(rank, step):
+                return
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    time.sleep(rng.uniform(0.02, 0.1))
+    interrupt.requested = True
+    for t in threads:
+        t.join(30)
+    return done
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_threads_stop_at_one_step_without_passing_it(interrupt, seed):
+    stop = checkpoint.LocalStop()
+    done = _race(lambda rank: stop, 4, seed, interrupt)
+    assert {steps[-1] for steps in done.values()} == {stop.target}
+    assert stop.target < 1999
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_processes_agree_over_the_store(interrupt, seed):
+    """The same over a real TCPStore, one client per rank (as processes would have)."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
+    clients = [dist.PrefixStore("noloco/stop/0/", dist.TCPStore("127.0.0.1", server.port, 1, False,
+                                                                 timedelta(seconds=30))) for _ in range(3)]  # fmt: skip
+    stops = [checkpoint.StoreStop(clients[r], r, 3, 0, 10.0) for r in range(3)]
+    done = _race(lambda rank: stops[rank], 3, seed, interrupt)
+    targets = {s.target for s in stops}
+    assert len(targets) == 1
+    assert {steps[-1] for steps in done.values()} == targets
+
+
+def test_a_single_worker_stops_at_its_next_step(interrupt):
+    assert not checkpoint.stop_here(None, 0, 4)
+    interrupt.requested = True
+    assert checkpoint.stop_here(None, 0, 5) and interrupt.solo.target == 5
+
+
+def test_second_interrupt_removes_temporary_files_and_the_unfinished_folder(tmp_path, monkeypatch):
+    """What a second Ctrl-C leaves: the last complete checkpoint, no temporary file, no unfinished folder."""
+    exits = []
+    monkeypatch.setattr(checkpoint.os, "_exit", exits.append)
+    monkeypatch.setattr(checkpoint, "_WRITES", checkpoint._Writes())
+    checkpoint.save_worker(tmp_path, 5, 0, {"w": torch.ones(3)})
+    checkpoint.completes_checkpoints()
+    checkpoint.mark_complete(tmp_path, 5, "steps: 20\n", keep=2)
+    checkpoint.save_worker(tmp_path, 10, 0, {"w": torch.ones(3)})  # the stop save, cut short:
+    unfinished = checkpoint.step_dir(tmp_path, 10)
+    tmp = checkpoint.step_dir(tmp_path, 5) / f".config.yaml.{os.getpid()}.x.tmp"  # a write still going on
+    tmp.write_bytes(b"partial")
+    checkpoint._WRITES.temps.add(str(tmp))
+    checkpoint.hard_exit(130, tmp_path)
+    assert exits == [130] and not unfinished.exists() and not tmp.exists()
+    assert checkpoint.resolve(tmp_path / "checkpoints" / "latest")[2] == 5
+    with pytest.raises(checkpoint.Closing):  # nothing is written after it
+        checkpoint.save_worker(tmp_path, 10, 1, {"w": torch.ones(3)})
+
+
+# --------------------------------------------------------------------------------- a real train.py
+
+
+def _args(tiny_overrides, *extra: str) -> list[str]:
+    return [*tiny_overrides, "workers=2", "threads=1", "steps=150", "outer.every=5", "log.tensorboard=false",
+            "log.plot=false", *extra]  # fmt: skip
+
+
+def _wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if metrics.exists():
+            try:
+                if any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line):
+                    return
+            except ValueError:  # a line being written
+                pass
+        time.sleep(0.02)
+    raise AssertionError(f"no step {step} in {metrics} within {timeout}s")
+
+
+def _losses(run_dir: Path) -> dict:
+    return {(r["worker"], r["step"]): r.get("loss") for r in read_metrics(run_dir)}
+
+
+def _temporary_files(run_dir: Path) -> list[Path]:
+    return [p for p in (run_dir / "checkpoints").rglob(".*")] if (run_dir / "checkpoints").exists() else []
+
+
+_CLEAN: dict[str, Path] = {}
+
+
+def _clean_run(tiny_overrides, tmp_path: Path, backend: str) -> Path:
+    """The uninterrupted run of the same config (once per backend and session)."""
+    if backend not in _CLEAN:
+        name = f"clean-{backend}"
+        done = subprocess.run([*TRAIN, *_args(tiny_overrides, f"backend={backend}", f"run.name={name}")],
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        _CLEAN[backend] = tmp_path / name
+    return _CLEAN[backend]
+
+
+def _resume_matches_clean(latest: str, clean: Path, run_dir: Path) -> None:
+    resumed = subprocess.run([*TRAIN, f"resume={latest}"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _losses(run_dir) == _losses(clean)  # bit-identical, every worker and step
+    a = json.loads((run_dir / "summary.json").read_text())
+    b = json.loads((clean / "summary.json").read_text())
+    assert a["final_eval_loss_per_worker"] == b["final_eval_loss_per_worker"]
+    assert a["bytes_sent_by_worker"] == b["bytes_sent_by_worker"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_every_worker_at_one_step_and_resumes_exactly(tiny_overrides, tmp_path):
+    """SIGINT mid-run with checkpoint.every=0: exit 130, the line, a complete checkpoint of the stop step on
+    every worker, no temporary files; resuming it ends bit-identical to the uninterrupted run."""
+    clean = _clean_run(tiny_overrides, tmp_path, "local")
+    run_dir = tmp_path / "ctrl-c"
+    proc = subprocess.Popen([*TRAIN, *_args(tiny_overrides, "checkpoint.every=0", "run.name=ctrl-c")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _wait_for_step(proc, run_dir / "metrics.jsonl", 12)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+    match = LINE.fullmatch(err.strip().splitlines()[-1])
+    assert match, err[-2000:]
+    step = int(match.group(1))
+    assert 12 <= step < 150 and Path(match.group(2)) == run_dir
+    folder, _, saved = checkpoint.resolve(run_dir / "checkpoints" / "latest")
+    assert saved == step and checkpoint.worker_ranks(folder) == [0, 1]
+    assert max(r["step"] for r in read_metrics(run_dir)) == step  # every worker stopped there
+    assert not _temporary_files(run_dir)
+    assert not (run_dir / "summary.json").exists()  # an interrupted run has no summary yet
+    _resume_matches_clean(f"{run_dir}/checkpoints/latest", clean, run_dir)
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_quits_at_once_and_keeps_the_last_complete_checkpoint(tiny_overrides, tmp_path):
+    """Two Ctrl-C 0.15 s apart, in a run whose steps take about a second (the default model's size): the
+    second lands before or while the stop step is saved; the run quits at once with 130, the last periodic
+    checkpoint is intact and resumes, nothing half-written or temporary is left."""
+    bigger = ("model.dim=256", "model.n_layers=4", "model.n_heads=4", "data.seq_len=128", "data.batch_size=8")
+    run_dir = tmp_path / "twice"
+    proc = subprocess.Popen([*TRAIN, *_args(tiny_overrides, *bigger, "checkpoint.every=3", "run.name=twice")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _wait_for_step(proc, run_dir / "metrics.jsonl", 4)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.15)
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and time.monotonic() - started < 10, err[-3000:]
+    assert "interrupted again: quit without saving; resume from step" in err.strip().splitlines()[-1], err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not _temporary_files(run_dir)
+    folders = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")]
+    assert folders and all((p / checkpoint.COMPLETE).exists() for p in folders), folders  # none half-written
+    folder, _, step = checkpoint.resolve(run_dir / "checkpoints" / "latest")
+    assert step >= 3 and checkpoint.load_run(folder, step, [0, 1]) == 512
+    resumed = subprocess.run([*TRAIN, f"resume={run_dir}/checkpoints/latest", f"steps={step + 1}"],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_torch_backend_stops_every_rank_at_one_step(tiny_overrides, tmp_path):
+    """Ctrl-C reaches the launcher and its ranks (one process group, as from a terminal): the launcher passes
+    it on once, the ranks agree on a step over the store, save it, and the run resumes exactly."""
+    clean = _clean_run(tiny_overrides, tmp_path, "torch")
+    run_dir = tmp_path / "torch"
+    proc = subprocess.Popen([*TRAIN, *_args(tiny_overrides, "backend=torch", "checkpoint.every=0", "run.name=torch")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _wait_for_step(proc, run_dir / "metrics.rank1.jsonl", 12, timeout=300)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    match = LINE.fullmatch(err.strip().splitlines()[-1])
+    assert match, err[-2000:]
+    step = int(match.group(1))
+    folder, _, saved = checkpoint.resolve(run_dir / "checkpoints" / "latest")
+    assert saved == step and checkpoint.worker_ranks(folder) == [0, 1]
+    assert {max(r["step"] for r in read_metrics(run_dir) if r["worker"] == w) for w in (0, 1)} == {step}
+    assert not _temporary_files(run_dir)
+    _resume_matches_clean(f"{run_dir}/checkpoints/latest", clean, run_dir)
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_on_the_torch_backend_quits_at_once(tiny_overrides, tmp_path):
+    """The launcher passes the second Ctrl-C on, the ranks quit, the launcher exits 130 within seconds; the
+    last periodic checkpoint is intact and nothing temporary is left."""
+    bigger = ("model.dim=256", "model.n_layers=4", "model.n_heads=4", "data.seq_len=128", "data.batch_size=8")
+    run_dir = tmp_path / "torch-twice"
+    proc = subprocess.Popen([*TRAIN, *_args(tiny_overrides, *bigger, "backend=torch", "checkpoint.every=3",
+                                            "run.name=torch-twice")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _wait_for_step(proc, run_dir / "metrics.rank1.jsonl", 4, timeout=300)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.15)
+        os.killpg(proc.pid, signal.SIGINT)
+        started = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and time.monotonic() - started < 10, err[-3000:]
+    assert "interrupted again: quit without saving; resume from step" in err.strip().splitlines()[-1], err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not _temporary_files(run_dir)
+    folder, _, step = checkpoint.resolve(run_dir / "checkpoints" / "latest")
+    assert step >= 3 and checkpoint.load_run(folder, step, [0, 1]) == 512
