@@ -45,9 +45,12 @@ from noloco.fleet.netns import (
     FleetError,
     cleanup_prefix,
     is_root,
+    list_namespaces,
     missing_tools,
+    namespace_inventory,
     parse_duration,
     parse_rate,
+    plural,
     stale_prefixes,
 )
 
@@ -357,6 +360,38 @@ def host_cpu_sets(hosts: int, cpus_per_host: int) -> list[set[int]]:
     return [set(usable[i * cpus_per_host : (i + 1) * cpus_per_host]) for i in range(hosts)]
 
 
+def cleanup(out: TextIO | None = None) -> list[str]:
+    """``noloco-fleet --cleanup``: remove the namespaces of launchers whose pid is gone and say, per namespace,
+    what went with it (links by kind with their addresses, tc qdiscs, processes killed), then a total line; or
+    ``nothing to clean up``. Returns the names removed (namespaces, then any root-namespace links)."""
+    out = out or sys.stdout
+    removed: list[str] = []
+    totals: dict[str, int] = {}
+    for prefix in stale_prefixes():
+        inventories = [namespace_inventory(ns) for ns in list_namespaces() if ns.startswith(prefix + "-")]
+        gone = cleanup_prefix(prefix)
+        removed += gone
+        out.write(f"noloco-fleet: removed {prefix}-* (launcher pid {prefix[3:].split('x')[0]} is gone):\n")
+        for inventory in inventories:
+            out.write(f"  namespace {inventory.namespace}: {inventory.describe()}\n")
+            totals["namespace"] = totals.get("namespace", 0) + 1
+            for kind, _ in inventory.links:
+                totals[kind] = totals.get(kind, 0) + 1
+            totals["tc qdisc"] = totals.get("tc qdisc", 0) + len(inventory.qdiscs)
+            totals["process"] = totals.get("process", 0) + len(inventory.pids)
+        namespaces = {inventory.namespace for inventory in inventories}
+        for name in gone:
+            if name not in namespaces:
+                out.write(f"  root-namespace link {name}\n")
+                totals["root-namespace link"] = totals.get("root-namespace link", 0) + 1
+    if removed:
+        out.write(f"noloco-fleet: cleaned up {', '.join(plural(n, kind) for kind, n in totals.items() if n)}\n")
+    else:
+        out.write("noloco-fleet: nothing to clean up (no namespaces of dead launchers)\n")
+    out.flush()
+    return removed
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
@@ -390,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         print(NOT_ROOT, file=sys.stderr)
         return 2
     if args.cleanup:
-        for prefix in stale_prefixes():
-            print(f"noloco-fleet: removing {prefix}-*: {' '.join(cleanup_prefix(prefix))}")
+        cleanup()
         return 0
     if not args.hosts or args.hosts < 1:
         parser.error("--hosts N is required (N >= 1)")

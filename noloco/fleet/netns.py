@@ -25,6 +25,7 @@ leftovers of launchers that died without cleaning up (their pid is part of the p
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -144,6 +145,66 @@ def cleanup_prefix(prefix: str, grace: float = 3.0) -> list[str]:
                 run_cmd("ip", "link", "del", name, check=False)
                 removed.append(name)
     return removed
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(2, "process")`` → ``"2 processes"``, ``plural(1, "veth")`` → ``"1 veth"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
+
+
+DEFAULT_QDISCS = ("noqueue", "pfifo_fast", "fq_codel", "mq")  # what the kernel puts on a link by itself
+
+
+@dataclass
+class NamespaceInventory:
+    """What a fleet namespace holds (for ``noloco-fleet --cleanup`` to say what it removes): its links by kind
+    (``veth``, ``bridge``, ``ifb``, ...; loopback left out), their IPv4 addresses, the tc qdiscs noloco added
+    (``(kind, dev)``: ``tbf``, ``ingress``; the kernel's defaults left out) and the pids of its processes."""
+
+    namespace: str
+    links: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
+    addresses: dict[str, list[str]] = field(default_factory=dict)  # name -> ["10.201.0.1/24", ...]
+    qdiscs: list[tuple[str, str]] = field(default_factory=list)  # (kind, dev)
+    pids: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """e.g. ``veth veth0 (10.201.0.1/24); ifb ifb0; tc tbf on veth0, ingress on veth0; 1 process killed``."""
+        parts = []
+        kinds: dict[str, list[str]] = {}
+        for kind, name in self.links:
+            label = name + (f" ({', '.join(self.addresses[name])})" if self.addresses.get(name) else "")
+            kinds.setdefault(kind, []).append(label)
+        parts += [f"{kind} {', '.join(names)}" for kind, names in kinds.items()]
+        if self.qdiscs:
+            parts.append("tc " + ", ".join(f"{kind} on {dev}" for kind, dev in self.qdiscs))
+        if self.pids:
+            parts.append(f"{plural(len(self.pids), 'process')} killed ({' '.join(map(str, self.pids))})")
+        return "; ".join(parts) or "empty"
+
+
+def namespace_inventory(namespace: str) -> NamespaceInventory:
+    """The links, addresses, added qdiscs and processes inside ``namespace`` (never raises; empty if unreadable)."""
+    inventory = NamespaceInventory(namespace, pids=namespace_pids(namespace))
+    try:
+        links = json.loads(run_cmd("ip", "-n", namespace, "-j", "-d", "link", "show", check=False).stdout or "[]")
+    except ValueError:  # an iproute2 without -j: names only, kind unknown
+        links = [{"ifname": line.split(":")[1].strip().split("@")[0]}
+                 for line in run_cmd("ip", "-n", namespace, "-o", "link", "show", check=False).stdout.splitlines()
+                 if len(line.split(":")) > 1]  # fmt: skip
+    for link in links:
+        name = link.get("ifname", "?")
+        if name == "lo" or link.get("link_type") == "loopback":
+            continue
+        inventory.links.append((link.get("linkinfo", {}).get("info_kind", "link"), name))
+    for line in run_cmd("ip", "-n", namespace, "-o", "-4", "addr", "show", check=False).stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] == "inet" and fields[1] != "lo":
+            inventory.addresses.setdefault(fields[1], []).append(fields[3])
+    for line in run_cmd("tc", "-n", namespace, "qdisc", "show", check=False).stdout.splitlines():
+        match = re.match(r"qdisc (\S+) \S+ dev (\S+)", line)
+        if match and match.group(1) not in DEFAULT_QDISCS:
+            inventory.qdiscs.append((match.group(1), match.group(2)))
+    return inventory
 
 
 def stale_prefixes() -> list[str]:
