@@ -30,9 +30,10 @@ import torch
 
 from benchmarks import common
 from noloco.train.config import load_config
-from noloco.train.data import BatchSampler, prepare_corpus
+from noloco.train.data import BatchSampler
 from noloco.train.device import flops_per_token, peak_tflops
 from noloco.train.loop import build_inner_optimizer, build_model
+from noloco.train.run import load_corpus
 
 SHAPE = ("data.vocab_size=32000", "data.seq_len=1024", "data.batch_size=16")
 WARMUP = 10
@@ -46,8 +47,7 @@ def _cfg(preset: str, extra: list[str], run_dir: Path):
 def plain_loop(preset: str, compiled: bool, steps: int, run_dir: Path) -> dict:
     """The same model, data and optimizer with no noloco in the way."""
     cfg = _cfg(preset, [], run_dir)
-    corpus = prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction,
-                            cfg.data.cache_dir)  # fmt: skip
+    corpus = load_corpus(cfg)
     device = torch.device("cuda")
     torch.cuda.reset_peak_memory_stats()
     model = build_model(cfg, corpus.vocab_size).to(device)
@@ -104,8 +104,7 @@ def noloco_run(preset: str, workers: int, compiled: bool, steps: int, every: int
 
 
 def summary_vocab(cfg) -> int:
-    return prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction,
-                          cfg.data.cache_dir).vocab_size  # fmt: skip
+    return load_corpus(cfg).vocab_size
 
 
 def _row(label: str, model, cfg, rate: float, outer_ms: float | None, peak_bytes: int, workers: int) -> dict:

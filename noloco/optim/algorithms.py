@@ -128,6 +128,45 @@ class _RoundResult:
 
 
 @dataclass
+class _InFlight:
+    """An overlapped round's exchange: its snapshot of the fast weights, and its future or result."""
+
+    round: int
+    snapshot: torch.Tensor
+    future: object | None = None
+    result: _RoundResult | None = None
+
+
+def _in_flight_state(pending: _InFlight | None) -> dict | None:
+    if pending is None:
+        return None
+    result = pending.result
+    info = result.info
+    means = result.means
+    return {
+        "round": pending.round,
+        "snapshot": pending.snapshot.clone(),
+        "info": {"round": info.round, "group": list(info.group), "skipped": info.skipped, "rejected": info.rejected},
+        "mean_delta": None if means is None else means[0].clone(),
+        "mean_slow": None if means is None or means[1] is None else means[1].clone(),
+        "guarded": result.guarded,
+    }
+
+
+def _in_flight_from(state: dict | None, like: torch.Tensor) -> _InFlight | None:
+    if state is None:
+        return None
+    for key in ("snapshot", "mean_delta", "mean_slow"):
+        tensor = state[key]
+        if tensor is not None and (tensor.shape != like.shape or not torch.isfinite(tensor).all()):
+            raise ValueError(f"checkpoint's in-flight exchange has a bad {key}")
+    to = lambda t: None if t is None else t.to(like.device, torch.float32).clone()  # noqa: E731
+    means = None if state["mean_delta"] is None else (to(state["mean_delta"]), to(state["mean_slow"]))
+    result = _RoundResult(OuterRoundInfo(**state["info"]), means, bool(state["guarded"]))
+    return _InFlight(int(state["round"]), to(state["snapshot"]), None, result)
+
+
+@dataclass
 class OuterState:
     """What a joining worker adopts from a live one: the inner step, the slow weights φ and the outer
     momentum (flat fp32; ``None`` for rules without momentum). AdamW moments are not part of it."""
@@ -240,6 +279,10 @@ class Algorithm:
     def _after_inner_step(self) -> OuterRoundInfo | None:
         return None
 
+    def finish(self) -> OuterRoundInfo | None:
+        """Called once after the last inner step; applies anything still pending (overlapped exchange)."""
+        return None
+
     @property
     def counter(self) -> ByteCounter:
         """Bytes this worker has sent and received for the algorithm's exchanges."""
@@ -318,6 +361,7 @@ class OuterAlgorithm(Algorithm):
         group_timeout: float | None = None,
         algorithm: str | None = None,
         same_start: str = "broadcast",
+        overlap: bool = False,
     ):
         super().__init__(
             model,
@@ -344,6 +388,10 @@ class OuterAlgorithm(Algorithm):
         if max_norm_ratio is not None:
             NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
+        # overlap: round r's exchange runs in the background during round r + 1 (see _overlapped_round)
+        self.overlap = bool(overlap)
+        self._in_flight: _InFlight | None = None
+        self._exchanger = None
 
     @property
     def counter(self) -> ByteCounter:
@@ -352,7 +400,64 @@ class OuterAlgorithm(Algorithm):
     def _after_inner_step(self) -> OuterRoundInfo | None:
         if self.inner_step % self.every:
             return None
+        if self.overlap:
+            return self._overlapped_round(self.inner_step // self.every - 1)
         return self.outer_step(self.inner_step // self.every - 1)
+
+    # --- overlapped exchange (outer.overlap; docs/design.md §3.1, "Overlapped outer steps") -----------------
+    @torch.no_grad()
+    def _overlapped_round(self, round_index: int) -> OuterRoundInfo | None:
+        """End of round r with ``overlap``: apply round r − 1's exchange, then start round r's in the background.
+
+        The rule, exactly (φ slow weights, θ fast weights, s_r the snapshot sent for round r):
+        at the end of round r, wait for round r − 1's group means, set φ ← rule(φ, means_{r−1}) and
+        θ ← φ + (θ − s_{r−1}) (the local progress made while the exchange ran is kept on top of the new
+        slow weights), then send s_r = θ. So every pseudo-gradient θ − φ a worker sends is exactly the
+        progress of one round, and the update lands one round late: a one-round-delayed outer step
+        (Streaming DiLoCo's overlap with τ = H and mixing factor 1, arXiv 2501.18512). Applying at the
+        round boundary, not when the bytes arrive, keeps runs deterministic and resumable.
+        """
+        info = self._merge_in_flight()
+        snapshot = parameters_to_vector(self.params).detach().float().clone()
+        if self._exchanger is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="noloco-exchange")
+        future = self._exchanger.submit(self._exchange_round, round_index, snapshot)
+        self._in_flight = _InFlight(round_index, snapshot, future)
+        return info
+
+    @torch.no_grad()
+    def _merge_in_flight(self) -> OuterRoundInfo | None:
+        """Wait for the exchange in flight (if any) and apply it (the rule of :meth:`_overlapped_round`)."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return None
+        result = pending.result if pending.result is not None else pending.future.result()
+        if result.guarded:
+            self.inner_opt.state.clear()
+        if result.means is None:
+            return result.info
+        self.rule.step(self.slow, *result.means)
+        if result.guarded:  # the fast weights went non-finite: restart from φ
+            copy_flat_into(self.slow, self.params)
+        else:
+            progress = parameters_to_vector(self.params).detach().float() - pending.snapshot
+            copy_flat_into(self.slow + progress, self.params)
+        return result.info
+
+    def finish(self) -> OuterRoundInfo | None:
+        """At the end of training: apply the exchange still in flight, so the final weights include it."""
+        info = self._merge_in_flight()
+        if self._exchanger is not None:
+            self._exchanger.shutdown(wait=True)
+            self._exchanger = None
+        return info
+
+    def _settle_in_flight(self) -> None:
+        """Wait for the exchange in flight to arrive (not applied): a checkpoint then stores its result."""
+        if self._in_flight is not None and self._in_flight.result is None:
+            self._in_flight.result = self._in_flight.future.result()
 
     @torch.no_grad()
     def outer_step(self, round_index: int) -> OuterRoundInfo:
@@ -489,6 +594,7 @@ class OuterAlgorithm(Algorithm):
         copy_flat_into(self.slow, self.params)
 
     def state_dict(self) -> dict:
+        self._settle_in_flight()  # an exchange in flight is finished first; its result is part of the state
         return {
             "inner_step": self.inner_step,
             "slow": self.slow.clone(),
@@ -498,6 +604,7 @@ class OuterAlgorithm(Algorithm):
             "feedback": _ef_state(self.feedback),
             "slow_feedback": _ef_state(self.slow_feedback),
             "norm_rejections": self.norm_rejections.state_dict(),
+            "in_flight": _in_flight_state(self._in_flight),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -518,6 +625,7 @@ class OuterAlgorithm(Algorithm):
         _ef_load(self.slow_feedback, state.get("slow_feedback"))
         if "norm_rejections" in state:
             self.norm_rejections.load_state_dict(state["norm_rejections"])
+        self._in_flight = _in_flight_from(state.get("in_flight"), self.slow)
 
 
 def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:

@@ -173,6 +173,9 @@ def validate(cfg: DictConfig) -> None:
     _require(inner.lr > 0 and 0 <= inner.min_lr <= inner.lr, "inner.lr must be > 0 and 0 <= inner.min_lr <= inner.lr")
     _require(inner.warmup >= 0 and inner.grad_clip >= 0, "inner.warmup and inner.grad_clip must be >= 0")
     _require(isinstance(inner.processes, int) and inner.processes >= 1, "inner.processes must be an integer >= 1")
+    _require(not (outer.overlap and inner.processes > 1),
+             "outer.overlap does not run with inner.processes > 1 yet (a worker of several processes)")  # fmt: skip
+    _require(not (outer.overlap and outer.algo == "ddp"), "outer.overlap is for the outer algorithms, not ddp")
     _require(
         inner.processes == 1 or cfg.backend == "torch",
         f"inner.processes={inner.processes} needs backend=torch (a process per device of a worker)",
@@ -188,6 +191,7 @@ def validate(cfg: DictConfig) -> None:
             Path(str(data.path)).expanduser().exists() or bool(glob.glob(str(Path(data.path).expanduser()))),
             f"data.path={data.path!r} does not exist",
         )
+    _validate_sources(cfg)
     if cfg.eval.every is None:
         cfg.eval.every = outer.every
     _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
@@ -195,3 +199,33 @@ def validate(cfg: DictConfig) -> None:
     from noloco.train.model import PRESETS
 
     _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
+
+
+def _exists(spec) -> bool:
+    import glob
+
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    return bool(specs) and all(Path(str(s)).expanduser().exists() or glob.glob(str(Path(str(s)).expanduser()))
+                               for s in specs)  # fmt: skip
+
+
+def _validate_sources(cfg: DictConfig) -> None:
+    """``model.source``, ``data.source=hf`` and ``data.tokenizer`` (docs/your-model-and-data.md)."""
+    model, data = cfg.model, cfg.data
+    _require(model.source in ("noloco", "hf"), f"model.source={model.source!r} is not one of noloco, hf")
+    _require(model.hf_weights in ("auto", True, False), f"model.hf_weights must be auto, true or false, got "
+             f"{model.hf_weights!r}")  # fmt: skip
+    if model.source == "hf":
+        from noloco.train.hf import model_folder
+
+        model_folder(model.hf_path)  # ConfigError: no folder, or no config.json in it
+    if data.source == "hf":
+        _require(bool(data.hf_path), "data.source=hf needs data.hf_path (a builder such as json or parquet with "
+                 "data.hf_files, a dataset folder, or a hub name)")  # fmt: skip
+        _require(data.hf_files is None or _exists(data.hf_files), f"data.hf_files={data.hf_files!r} matches no file")
+        _require(isinstance(data.text_field, str) and bool(data.text_field), "data.text_field must be a field name")
+    _require(isinstance(data.streaming, bool), f"data.streaming must be true or false, got {data.streaming!r}")
+    _require(not data.streaming or data.source == "hf", "data.streaming=true needs data.source=hf")
+    _require(isinstance(data.stream_sample, int) and data.stream_sample >= 1, "data.stream_sample must be >= 1")
+    _require(data.tokenizer is None or Path(str(data.tokenizer)).expanduser().exists(),
+             f"data.tokenizer={data.tokenizer!r}: no such file or folder")  # fmt: skip

@@ -33,6 +33,9 @@ from noloco.train.model import LLaMA, model_config
 logger = logging.getLogger(__name__)
 
 
+MODEL_SOURCE_KEYS = ("preset", "source", "hf_path", "hf_weights")  # model.* keys that are not ModelConfig fields
+
+
 @dataclass
 class WorkerResult:
     rank: int
@@ -47,7 +50,11 @@ class WorkerResult:
 
 
 def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
-    overrides = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "preset"}
+    if cfg.model.get("source", "noloco") == "hf":  # a transformers causal LM (noloco/train/hf.py)
+        from noloco.train.hf import build_hf_model
+
+        return build_hf_model(cfg, vocab_size)
+    overrides = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in MODEL_SOURCE_KEYS}
     if overrides.get("max_seq_len") is None:
         overrides["max_seq_len"] = max(1024, cfg.data.seq_len)
     return LLaMA(model_config(cfg.model.preset, vocab_size=vocab_size, **overrides), seed=cfg.run.seed)
@@ -90,6 +97,7 @@ def build_algorithm(
     common["slow_codec"] = comm.slow_codec
     common["max_norm_ratio"] = comm.max_norm_ratio
     common["group_timeout"] = comm.group_timeout
+    common["overlap"] = outer.overlap
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
     if outer.algo == "noloco":
@@ -150,7 +158,7 @@ class RunContext:
 
     def should_stop(self, rank: int, step: int) -> bool:
         """Ctrl-C: True once worker ``rank`` finished the step every worker of the run stops (and saves) at."""
-        return checkpoint.stop_here(self.stop, rank, step)
+        return checkpoint.stop_here(self.stop, rank, step, self.run_dir)
 
 
 @dataclass
@@ -176,8 +184,10 @@ class Worker:
 
         - the outer algorithm's initial weights φ₀ (``reference``): the seed's initial weights, rebuilt by
           building the model from ``run.seed``; stored as a marker with their SHA-256, checked on load;
-        - the model weights θ when they equal the slow weights φ bit for bit (after an outer step, or
-          on a late joiner's first steps): stored as a marker, rebuilt from φ (buffers still stored).
+        - the slow weights φ while they equal φ₀ bit for bit (before the first outer step, or when every
+          round was skipped): a marker, rebuilt from φ₀;
+        - the model weights θ when they equal φ bit for bit (right after an outer step, or a late joiner's
+          start): a marker, rebuilt from φ (buffers, if a model has any, are still stored).
 
         AdamW moments, slow weights, outer momentum and error-feedback residuals stay fp32: a resume is
         bit-exact only with the values the run had.
@@ -192,10 +202,12 @@ class Worker:
                     memo = (ref, ref._version, checkpoint.digest(ref))
                     self._reference_digest = memo
                 algorithm["reference"] = {checkpoint.REBUILT: "seed", "sha256": memo[2]}
+            if torch.equal(self.algo.slow, self.algo.reference):
+                algorithm["slow"] = {checkpoint.REBUILT: "reference"}
             if _equals_flat(self.algo.params, self.algo.slow):
                 params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
                 model = {checkpoint.REBUILT: "slow", "buffers": {k: v for k, v in model.items() if k not in params}}
-        return {
+        state = {
             "step": step,
             "vocab_size": self.model.cfg.vocab_size,
             "model": model,
@@ -206,6 +218,9 @@ class Worker:
             "wall_seconds": wall,
             "eval_history": self.history,
         }
+        if hasattr(self.sampler, "state_dict"):  # a streamed dataset's position (data.streaming)
+            state["sampler"] = self.sampler.state_dict()
+        return state
 
     def evaluate(self) -> float:
         if self.device.type == "cpu" and self.precision == "fp32":
@@ -218,11 +233,15 @@ class Worker:
         algorithm, model = dict(state["algorithm"]), state["model"]
         reference = algorithm.pop("reference", None)
         if isinstance(self.algo, OuterAlgorithm):
+            if isinstance(algorithm.get("slow"), dict):  # φ = φ₀
+                seed_init = self.algo.reference if isinstance(reference, dict) else reference
+                algorithm["slow"] = seed_init.to(self.algo.reference).clone()
             if isinstance(reference, dict):  # rebuilt: this worker's φ₀ was built from run.seed
                 if checkpoint.digest(self.algo.reference) != reference["sha256"]:
                     raise checkpoint.CheckpointError(
-                        f"worker {self.rank}: the initial weights rebuilt from run.seed={self.seed} differ from the "
-                        "checkpoint's (run.seed or the model changed since it was saved)")
+                        f"worker {self.rank}: the initial weights rebuilt from run.seed differ from the checkpoint's "
+                        "(run.seed or the model changed since it was saved)"
+                    )
             elif reference is not None and not torch.equal(reference.to(self.algo.reference), self.algo.reference):
                 algorithm["reference"] = reference  # an older checkpoint's φ₀ that is not the seed's
                 self._explicit_reference = True
@@ -236,6 +255,11 @@ class Worker:
                 self.model.load_state_dict(model["buffers"], strict=False)
                 copy_flat_into(self.algo.slow, self.algo.params)
             self.algo.counter.load_state_dict(state["counter"])
+            if hasattr(self.sampler, "load_state_dict") or "sampler" in state:
+                if not hasattr(self.sampler, "load_state_dict") or "sampler" not in state:
+                    raise ValueError("the checkpoint and this run disagree on whether the data is streamed "
+                                     "(data.streaming): the batches would not continue where they stopped")  # fmt: skip
+                self.sampler.load_state_dict(state["sampler"])
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise checkpoint.CheckpointError(f"worker {self.rank}: cannot load its state: {exc}") from None
         self.start, self.wall_offset = state["step"], state["wall_seconds"]
@@ -259,16 +283,17 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         opt=opt,
         schedule=schedule,
         algo=algo,
-        sampler=BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed),
+        sampler=BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed)
+        if not hasattr(ctx.corpus, "sampler")  # data.streaming: this worker's shard of the stream (noloco/train/hf.py)
+        else ctx.corpus.sampler(backend.rank, cfg.workers * cfg.inner.processes, cfg.data.seq_len, cfg.data.batch_size),
         held_out=eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches),
         device=device,
         precision=resolve_precision(str(cfg.precision), device),
     )
     if ctx.resume_from is not None:  # checked as a whole (noloco.train.cli) before the run wrote anything
         state = checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step)
-        checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm)).check(
-            state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
-        worker.seed = cfg.run.seed
+        layout = checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm))
+        layout.check(state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
         worker.load(state)
     else:
         worker.start = backend.start(algo, model)
@@ -290,7 +315,8 @@ def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
         loss, lr, outer_round, outer_seconds = inner_step(cfg, worker, step)
         log.add(step, loss, lr, outer_round, outer_seconds)
         evaluated = step % cfg.eval.every == 0 or step == cfg.steps
-        checkpointed = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps
+        stop = ctx.should_stop(worker.rank, step)  # Ctrl-C: every worker stops and saves at one step
+        checkpointed = stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps
         if evaluated:
             worker.history.append((step, worker.evaluate()))
             log.evaluated(worker.history[-1][1])
@@ -299,7 +325,7 @@ def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
         backend.after_step(step, algo)
         if checkpointed:
             save_checkpoint(ctx, backend, worker, step, log.wall())
-        if ctx.stop_after is not None and step >= ctx.stop_after:
+        if stop or (ctx.stop_after is not None and step >= ctx.stop_after):
             break
     log.flush()
     return WorkerResult(
@@ -405,6 +431,8 @@ def inner_step(cfg: DictConfig, worker: Worker, step: int):
         torch.cuda.synchronize(worker.device)  # outer_ms then times the outer step, not the queued inner steps
     started = time.perf_counter()
     outer_round = worker.algo.step()
+    if step == cfg.steps:  # an exchange still in flight (outer.overlap) lands before the final evaluation
+        outer_round = worker.algo.finish() or outer_round
     outer_seconds = None
     if outer_round is not None:
         if worker.device.type == "cuda":
@@ -441,9 +469,10 @@ def save_checkpoint(ctx: RunContext, backend: Backend, worker: Worker, step: int
     if backend.marks_complete():
         checkpoint.completes_checkpoints()
     checkpoint.save_worker(ctx.run_dir, step, worker.rank, worker.state(step, wall))
-    if backend.barrier(step) and backend.marks_complete():
+    if not backend.barrier(step):
+        checkpoint.saved(ctx.run_dir, step)  # left incomplete (a worker is gone)
+    elif backend.marks_complete():
         checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(ctx.cfg), ctx.cfg.checkpoint.keep)
-    checkpoint.saved(ctx.run_dir, step)
 
 
 def _equals_flat(params: list[torch.Tensor], flat: torch.Tensor) -> bool:

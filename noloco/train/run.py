@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from noloco.train import checkpoint
 from noloco.train.data import eval_batches, prepare_corpus
 from noloco.train.loop import WorkerResult, build_model
 from noloco.train.plots import plot_runs
@@ -119,12 +121,21 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def load_corpus(cfg: DictConfig):
+    """The run's tokenized corpus from ``cfg.data`` (bundled, files, or a ``datasets`` source; cached)."""
+    from noloco.train.hf import corpus_options
+
+    data = cfg.data
+    return prepare_corpus(data.source, data.path, data.vocab_size, data.eval_fraction, data.cache_dir,
+                          **corpus_options(data))  # fmt: skip
+
+
 def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False):
     """Create the run folder, load or build the tokenized corpus, set torch threads, announce the run."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    corpus = prepare_corpus(
-        cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction, cfg.data.cache_dir
-    )
+    corpus = load_corpus(cfg)
+    if getattr(corpus, "tokenizer_path", None) and Path(corpus.tokenizer_path).is_file():
+        shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")  # export and sample read it here
     # threads share the cores: local workers are threads of this process; torch workers are processes,
     # LOCAL_WORLD_SIZE of them on this host (set by torchrun and by the local launcher)
     per_process = cfg.workers if cfg.backend == "local" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -170,6 +181,7 @@ class RunSummary:
     run_dir: str
     nonfinite_events_by_worker: list[int]
     norm_rejections_by_worker: list[int]
+    checkpoint_bytes_per_worker: int | None = None  # one worker's files in the latest checkpoint (None: none)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -209,6 +221,7 @@ def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list
         run_dir=str(run_dir),
         nonfinite_events_by_worker=[r.nonfinite_events for r in results],
         norm_rejections_by_worker=[r.norm_rejections for r in results],
+        checkpoint_bytes_per_worker=checkpoint.bytes_per_worker(run_dir),
         extra=dict(extra or {}),
     )
 
@@ -243,4 +256,7 @@ def format_summary(s: dict) -> str:
         + (f" · consensus distance {s['consensus_distance']:.2e}" if s["consensus_distance"] is not None else ""),
         f"wall {s['wall_seconds']:.1f} s · {s['tokens_per_second']:,.0f} tokens/s · results in {s['run_dir']}",
     ]
+    if s.get("checkpoint_bytes_per_worker") is not None:
+        lines.append(f"checkpoint {s['checkpoint_bytes_per_worker'] / 1e6:.2f} MB per worker "
+                     f"({s['run_dir']}/checkpoints/latest)")  # fmt: skip
     return "\n".join(lines)
