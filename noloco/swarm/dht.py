@@ -4,12 +4,25 @@ A peer of the hivemind backend finds the others through hivemind's Kademlia DHT,
 process owns the libp2p daemon (p2pd) that :class:`~noloco.swarm.endpoint.SwarmEndpoint` also uses.
 :func:`start_dht` makes sure a SIGKILLed peer leaves no daemons behind; :func:`start_peer_dht`
 retries a start that a busy bootstrap peer made fail.
+
+:class:`RunRecordValidator` makes the run's DHT records verifiable: every record a peer stores carries
+an HMAC under the run key over (DHT key, subkey, value, expiration), appended by the DHT itself
+(hivemind's ``RecordValidatorBase.sign_value``). Every node that runs it refuses, at store time, a
+record without a valid MAC or with an expiration further ahead than ``max_ttl``, so junk from a
+process without the key can neither be stored on an honest node nor displace an honest record (the
+DHT keeps the latest expiration per subkey); a reader's node applies the same check to every record
+another node returns (hivemind drops a node's whole dictionary if one of its entries fails), so a
+node that does not validate (a plain ``hivemind-dht``, a malicious node) cannot feed it junk either.
+Refusals are counted in shared memory (the DHT runs in a forked child) and read with :meth:`counts`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import multiprocessing
 import os
+import struct
 import threading
 import time
 
@@ -78,3 +91,82 @@ def start_peer_dht(initial_peers: list[str] | None, host_maddrs: list[str], anno
             if attempt == attempts - 1:
                 raise
             time.sleep(2.0)
+
+
+_TRAILER = b"NLV1"
+_SIGNED = len(_TRAILER) + 32
+
+
+def _validator_base():
+    from hivemind.dht.validation import RecordValidatorBase
+
+    return RecordValidatorBase
+
+
+class RunRecordValidator:
+    """A hivemind record validator keyed on the run key (see the module docstring).
+
+    Built with :meth:`create` (hivemind imported lazily). ``max_ttl``: the furthest ahead, in seconds of
+    this node's DHT clock, an accepted expiration may be. Counts (``dht_unauthenticated``,
+    ``dht_expiry``) are shared with the forked DHT process; a record a reader's node refuses is
+    counted each time it is returned.
+    """
+
+    @staticmethod
+    def create(key, run_id: str, max_ttl: float):
+        base = _validator_base()
+
+        class _Validator(RunRecordValidator, base):
+            pass
+
+        return _Validator(key, run_id, max_ttl)
+
+    def __init__(self, key, run_id: str, max_ttl: float):
+        self._key, self.run_id, self.max_ttl = key, run_id, float(max_ttl)
+        self._counts = multiprocessing.get_context("fork").Array("q", 2)  # unauthenticated, expiry
+
+    def _mac(self, record) -> bytes:
+        parts = [self.run_id.encode(), bytes(record.key), bytes(record.subkey), bytes(record.value)]
+        framed = b"".join(struct.pack("!I", len(p)) + p for p in parts)
+        return self._key.mac(b"noloco-dht/1", framed, struct.pack("!d", float(record.expiration_time)))
+
+    def _count(self, index: int) -> bool:
+        with self._counts.get_lock():
+            self._counts[index] += 1
+        return False
+
+    def sign_value(self, record) -> bytes:
+        return bytes(record.value) + _TRAILER + self._mac(record)
+
+    def validate(self, record) -> bool:
+        from dataclasses import replace
+
+        from hivemind.utils.timed_storage import get_dht_time
+
+        value = bytes(record.value)
+        if len(value) < _SIGNED or value[-_SIGNED:-32] != _TRAILER:
+            return self._count(0)
+        if not hmac.compare_digest(self._mac(replace(record, value=value[:-_SIGNED])), value[-32:]):
+            return self._count(0)
+        if record.expiration_time > get_dht_time() + self.max_ttl:
+            return self._count(1)
+        return True
+
+    def strip_value(self, record) -> bytes:
+        return bytes(record.value)[:-_SIGNED]
+
+    @property
+    def priority(self) -> int:
+        return 10
+
+    def merge_with(self, other) -> bool:
+        return False
+
+    def counts(self) -> dict[str, int]:
+        """Records refused so far by this peer's DHT node (stores and reads together)."""
+        with self._counts.get_lock():
+            unauthenticated, expiry = self._counts[0], self._counts[1]
+        return {"dht_unauthenticated": int(unauthenticated), "dht_expiry": int(expiry)}
+
+    def __reduce__(self):  # holds the run key: never pickled
+        raise TypeError("RunRecordValidator cannot be pickled")

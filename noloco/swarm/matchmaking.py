@@ -30,19 +30,33 @@ docs/swarm.md):
    see alike). Any other failure gives ``None`` for that round (the round is skipped, nothing is
    half-applied).
 
+5. *Penalties*: a member that was ready in this peer's window, drawn into its group and sent it
+   nothing at all in that round (no ``join``, not even one naming another group: every peer also
+   sends its ``join`` to the other peers of its window, in the background, so that an honest peer
+   whose view differed is never mistaken for a silent one) is *struck* once the next round begins,
+   unless its ``join`` arrived late meanwhile. From the second strike in a row (no confirmation in
+   between; one silent round can be an honest peer that never drew) a struck peer is left out of
+   this peer's draws for at least ``L = penalty_rounds × 2**(strikes − 2)`` swarm rounds (``L`` at
+   most :data:`MAX_PENALTY_ROUNDS`), until the end of the next block of ``L`` rounds, so that peers
+   that struck it a round apart let it back in together and their draws stay alike; a confirmation
+   resets its strikes. Strikes and exclusions are counted (``no_confirm``, ``penalized``).
+
 :class:`PeerRegistry` is the list of live peers (name, inner step) that late joiners read to find a
-peer to download the current slow weights from.
+peer to download the current slow weights from. :func:`implausible_rounds` drops entries listing a
+round or step the schedule does not have (a key holder listing step 10**9); :func:`implausible_steps`
+also drops, for a joiner, sources further ahead than the other live peers' median allows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from noloco.comm.base import ByteCounter
+from noloco.comm.base import ByteCounter, CommError
 from noloco.gossip.base import Group, GroupSource
 from noloco.swarm.endpoint import RunKey, SwarmEndpoint
 
@@ -108,6 +122,81 @@ def draw_groups(
     if len(groups) > 1 and len(groups[-1]) == 1:
         groups[-2].extend(groups.pop())
     return [sorted(g) for g in groups]
+
+
+#: A peer silent in SILENCES_BEFORE_PENALTY consecutive rounds with this one is left out of its draws for
+#: PENALTY_ROUNDS * 2**(penalties - 1) rounds (aligned to blocks of that length), at most MAX_PENALTY_ROUNDS.
+SILENCES_BEFORE_PENALTY = 2
+PENALTY_ROUNDS = 4
+MAX_PENALTY_ROUNDS = 256
+#: How far above the median listed step of the other live, trained peers a joiner's source may be: this many
+#: rounds (× every), or a tenth of the run if that is more.
+TOLERANCE_ROUNDS = 4
+
+
+def _split_plausible(entries: list[dict], ok: Callable[[dict], bool], endpoint: SwarmEndpoint | None, seen: set,
+                     what: str) -> list[dict]:  # fmt: skip
+    kept = []
+    for entry in entries:
+        if ok(entry):
+            kept.append(entry)
+            continue
+        stamp = (entry["peer"], entry["step"], entry["round"])
+        if endpoint is not None and stamp not in seen:  # count each claim once
+            seen.add(stamp)
+            endpoint.count_rejection("implausible_step", f"{what}: step {entry['step']}, round {entry['round']}",
+                                     entry["peer"])  # fmt: skip
+    return kept
+
+
+def implausible_rounds(entries: list[dict], steps: int, every: int, endpoint: SwarmEndpoint | None = None,
+                       seen: set | None = None) -> list[dict]:  # fmt: skip
+    """Registry entries whose listed swarm round the schedule allows; the others are counted and dropped.
+
+    A listed round must be -1 (finished) or within ``0..ceil(steps / every)`` (and the step within
+    ``0..steps``): a key holder listing round 10**9 would otherwise drag every peer's matchmaking there.
+    No bound relative to the other peers: a lone honest peer ahead of peers that fell behind (or that
+    resumed) must still be followed, and nothing in the registry tells it from a liar; a liar within the
+    schedule can only move the swarm's round label forward, which the honest peers then share.
+    """
+    last = -(-int(steps) // int(every))
+
+    def ok(e: dict) -> bool:
+        return 0 <= e["step"] <= steps and (e["round"] == -1 or 0 <= e["round"] <= last)
+
+    return _split_plausible(entries, ok, endpoint, seen if seen is not None else set(), "registry round")
+
+
+def step_bound(entries: list[dict], steps: int, every: int, fresh_within: float | None = None,
+               tolerance: int = TOLERANCE_ROUNDS) -> int:  # fmt: skip
+    """The most advanced step a joiner accepts from a source.
+
+    At most ``steps``, and at most ``max(tolerance × every, steps // 10)`` above the median (the lower one)
+    of the listed steps of the live peers that have trained (step > 0, not finished; published within
+    ``fresh_within`` seconds if any did, so that a dead peer's old entry does not pull the median down). With
+    two such peers the lower is the median: a peer claiming to be far ahead needs others to back it.
+    """
+    trained = [e for e in entries if e["round"] >= 0 and 0 < e["step"] <= steps]
+    if fresh_within is not None:
+        now = time.time()
+        trained = [e for e in trained if now - e["t"] <= fresh_within] or trained
+    if not trained:
+        return int(steps)
+    tol = max(tolerance * int(every), int(steps) // 10)
+    return min(int(steps), statistics.median_low([e["step"] for e in trained]) + tol)
+
+
+def implausible_steps(entries: list[dict], steps: int, every: int, endpoint: SwarmEndpoint | None = None,
+                      seen: set | None = None, fresh_within: float | None = None) -> list[dict]:  # fmt: skip
+    """Registry entries a joiner may download from: step within :func:`step_bound`; the rest counted, dropped."""
+    bound = step_bound(entries, steps, every, fresh_within)
+    return _split_plausible(entries, lambda e: 0 <= e["step"] <= bound, endpoint,
+                            seen if seen is not None else set(), "registry step")  # fmt: skip
+
+
+def announcement_ttl(window: float, slack: float, confirm_timeout: float) -> float:
+    """Seconds a readiness announcement lives in the DHT (long enough for every window of a round)."""
+    return max(60.0, 10 * (float(window) + float(slack) + float(confirm_timeout)))
 
 
 def signed_entries(found, verify: Callable[[str, object], bool], endpoint: SwarmEndpoint, seen: set,
@@ -176,6 +265,8 @@ class SwarmMatchmaking(GroupSource):
             waiting ``timeout`` for nobody. (A single empty DHT read must not cost a round.)
         alone_after: seconds without seeing another live peer before rounds are skipped at once.
         poll: seconds between reads of the round's announcements while waiting.
+        penalty_rounds: rounds a peer that did not confirm is left out of draws after its first strike
+            (doubling with each further strike; 0 turns penalties off).
     """
 
     def __init__(
@@ -194,6 +285,7 @@ class SwarmMatchmaking(GroupSource):
         others: Callable[[], int] | None = None,
         alone_after: float = 30.0,
         poll: float = 0.25,
+        penalty_rounds: int = PENALTY_ROUNDS,
     ):
         if group_size is not None and group_size < 2:
             raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
@@ -210,6 +302,66 @@ class SwarmMatchmaking(GroupSource):
         self.rounds: list[RoundRecord] = []
         self._open: dict[str, tuple[RoundRecord, float, dict[str, int]]] = {}
         self._bad_entries: set[tuple[str, float]] = set()
+        self.penalty_rounds = int(penalty_rounds)
+        self._strikes: dict[str, int] = {}  # peer -> silent rounds with this peer since it last confirmed
+        self._late: dict[str, int] = {}
+        self._banned_until: dict[str, int] = {}  # peer -> last swarm round it is left out of
+        self._silent: list[tuple[str, int]] = []  # (peer, round) it sent nothing in; settled next round
+        self._heard: set[tuple[str, int]] = set()  # (peer, round) whose join this peer took
+        self._excluded: set[tuple[str, int]] = set()  # (peer, round) exclusions already counted
+        self._window_excluded: list[str] = []  # penalized peers of the window being drawn
+
+    @property
+    def ready_ttl(self) -> float:
+        """Seconds a readiness announcement lives in the DHT."""
+        return announcement_ttl(self.window, self.slack, self.confirm_timeout)
+
+    # ------------------------------------------------------------------ penalties
+    def _settle(self) -> None:
+        """Strike the peers that stayed silent in an earlier round, unless their join arrived late since.
+
+        A strike is counted (``no_confirm``); from the :data:`SILENCES_BEFORE_PENALTY`-th strike in a row
+        (no confirmation with this peer in between) each one also leaves the peer out of the draws.
+        """
+        for peer, round_index in dict.fromkeys(self._silent):
+            if (peer, round_index) in self._heard:
+                continue
+            if self.endpoint.control_tags(f"r{round_index}", peer):
+                self._late[peer] = self._late.get(peer, 0) + 1
+                if self._late[peer] < 2:  # late once: a slow honest peer; late every time: a strike too
+                    continue
+            strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
+            if strikes < SILENCES_BEFORE_PENALTY:
+                self.endpoint.count_rejection("no_confirm", f"ready in round {round_index} but did not confirm "
+                                              f"(strike {strikes}, no penalty yet)", peer)  # fmt: skip
+                continue
+            length = min(MAX_PENALTY_ROUNDS, self.penalty_rounds * 2 ** (strikes - SILENCES_BEFORE_PENALTY))
+            # The penalty ends with a block of `length` rounds, not `length` rounds after the strike: peers
+            # that struck the same no-show a round apart then let it back in the same round, and their
+            # draws stay alike (a peer let back in by one member only makes both members' rounds fail).
+            until = ((round_index + length) // length + 1) * length - 1
+            self._banned_until[peer] = max(self._banned_until.get(peer, -1), until)
+            self.endpoint.count_rejection("no_confirm", f"ready in round {round_index} but did not confirm; "
+                                          f"left out until round {until} (strike {strikes})", peer)  # fmt: skip
+        self._silent.clear()
+        self._heard.clear()
+
+    def penalized(self, peer: str, round_index: int) -> bool:
+        """Whether ``peer`` is left out of this peer's draw in swarm round ``round_index``."""
+        return self.penalty_rounds > 0 and self._banned_until.get(peer, -1) >= round_index
+
+    def _drop_penalized(self, entries: list[Announcement], round_index: int) -> list[Announcement]:
+        kept = []
+        self._window_excluded = []
+        for entry in entries:
+            if entry.peer != self.peer_id and self.penalized(entry.peer, round_index):
+                self._window_excluded.append(entry.peer)
+                if (entry.peer, round_index) not in self._excluded:
+                    self._excluded.add((entry.peer, round_index))
+                    self.endpoint.count_rejection("penalized", f"left out of round {round_index}", entry.peer)
+                continue
+            kept.append(entry)
+        return kept
 
     # ------------------------------------------------------------------ DHT entries
     def _mac(self, *parts: object) -> str:
@@ -219,7 +371,7 @@ class SwarmMatchmaking(GroupSource):
         now = get_dht_time()
         value = {"t": now, "name": self.name, "mac": self._mac("ready", self.run_id, round_index, self.peer_id, now,
                                                                self.name)}  # fmt: skip
-        expiry = now + max(60.0, 10 * (self.window + self.slack + self.confirm_timeout))
+        expiry = now + self.ready_ttl
         self.dht.store(f"{self.run_id}/ready/{round_index}", value, expiry, subkey=self.peer_id)
         return now
 
@@ -231,6 +383,7 @@ class SwarmMatchmaking(GroupSource):
 
         found = self.dht.get(f"{self.run_id}/ready/{round_index}", latest=True)
         entries = signed_entries(found, verify, self.endpoint, self._bad_entries, "DHT announcement")
+        self.endpoint.note_peers(peer for peer, _ in entries)
         return [Announcement(peer, float(value["t"]), str(value["name"])) for peer, value in entries]
 
     # ------------------------------------------------------------------ GroupSource
@@ -263,6 +416,7 @@ class SwarmMatchmaking(GroupSource):
 
     def _form(self, round_index: int, record: RoundRecord, deadline: float) -> Group | None:
         deadline = min(deadline, time.monotonic() + self.timeout)
+        self._settle()
         if self.others is not None:
             if self.others() > 0:
                 self._others_seen = time.monotonic()
@@ -285,8 +439,10 @@ class SwarmMatchmaking(GroupSource):
             group_id = _digest("group", self.run_id, round_index, repr(start), *members)
             record.partners = [names[m] for m in members if m != self.peer_id]
             transport = self.endpoint.open_group(group_id, round_index, members)
+            outside = [p for p in [*names, *self._window_excluded] if p not in members]
             try:
-                self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0)
+                self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0,
+                              window_peers=outside)  # fmt: skip
             except _Mismatch as exc:
                 self.endpoint.close_group(group_id)
                 record.outcome = f"confirm failed: {exc}"
@@ -306,10 +462,11 @@ class SwarmMatchmaking(GroupSource):
             if not any(e.peer == self.peer_id for e in entries):
                 entries.append(Announcement(self.peer_id, mine, self.name))
             start, end = next(w for w in windows([e.time for e in entries], self.window) if w[0] <= mine <= w[1])
-            in_window = [e for e in entries if start <= e.time <= end]
+            in_window = self._drop_penalized([e for e in entries if start <= e.time <= end], round_index)
             present = {e.peer for e in in_window}
             now = get_dht_time()
-            everyone = bool(expected) and expected <= present
+            wanted = {p for p in expected if not self.penalized(p, round_index)}
+            everyone = bool(wanted) and wanted <= present
             if now < end + self.slack and not everyone:
                 if time.monotonic() > deadline:
                     record.outcome = "timeout"
@@ -326,22 +483,41 @@ class SwarmMatchmaking(GroupSource):
             mine = self._announce(round_index)
             expected = set()
 
-    def _confirm(self, round_index, group_id, members, names, deadline, fast_mismatch: bool) -> None:
-        """Send ``join/<group id>`` to every other member and wait for theirs; raise on failure."""
+    def _confirm(self, round_index, group_id, members, names, deadline, fast_mismatch: bool,
+                 window_peers: list[str] = ()) -> None:  # fmt: skip
+        """Send ``join/<group id>`` to every other member and wait for theirs; raise on failure.
+
+        The same ``join`` goes, in the background, to the window's peers outside the group (penalized
+        ones included): it tells them this peer is here, with another group, so that none of them takes
+        it for a no-show (a wrongly penalized honest peer must not penalize this one in turn).
+        Members that sent nothing at all by the deadline are remembered (:meth:`_settle` strikes them).
+        """
         channel = f"r{round_index}"
         confirm_by = min(deadline, time.monotonic() + self.confirm_timeout)
         others = [m for m in members if m != self.peer_id]
+        tag = f"join/{group_id}"
         for member in others:
-            self.endpoint.send_control(channel, round_index, member, f"join/{group_id}", b"",
-                                       max(0.1, confirm_by - time.monotonic()))  # fmt: skip
+            try:
+                self.endpoint.send_control(channel, round_index, member, tag, b"",
+                                           max(0.1, confirm_by - time.monotonic()))  # fmt: skip
+            except CommError:
+                self._silent.append((member, round_index))  # unreachable: gone, or refusing us
+                raise
+        for peer in window_peers:
+            self.endpoint.post_control(channel, round_index, peer, tag, b"", self.confirm_timeout)
         waiting = set(others)
         while waiting:
             for member in list(waiting):
-                if self.endpoint.take_control(channel, member, f"join/{group_id}", 0.0) is not None:
+                if self.endpoint.take_control(channel, member, tag, 0.0) is not None:
                     waiting.discard(member)
+                    self._heard.add((member, round_index))
+                    self._strikes.pop(member, None)
+                    self._late.pop(member, None)
                 elif fast_mismatch and self.endpoint.control_tags(channel, member):
                     raise _Mismatch(f"{names[member]} formed a different group")
             if waiting and time.monotonic() > confirm_by:
+                self._silent.extend((m, round_index) for m in waiting if (m, round_index) not in self._heard
+                                    and not self.endpoint.control_tags(channel, m))  # fmt: skip
                 raise TimeoutError(", ".join(sorted(names[m] for m in waiting)) + " did not confirm")
             if waiting:
                 time.sleep(0.02)
@@ -388,8 +564,9 @@ class PeerRegistry:
             return value["mac"] == self._mac(peer, step, next_round, value["t"], name)
 
         found = self.dht.get(f"{self.endpoint.run_id}/peers", latest=True)
+        entries = signed_entries(found, verify, self.endpoint, self._bad_entries, "registry entry")
+        self.endpoint.note_peers(peer for peer, _ in entries)
         out = [{"peer": peer, "name": str(value["name"]), "step": int(value["step"]), "round": int(value["round"]),
                 "t": float(value["t"])}
-               for peer, value in signed_entries(found, verify, self.endpoint, self._bad_entries, "registry entry")
-               if peer != self.endpoint.peer_id]  # fmt: skip
+               for peer, value in entries if peer != self.endpoint.peer_id]  # fmt: skip
         return sorted(out, key=lambda e: (-e["step"], -e["t"]))

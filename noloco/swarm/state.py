@@ -5,22 +5,34 @@ fresh AdamW moments are fine for a joiner). :func:`encode_state` packs them loss
 :func:`decode_state` checks everything a hostile server could get wrong before anything is adopted:
 sizes against this model, exact decompressed lengths (a bounded inflate: no zip bombs), finite
 values, a step on an outer-round boundary. :class:`StateServer` answers the ``state/1`` requests of
-:class:`~noloco.swarm.endpoint.SwarmEndpoint` from the latest snapshot. This module knows tensors,
-not algorithms: the training side hands it (step, slow, velocity).
+:class:`~noloco.swarm.endpoint.SwarmEndpoint` from the latest snapshot, encoded once per snapshot,
+and rate-limited: at most ``burst`` (2) full states per requester every ``interval`` seconds (a
+joiner whose first download timed out may retry once), and, through
+:meth:`StateServer.register`, :data:`STATE_CONCURRENCY` being encoded or sent at once); other
+requests are refused (``throttled``) and counted as ``state_throttled``, so a key holder flooding
+requests gets two states every ``interval`` seconds and costs the server nothing more than the
+refusals. This module knows tensors, not algorithms: the training side hands it (step, slow,
+velocity).
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+import time
 import zlib
 
 import torch
 
 from noloco.comm.base import CommError
+from noloco.swarm.endpoint import Rejected
 
 STATE_SERVICE = "state/1"
 STATE_HEADER = struct.Struct("!QQB")  # inner step, numel, has velocity
+#: At most STATE_BURST full states per requester within STATE_INTERVAL_SECONDS; states being served at once.
+STATE_INTERVAL_SECONDS = 30.0
+STATE_BURST = 2
+STATE_CONCURRENCY = 2
 
 
 class StateError(ValueError):
@@ -72,24 +84,60 @@ class StateServer:
     """This peer's latest post-round state, served to late joiners (updated by the training thread).
 
     :meth:`update` takes copies, so the training thread can go on mutating its tensors; :meth:`serve`
-    (the endpoint's handler, another thread) encodes one consistent snapshot.
+    (the endpoint's handler, another thread) answers from one consistent snapshot, encoded once.
+    Requests beyond the rate limits raise :class:`~noloco.swarm.endpoint.Rejected` (``throttled``,
+    counted as ``state_throttled``); :attr:`served` and :attr:`throttled` count what happened.
+
+    Args:
+        interval, burst: at most ``burst`` full states to one requester (peer id) within ``interval`` seconds.
+        concurrency: most states being encoded or sent at once (enforced by the endpoint, see :meth:`register`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, interval: float = STATE_INTERVAL_SECONDS, concurrency: int = STATE_CONCURRENCY,
+                 burst: int = STATE_BURST) -> None:  # fmt: skip
         self._lock = threading.Lock()
+        self.interval, self.concurrency, self.burst = float(interval), int(concurrency), int(burst)
         self.step, self.slow, self.velocity = 0, None, None
+        self._encoded: bytes | None = None
+        self._last: dict[str, list[float]] = {}  # requester -> when it was served within the interval
+        self.served = 0
+        self.throttled = 0
 
     def update(self, step: int, slow: torch.Tensor, velocity: torch.Tensor | None) -> None:
         snapshot = (int(step), slow.detach().float().cpu().clone(),
                     None if velocity is None else velocity.detach().float().cpu().clone())  # fmt: skip
         with self._lock:
             self.step, self.slow, self.velocity = snapshot
+            self._encoded = None
+
+    def _admit(self, src: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self.slow is None:
+                raise CommError("no state yet")
+            recent = [t for t in self._last.get(src, ()) if now - t < self.interval]
+            if len(recent) >= self.burst:
+                self.throttled += 1
+                raise Rejected("throttled", f"{len(recent)} states served to this peer in {self.interval:.0f}s",
+                               counter="state_throttled")  # fmt: skip
+            self._last[src] = [*recent, now]
+            if len(self._last) > 4096:  # forget the oldest requesters (their interval has long passed)
+                for peer in sorted(self._last, key=lambda p: self._last[p][-1])[:1024]:
+                    del self._last[peer]
+
+    def register(self, endpoint, name: str = STATE_SERVICE) -> None:
+        """Serve this state on ``endpoint`` as ``name``, at most :attr:`concurrency` replies at once."""
+        endpoint.serve(name, self.serve, max_concurrent=self.concurrency, throttled_counter="state_throttled")
 
     def serve(self, request: bytes, src: str) -> bytes:
+        self._admit(src)
         with self._lock:
-            step, slow, velocity = self.step, self.slow, self.velocity
-        if slow is None:
-            raise CommError("no state yet")
-        return encode_state(step, slow, velocity)
-
-
+            step, slow, velocity, encoded = self.step, self.slow, self.velocity, self._encoded
+        if encoded is None:
+            encoded = encode_state(step, slow, velocity)
+            with self._lock:
+                if self.slow is slow:  # still the latest snapshot: keep its encoding
+                    self._encoded = encoded
+        with self._lock:
+            self.served += 1
+        return encoded

@@ -1,10 +1,11 @@
 """Fuzz of what a swarm peer decodes from the network: frames (``read_frame``) and late-join state.
 
 - ``read_frame`` (noloco.swarm.endpoint): a mutated, truncated or forged frame — including forgeries by a
-  holder of the run key, whose MAC verifies, so the header parsing behind it is reached — is either
-  returned as a well-typed header and a payload of at most ``max_payload`` bytes, or raises
-  ``Rejected``. Never another exception, never a wait (the stream ends), and the reader never
-  allocates more than ``max_payload`` plus a header.
+  holder of the run key, whose MACs (header and frame) verify, so the header parsing behind them is
+  reached — is either returned as a well-typed header and a payload of at most ``max_payload`` bytes, or
+  raises ``Rejected``. Never another exception, never a wait (the stream ends), and the reader never
+  allocates more than ``max_payload`` plus a header, nor more than the bytes that actually arrived (a
+  declared length is never allocated up front).
 - ``decode_state`` (noloco.train.backends.hivemind): a mutated state is either returned with exactly the model's
   numel, finite values and a step on a round boundary, or raises ``StateError``; zlib bombs are cut
   at the expected size.
@@ -22,7 +23,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from noloco.swarm.endpoint import KINDS, MAC_BYTES, PREFIX, Header, Rejected, RunKey, encode_frame, read_frame
+from noloco.swarm.endpoint import (
+    HEADER_DOMAIN,
+    KINDS,
+    MAC_BYTES,
+    MAGIC,
+    PREFIX,
+    Header,
+    Rejected,
+    RunKey,
+    encode_frame,
+    read_frame,
+)
 from noloco.swarm.state import STATE_HEADER, StateError, decode_state, encode_state
 
 from .fuzzing import fuzz_settings, mutate, peak_python_allocation, record
@@ -52,10 +64,21 @@ def _read(loop: asyncio.AbstractEventLoop, raw: bytes, max_payload: int = MAX_PA
     return loop.run_until_complete(go())
 
 
+def _sealed(prefix: bytes, header: bytes, payload: bytes, key: RunKey = KEY) -> bytes:
+    """A frame from its parts with both MACs computed: what a holder of the key sends."""
+    return prefix + header + key.mac(HEADER_DOMAIN, prefix, header) + payload + key.mac(prefix, header, payload)
+
+
 def _reseal(raw: bytes) -> bytes:
-    """Recompute the MAC over everything before it: what a holder of the key can forge."""
-    body = raw[:-MAC_BYTES] if len(raw) > MAC_BYTES else raw
-    return body + KEY.mac(body)
+    """Recompute both MACs of a mutated frame (header MAC over prefix ‖ header, frame MAC over the rest)."""
+    if len(raw) < PREFIX.size:
+        return raw
+    end = PREFIX.size + struct.unpack_from("!I", raw, 4)[0]
+    if len(raw) < end + MAC_BYTES:
+        return raw
+    rest = raw[end + MAC_BYTES :]
+    payload = rest[:-MAC_BYTES] if len(rest) >= MAC_BYTES else rest
+    return _sealed(raw[: PREFIX.size], raw[PREFIX.size : end], payload)
 
 
 def check_frame(loop, raw: bytes, target: str) -> None:
@@ -63,7 +86,7 @@ def check_frame(loop, raw: bytes, target: str) -> None:
         try:
             header, payload = _read(loop, raw)
         except Rejected as exc:
-            assert exc.reason in ("malformed", "oversized", "unauthenticated")
+            assert exc.reason in ("malformed", "oversized", "unauthenticated", "stalled")
             header = None
     assert peak[0] <= MAX_PAYLOAD + (96 << 10), f"read_frame allocated {peak[0]} bytes"
     record(target, header is not None)
@@ -77,8 +100,9 @@ def check_frame(loop, raw: bytes, target: str) -> None:
 def _frame_layout(frame: bytes) -> tuple[list[int], list[tuple[int, int, str]]]:
     header_len = struct.unpack_from("!I", frame, 4)[0]
     end = PREFIX.size + header_len
-    boundaries = [4, 8, PREFIX.size, end, end + len(PAYLOAD), len(frame) - MAC_BYTES]
-    fields = [(0, 4, "big"), (4, 4, "big"), (8, 8, "big"), (PREFIX.size + 1, 1, "big"), (end, 2, "big")]
+    body = end + MAC_BYTES
+    boundaries = [4, 8, PREFIX.size, end, body, body + len(PAYLOAD), len(frame) - MAC_BYTES]
+    fields = [(0, 4, "big"), (4, 4, "big"), (8, 8, "big"), (PREFIX.size + 1, 1, "big"), (body, 2, "big")]
     return boundaries, fields
 
 
@@ -123,18 +147,16 @@ def test_forged_headers_with_a_valid_mac_are_parsed_or_rejected(loop):
         elif change == "extra":
             forged["x" + name] = value
         text = raw if change == "raw" else json.dumps(forged, allow_nan=True).encode()
-        prefix = PREFIX.pack(b"NLC1", len(text), len(PAYLOAD))
-        frame = prefix + text + PAYLOAD
-        check_frame(loop, frame + KEY.mac(frame), "swarm frame header (MAC valid)")
+        check_frame(loop, _sealed(PREFIX.pack(MAGIC, len(text), len(PAYLOAD)), text, PAYLOAD),
+                    "swarm frame header (MAC valid)")  # fmt: skip
 
     run()
 
 
 def test_deeply_nested_header_json_is_rejected(loop):
     text = b"[" * 4000
-    prefix = PREFIX.pack(b"NLC1", len(text), 0)
     with pytest.raises(Rejected):
-        _read(loop, prefix + text + KEY.mac(prefix + text))
+        _read(loop, _sealed(PREFIX.pack(MAGIC, len(text), 0), text, b""))
 
 
 def test_frames_from_another_key_and_lying_lengths_are_rejected_before_buffering(loop):
@@ -148,6 +170,23 @@ def test_frames_from_another_key_and_lying_lengths_are_rejected_before_buffering
     struct.pack_into("!Q", lying, 8, 1 << 62)
     with pytest.raises(Rejected, match="oversized"):
         _read(loop, bytes(lying), max_payload=1 << 40)  # still bounded by the caller's limit
+
+
+def test_a_declared_length_is_never_allocated_before_the_bytes_arrive(loop):
+    """Issue #14: a payload declared just under the limit, then silence, costs the reader ~nothing."""
+    limit = 1 << 30
+    raw = HEADER.to_bytes()
+    prefix = PREFIX.pack(MAGIC, len(raw), limit - 1)
+    # without the key: the header MAC fails before a payload byte is read
+    forged = prefix + raw + OTHER_KEY.mac(HEADER_DOMAIN, prefix, raw) + bytes(1 << 16)
+    with peak_python_allocation() as peak, pytest.raises(Rejected, match="unauthenticated"):
+        _read(loop, forged, max_payload=limit)
+    assert peak[0] < 256 << 10
+    # a key holder's valid header, 64 KiB of payload, then the stream ends: the buffer held what arrived
+    sealed = prefix + raw + KEY.mac(HEADER_DOMAIN, prefix, raw) + bytes(1 << 16)
+    with peak_python_allocation() as peak, pytest.raises(Rejected, match="malformed"):
+        _read(loop, sealed, max_payload=limit)
+    assert peak[0] < 512 << 10, peak[0]
 
 
 # ----------------------------------------------------------------------------------------- late-join state

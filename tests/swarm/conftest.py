@@ -55,6 +55,8 @@ def swarm_cache(tmp_path_factory, swarm_overrides) -> Path:
 class Swarm:
     """Starts peers and a hivemind-dht bootstrap; ``close`` kills whatever is still running."""
 
+    key = KEY  # the run key every honest peer gets
+
     def __init__(self, run_dir: Path, cache: Path, overrides: list[str]):
         self.run_dir, self.cache, self.overrides = run_dir, cache, overrides
         self.procs: dict[str, subprocess.Popen] = {}
@@ -74,6 +76,36 @@ class Swarm:
         self.procs[name] = proc
         self.started.append(proc)
         return proc
+
+    def attacker(self, name: str, attack: str, target: str, *args: str, key: str | None = None) -> Path:
+        """Start ``tests/swarm/hostile.py <attack>`` against peer ``target``; returns its stats file."""
+        out = self.run_dir / f"{name}.stats.json"
+        env = {k: v for k, v in os.environ.items() if k != "NOLOCO_RUN_KEY"}
+        if key is not None:
+            env["NOLOCO_RUN_KEY"] = key
+        command = [sys.executable, str(ROOT / "tests" / "swarm" / "hostile.py"), attack,
+                   "--target", str(self.peer_dir(target) / "maddrs.json"), "--out", str(out), *args]  # fmt: skip
+        log = (self.run_dir / f"{name}.log").open("w")
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)  # fmt: skip
+        self.procs[name] = proc
+        self.started.append(proc)
+        return out
+
+    @staticmethod
+    def stats(path: Path) -> dict:
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def group_rss_mb(self, name: str) -> float:
+        """Resident memory (MB) of peer ``name``'s process group now: the peer, its DHT process and its p2pd."""
+        total = 0
+        for pid in self.group_members(self.procs[name].pid):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        return total / 1024
 
     def peer_dir(self, name: str) -> Path:
         return self.run_dir / "swarm" / f"peer-{name}"

@@ -113,9 +113,9 @@ def test_oversized_message_is_refused_before_it_is_buffered(endpoints):
     with pytest.raises(CommError):
         ta.send(tb.rank, "x", bytes((1 << 20) + 1))  # the sender refuses it too
     header = Header("unit", "data", 3, "big", a.peer_id, b.peer_id, "x", "ab" * 16, time.time()).to_bytes()
-    from noloco.swarm.endpoint import PREFIX
+    from noloco.swarm.endpoint import MAGIC, PREFIX
 
-    lying_prefix = PREFIX.pack(b"NLC1", len(header), 1 << 40)  # claims 1 TiB, sends nothing
+    lying_prefix = PREFIX.pack(MAGIC, len(header), 1 << 40)  # claims 1 TiB, sends nothing
     assert _raw_send(a, b, lying_prefix + header) != 0
     assert b.rejection_counts()["oversized"] == before + 1
     ta.close(), tb.close()

@@ -14,9 +14,16 @@ round. A new peer (``peer.join=auto``) downloads the state of the most advanced 
 first inner step, checks it (MAC, sizes, finite values, step on a round boundary) and starts from
 that step; if no live peer answers it starts from the seed's initial weights.
 
+Hostile peers (docs/swarm.md, threat model): the DHT runs a
+:class:`~noloco.swarm.dht.RunRecordValidator` (records without the run key's MAC, or expiring too far
+ahead, are refused by every honest node); registry entries claiming a round or step beyond the
+schedule or far above the other live peers' median are ignored, and a joiner refuses a state past
+that bound; a joiner's state source is rate-limited per requester.
+
 Outputs under ``runs/<run>/peer-<name>/``: ``metrics.jsonl`` (as every backend), ``rounds.jsonl``
 (matchmaking per round: ready peers, partners, outcome, seconds, bytes) and ``summary.json`` (rounds
-joined, partners, failed rounds, bytes per round, rejected messages). The run key comes from
+joined, partners, failed rounds, bytes per round, rejected messages and records by reason, states
+served and refused, peak resident memory). The run key comes from
 ``peer.run_key`` or ``$NOLOCO_RUN_KEY``; it is removed from the config before anything is written.
 Failure modes: no key → error at start; a dead or silent partner costs at most ``comm.recv_timeout``
 (usually much less: a failed stream or confirmation), and the round is skipped.
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -38,20 +46,24 @@ from noloco.optim import OuterAlgorithm, OuterState
 from noloco.swarm import (
     STATE_SERVICE,
     PeerRegistry,
+    RunRecordValidator,
     StateError,
     StateServer,
     SwarmEndpoint,
     SwarmMatchmaking,
+    announcement_ttl,
     decode_state,
+    implausible_rounds,
+    implausible_steps,
     run_key_from,
     start_peer_dht,
+    step_bound,
 )
 from noloco.train.backends.base import Backend
 from noloco.train.config import ConfigError
-from noloco.train.data import prepare_corpus
 from noloco.train.loop import RunContext, WorkerResult, build_model, train_worker
 from noloco.train.metrics import MetricsLogger
-from noloco.train.run import finish, summarize
+from noloco.train.run import finish, load_corpus, summarize
 
 
 def _peer_rank(peer_id: str) -> int:
@@ -68,9 +80,10 @@ class HivemindBackend(Backend):
     name = "hivemind"
     skip_failed_rounds = True
 
-    def __init__(self, cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, rank: int, say):
+    def __init__(self, cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, rank: int, say, validator=None):
         super().__init__(rank)
         self.cfg, self.endpoint, self.peer_name, self.say = cfg, endpoint, name, say
+        self.validator = validator  # the DHT's RunRecordValidator: its refusals go into the summary
         self.registry = PeerRegistry(dht, endpoint, name, ttl=cfg.peer.registry_ttl)
         group_size = None if cfg.outer.algo == "diloco" else (cfg.peer.group_size or cfg.outer.group_size)
         self.matchmaking = SwarmMatchmaking(
@@ -79,14 +92,17 @@ class HivemindBackend(Backend):
             expected=self._expected, front=self._front, others=self._others, alone_after=cfg.peer.live_timeout,
         )  # fmt: skip
         self.state = StateServer()
-        endpoint.serve(STATE_SERVICE, self.state.serve)
+        self.state.register(endpoint, STATE_SERVICE)
         self.joined_from: dict = {}
         self._heartbeat = time.monotonic()
+        self._implausible: set = set()  # registry claims already counted as implausible
 
     # --- what matchmaking asks of the registry -------------------------------------------------------
     def _fresh(self) -> list[dict]:
+        """Live peers that published recently, without those listing a round the swarm cannot be in."""
         now = time.time()
-        return [e for e in self.registry.live() if now - e["t"] <= self.cfg.peer.live_timeout]
+        fresh = [e for e in self.registry.live() if now - e["t"] <= self.cfg.peer.live_timeout]
+        return implausible_rounds(fresh, self.cfg.steps, self.cfg.outer.every, self.endpoint, self._implausible)
 
     def _expected(self, round_index: int) -> set[str]:
         """Peers that published recently and will match next in this round or the one before."""
@@ -117,7 +133,7 @@ class HivemindBackend(Backend):
     def start(self, algo, model: torch.nn.Module) -> int:
         self._serve(algo)
         self.publish(0)  # listed (at step 0) before waiting, so peers waiting with peer.wait_for_peers see each other
-        start = join_swarm(self.cfg, self.endpoint, self.registry, algo, self.joined_from, self.say)
+        start = join_swarm(self.cfg, self.endpoint, self.registry, algo, self.joined_from, self.say, self._implausible)
         self._serve(algo)
         self.matchmaking.next_round = start // self.cfg.outer.every
         self.publish(start)
@@ -159,12 +175,12 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     cfg, key = _checked(cfg)
     started = time.perf_counter()
-    corpus = prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction,
-                            cfg.data.cache_dir)  # fmt: skip
+    corpus = load_corpus(cfg)
     torch.set_num_threads(cfg.threads or 1)
     peer = cfg.peer
+    validator = RunRecordValidator.create(key, peer.run_id, record_ttl_bound(cfg))
     dht = start_peer_dht(list(peer.initial_peers), list(peer.host_maddrs), list(peer.announce_maddrs),
-                         startup_timeout=cfg.comm.startup_timeout)  # fmt: skip
+                         startup_timeout=cfg.comm.startup_timeout, record_validators=[validator])  # fmt: skip
     endpoint = None
     try:
         endpoint = SwarmEndpoint.from_dht(dht, peer.run_id, key, max_message_bytes=int(peer.max_message_mb * 2**20),
@@ -174,7 +190,7 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
             rank = _checkpoint_rank(Path(resume_from), rank)
         name = str(peer.name or (rank if peer.rank is not None else endpoint.peer_id[-8:]))
         peer_dir = _peer_folder(cfg, dht, endpoint, name, say)
-        backend = HivemindBackend(cfg, dht, endpoint, name, rank, say)
+        backend = HivemindBackend(cfg, dht, endpoint, name, rank, say, validator)
         metrics = MetricsLogger(peer_dir, tensorboard=cfg.log.tensorboard,
                                 resume_step=resume_step if resume_from else None)  # fmt: skip
         if resume_from is not None:
@@ -194,6 +210,17 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
         if endpoint is not None:
             endpoint.close()
         dht.shutdown()
+
+
+#: Seconds of clock difference between peers that a DHT record's expiration may carry.
+CLOCK_SKEW_SECONDS = 120.0
+
+
+def record_ttl_bound(cfg: DictConfig) -> float:
+    """The furthest ahead a DHT record of this run may expire: the longest TTL honest peers use, plus skew."""
+    peer = cfg.peer
+    ready = announcement_ttl(peer.window, peer.slack, peer.confirm_timeout)
+    return max(float(peer.registry_ttl), ready) + CLOCK_SKEW_SECONDS
 
 
 def _checked(cfg: DictConfig):
@@ -229,11 +256,24 @@ def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say) 
     return folder
 
 
-def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joined_from: dict, say) -> int:
-    """Download the most advanced live peer's state into ``algo`` (``peer.join=auto``); returns the start step."""
+def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joined_from: dict, say,
+               seen: set | None = None) -> int:  # fmt: skip
+    """Download the most advanced live peer's state into ``algo`` (``peer.join=auto``); returns the start step.
+
+    Only peers whose listed step is plausible are tried (at most ``steps``, and not far above the median
+    listed step of the live peers that have trained: :func:`~noloco.swarm.matchmaking.step_bound`; a key
+    holder claiming to be far ahead is ignored), and a downloaded state more than one round past that
+    bound is refused; both are counted as ``implausible_step`` rejections.
+    """
+    seen = set() if seen is None else seen
+    steps, every = cfg.steps, cfg.outer.every
+
+    def plausible() -> list[dict]:
+        return implausible_steps(registry.live(), steps, every, endpoint, seen, cfg.peer.live_timeout)
+
     deadline = time.monotonic() + cfg.peer.join_timeout
     while True:
-        live = registry.live() if cfg.peer.join == "auto" else []
+        live = plausible() if cfg.peer.join == "auto" else []
         if len(live) >= cfg.peer.wait_for_peers or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -242,13 +282,15 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
     if ahead:  # download right after the most advanced peer's next round, so this peer starts in step with it
         first = ahead[0]
         while time.monotonic() < deadline:
-            fresh = [e for e in registry.live() if e["peer"] == first["peer"]]
+            fresh = [e for e in plausible() if e["peer"] == first["peer"]]
             if not fresh or fresh[0]["step"] > first["step"]:
                 break
             time.sleep(0.2)
-        live = registry.live()
+        live = plausible()
     deadline = time.monotonic() + cfg.peer.join_timeout
     while True:  # try every live peer, most advanced first, until one answers or join_timeout passes
+        # a state may be one round past its listing (the source finished a round since it published)
+        bound = min(steps, step_bound(live, steps, every, cfg.peer.live_timeout) + every)
         for entry in live:
             if entry["step"] <= 0:
                 continue
@@ -256,7 +298,11 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
                 payload = endpoint.request(
                     entry["peer"], STATE_SERVICE, b"", cfg.peer.join_timeout, 16 * algo.slow.numel() + 4096
                 )
-                step, slow, velocity = decode_state(payload, algo.slow.numel(), cfg.outer.every)
+                step, slow, velocity = decode_state(payload, algo.slow.numel(), every)
+                if step > bound:
+                    endpoint.count_rejection("implausible_step", f"state at step {step} > bound {bound}",
+                                             entry["peer"])  # fmt: skip
+                    raise StateError(f"its state is at step {step}, beyond what the swarm allows ({bound})")
             except (CommError, StateError) as exc:
                 say(f"noloco peer: could not join from {entry['name']}: {exc}; connected: {endpoint.connected_peers()}")
                 continue
@@ -271,7 +317,15 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
         if not any(e["step"] > 0 for e in live) or time.monotonic() > deadline:
             return 0
         time.sleep(1.0)
-        live = registry.live()
+        live = plausible()
+
+
+def rejection_counts(backend: HivemindBackend) -> dict[str, int]:
+    """Every refusal by reason: the endpoint's (messages, registry claims, penalties) and the DHT node's records."""
+    counts = dict(backend.endpoint.rejection_counts())
+    if backend.validator is not None:
+        counts.update({k: v for k, v in backend.validator.counts().items() if v})
+    return counts
 
 
 def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, corpus, peer_dir: Path,
@@ -300,7 +354,10 @@ def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, co
         "bytes_sent_per_round": [r.bytes_sent for r in joined],
         "matchmaking_seconds_per_round": [round(r.matchmaking_seconds, 3) for r in rounds],
         "exchange_seconds_per_round": [round(r.exchange_seconds, 3) for r in joined],
-        "rejected_messages": backend.endpoint.rejection_counts(),
+        "rejected_messages": rejection_counts(backend),
+        "states_served": backend.state.served,
+        "states_throttled": backend.state.throttled,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "joined_from": backend.joined_from or None,
     }
     params = build_model(cfg, corpus.vocab_size).num_parameters()

@@ -1,0 +1,312 @@
+"""Hostile swarm peers for the tests of issue #14 (``tests/swarm/test_hostile.py``), run as their own process.
+
+``python tests/swarm/hostile.py <attack> --target <maddrs.json> --run-id <id> --out <stats.json> ...``
+
+Every attack runs on loopback only, for at most ``--seconds`` and ``--count`` actions, and writes what it
+did to ``--out`` (JSON, rewritten as it goes; ``"ready": true`` once the attack is under way). Attacks:
+
+- ``streams`` (no key, knows the run id): opens streams to the target's noloco protocol, declares a
+  payload just under ``--declare-mb`` and stalls: half of the streams stop inside the header, the others
+  send a whole header with a made-up header MAC (where the old format began the payload) and wait.
+- ``dht-junk`` (no key): a plain hivemind DHT node in the swarm that stores junk, with a far expiry,
+  under the honest peers' subkeys of the registry and of the next rounds' ready lists, and fake subkeys.
+- ``ahead`` (key holder): downloads the target's state, lists itself at step 10**9 (round 10**8) and a
+  second identity one round past ``--steps``, and serves that state at those steps.
+- ``silent`` (key holder): announces itself ready in every round the honest peers announce in, and
+  lists itself live, but never confirms a group.
+- ``flood`` (key holder): requests the target's full state as fast as it is answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+class Stats(dict):
+    def __init__(self, path: str, **fields):
+        super().__init__(ready=False, **fields)
+        self.path, self._written = path, 0.0
+
+    def bump(self, key: str, by: int = 1) -> None:
+        self[key] = self.get(key, 0) + by
+
+    def save(self, force: bool = False) -> None:
+        if force or time.monotonic() - self._written > 0.5:
+            self._written = time.monotonic()
+            tmp = f"{self.path}.tmp"
+            Path(tmp).write_text(json.dumps(self))
+            os.replace(tmp, self.path)
+
+
+def _target(path: str) -> tuple[str, list[str]]:
+    info = json.loads(Path(path).read_text())
+    return info["peer_id"], info["maddrs"]
+
+
+# ------------------------------------------------------------------------------------------ no key
+async def _streams(args, stats: Stats) -> None:
+    from hivemind.p2p import P2P, PeerID
+
+    from noloco.swarm import endpoint as swarm_endpoint
+    from noloco.swarm.endpoint import MAGIC, PREFIX, REASONS, Header
+
+    peer_id, maddrs = _target(args.target)
+    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK)
+    protocol = f"/noloco/{args.run_id}/{getattr(swarm_endpoint, 'PROTOCOL_VERSION', 1)}"
+    declared = int(args.declare_mb * 2**20) - 1
+    deadline = time.monotonic() + args.seconds
+    stats["ready"] = True
+
+    async def one(stall_in_header: bool) -> None:
+        header = Header(args.run_id, "data", 0, "g" * 32, p2p.peer_id.to_base58(), peer_id, "outer/r0/x",
+                        secrets.token_hex(16), time.time()).to_bytes()  # fmt: skip
+        prefix = PREFIX.pack(MAGIC, len(header), declared)
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+        stats.bump("streams")
+        try:
+            if stall_in_header:
+                writer.write(prefix + header[: len(header) // 2])  # then nothing: the receiver waits
+            else:
+                writer.write(prefix + header + secrets.token_bytes(32) + bytes(1024))
+            await writer.drain()
+            started = time.monotonic()
+            try:
+                ack = await asyncio.wait_for(reader.readexactly(1), max(0.1, deadline - time.monotonic()))
+                stats.bump(f"ack_{REASONS[ack[0]] if ack[0] < len(REASONS) else ack[0]}")
+                stats["longest_held"] = max(stats.get("longest_held", 0.0), round(time.monotonic() - started, 2))
+            except asyncio.IncompleteReadError:
+                stats.bump("closed_without_ack")
+            except asyncio.TimeoutError:
+                stats.bump("still_open_at_the_end")
+        finally:
+            writer.close()
+
+    async def worker(index: int) -> None:
+        while time.monotonic() < deadline and stats.get("streams", 0) < args.count:
+            try:
+                await one(stall_in_header=index % 2 == 0)
+            except Exception as exc:  # noqa: BLE001 - the target may refuse the stream
+                stats.bump(f"error_{type(exc).__name__}")
+            stats.save()
+            await asyncio.sleep(args.pause)
+
+    await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
+    await p2p.shutdown()
+
+
+def streams(args, stats: Stats) -> None:
+    asyncio.run(_streams(args, stats))
+
+
+def _forger(trailer: bool = True):
+    """A record validator for a node without the key: accepts anything, strips noloco's 36-byte MAC trailer
+    when reading (so it can read the honest records), and appends a made-up trailer to what it stores."""
+    from hivemind.dht.validation import RecordValidatorBase
+
+    class Forger(RecordValidatorBase):
+        def validate(self, record) -> bool:
+            return True
+
+        def sign_value(self, record) -> bytes:
+            return record.value + b"NLV1" + secrets.token_bytes(32) if trailer else record.value
+
+        def strip_value(self, record) -> bytes:
+            value = record.value
+            return value[:-36] if len(value) >= 36 and value[-36:-32] == b"NLV1" else value
+
+    return Forger()
+
+
+def dht_junk(args, stats: Stats) -> None:
+    from hivemind import DHT
+    from hivemind.utils.timed_storage import get_dht_time
+
+    _, maddrs = _target(args.target)
+    dht = DHT(initial_peers=maddrs, host_maddrs=LOOPBACK, start=True, record_validators=[_forger(not args.no_trailer)])
+    try:
+        stats["ready"] = True
+        deadline = time.monotonic() + args.seconds
+        honest: set[str] = set()
+        while time.monotonic() < deadline and stats.get("stores", 0) < args.count:
+            try:
+                found = dht.get(f"{args.run_id}/peers", latest=True, return_future=True).result(5)
+            except Exception:  # noqa: BLE001 - a read that does not come back
+                found = None
+            if found is not None and isinstance(found.value, dict):
+                honest.update(str(k) for k in found.value if not str(k).startswith("fake-"))
+            stats["honest_subkeys_seen"] = len(honest)
+            far = get_dht_time() + 10**6
+            junk = {"t": far, "name": "junk", "step": 0, "round": 0, "mac": "00" * 32}
+            keys = [f"{args.run_id}/peers"] + [f"{args.run_id}/ready/{r}" for r in range(args.rounds)]
+            for subkey in [*sorted(honest), f"fake-{secrets.token_hex(4)}"]:
+                for key in keys:
+                    stats.bump("stores")
+                    dht.store(key, junk, far, subkey=subkey, return_future=True)
+            stats.save()
+            time.sleep(args.pause)
+    finally:
+        dht.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ key holders
+def _key_holder(args, host=LOOPBACK):
+    """A DHT (signing its records like an honest peer) and an endpoint on its daemon."""
+    from noloco.swarm import SwarmEndpoint, run_key_from, start_peer_dht
+
+    try:
+        from noloco.swarm import RunRecordValidator
+    except ImportError:  # a tree before issue #14 (to measure an attack without the defences)
+        RunRecordValidator = None  # noqa: N806
+
+    key = run_key_from(None)
+    _, maddrs = _target(args.target)
+    validators = [] if RunRecordValidator is None else [RunRecordValidator.create(key, args.run_id, 600)]
+    dht = start_peer_dht(maddrs, host, record_validators=validators)
+    endpoint = SwarmEndpoint.from_dht(dht, args.run_id, key, send_timeout=20)
+    return key, dht, endpoint
+
+
+def ahead(args, stats: Stats) -> None:
+    from hivemind.p2p import P2P
+
+    from noloco.swarm import STATE_SERVICE, PeerRegistry, SwarmEndpoint, decode_state, encode_state
+
+    key, dht, endpoint = _key_holder(args)
+    second = None
+    try:
+        _, maddrs = _target(args.target)
+
+        async def own_daemon():
+            return await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK)
+
+        second = SwarmEndpoint(own_daemon, args.run_id, key, send_timeout=20)
+        target, _ = _target(args.target)
+        deadline = time.monotonic() + args.seconds
+        payload = None
+        while payload is None and time.monotonic() < deadline:
+            try:
+                payload = endpoint.request(target, STATE_SERVICE, b"", 20, 1 << 30)
+            except Exception as exc:  # noqa: BLE001 - no state yet
+                stats["last_error"] = str(exc)
+                time.sleep(0.5)
+        if payload is None:
+            return
+        # the numel is what the state says: decode with it, then re-serve at the claimed steps
+        numel = int.from_bytes(payload[8:16], "big")
+        step, slow, velocity = decode_state(payload, numel, 1)
+        stats["honest_step"] = step
+        claims = {endpoint: (10**9, 10**8), second: (args.steps + args.every, args.steps // args.every + 1)}
+        for ep, (claimed, _) in claims.items():
+            state = encode_state(claimed, slow, velocity)
+            ep.serve(STATE_SERVICE, lambda request, src, state=state: stats.bump("states_served") or state)
+        registries = {ep: PeerRegistry(dht, ep, name) for ep, name in ((endpoint, "far-ahead"), (second, "past-end"))}
+        stats["ready"] = True
+        while time.monotonic() < deadline and stats.get("publishes", 0) < args.count:
+            for ep, (claimed, claimed_round) in claims.items():
+                registries[ep].publish(claimed, claimed_round)
+                stats.bump("publishes")
+            stats.save()
+            time.sleep(args.pause)
+    finally:
+        for ep in (second, endpoint):
+            if ep is not None:
+                ep.close()
+        dht.shutdown()
+
+
+def silent(args, stats: Stats) -> None:
+    from noloco.swarm import PeerRegistry, SwarmMatchmaking
+    from noloco.swarm.matchmaking import Announcement  # noqa: F401 - documents what is read
+
+    _, dht, endpoint = _key_holder(args)
+    try:
+        mm = SwarmMatchmaking(dht, endpoint, "silent", window=args.window)
+        registry = PeerRegistry(dht, endpoint, "silent")
+        announced: set[int] = set()
+        stats["ready"] = True
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline and len(announced) < args.count:
+            live = registry.live()
+            front = max((e["round"] for e in live if e["round"] >= 0), default=0)
+            registry.publish(front * args.every, front)  # listed live, so the honest peers wait for it
+            for r in (front, front + 1):
+                if r not in announced and mm._ready(r):  # an honest peer is ready for r: be ready too
+                    mm._announce(r)
+                    announced.add(r)
+                    stats["rounds_announced"] = len(announced)
+            stats["joins_received"] = sum(1 for (_, _, tag) in endpoint._ctl if tag.startswith("join/"))
+            stats.save()
+            time.sleep(args.pause)
+    finally:
+        endpoint.close()
+        dht.shutdown()
+
+
+def flood(args, stats: Stats) -> None:
+    from noloco.swarm import STATE_SERVICE
+
+    _, dht, endpoint = _key_holder(args)
+    try:
+        target, _ = _target(args.target)
+        stats["ready"] = True
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline and stats.get("requests", 0) < args.count:
+            stats.bump("requests")
+            try:
+                payload = endpoint.request(target, STATE_SERVICE, b"", 20, 1 << 30)
+                stats.bump("states")
+                stats.bump("state_bytes", len(payload))
+            except Exception as exc:  # noqa: BLE001 - refused: throttled
+                stats.bump("refused")
+                stats["last_error"] = str(exc)[:200]
+            stats.save()
+            time.sleep(args.pause)
+    finally:
+        endpoint.close()
+        dht.shutdown()
+
+
+ATTACKS = {"streams": streams, "dht-junk": dht_junk, "ahead": ahead, "silent": silent, "flood": flood}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("attack", choices=sorted(ATTACKS))
+    parser.add_argument("--target", required=True, help="maddrs.json of the peer attacked (its id and addresses)")
+    parser.add_argument("--run-id", default="noloco")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--pause", type=float, default=0.1)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--declare-mb", type=float, default=256.0)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--window", type=float, default=3.0)
+    parser.add_argument("--no-trailer", action="store_true", help="dht-junk: plain junk values (for a tree before #14)")
+    args = parser.parse_args()
+    stats = Stats(args.out, attack=args.attack)
+    started = time.monotonic()
+    try:
+        ATTACKS[args.attack](args, stats)
+    finally:
+        stats["seconds"] = round(time.monotonic() - started, 1)
+        stats["done"] = True
+        stats.save(force=True)
+
+
+if __name__ == "__main__":
+    main()

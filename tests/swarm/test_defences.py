@@ -1,0 +1,313 @@
+"""The defences of issue #14 one by one, fast: caps on unauthenticated streams (real p2pd on loopback), the
+DHT record validator, plausible registry claims, state-serving rate limits and no-confirm penalties.
+
+The end-to-end attacks on training peers are in test_hostile.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+
+import pytest
+import torch
+
+from noloco.comm.base import CommError
+from noloco.swarm.dht import RunRecordValidator
+from noloco.swarm.endpoint import (
+    HEADER_DOMAIN,
+    MAGIC,
+    PREFIX,
+    REASONS,
+    Header,
+    Rejected,
+    RunKey,
+    SwarmEndpoint,
+    encode_frame,
+)
+from noloco.swarm.matchmaking import (
+    PENALTY_ROUNDS,
+    Announcement,
+    SwarmMatchmaking,
+    implausible_rounds,
+    implausible_steps,
+    step_bound,
+)
+from noloco.swarm.state import StateServer, decode_state
+
+KEY = RunKey("defence-test-run-key")
+
+
+@pytest.fixture(scope="module")
+def endpoints():
+    """A target endpoint (small caps, short header deadline) and an attacker's endpoint, each on its own p2pd."""
+    from hivemind.p2p import P2P
+
+    async def first():
+        return await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+    target = SwarmEndpoint(first, "unit", KEY, max_message_bytes=1 << 28, send_timeout=10, header_timeout=2,
+                           max_unauth_per_peer=2, max_unauth_streams=3)  # fmt: skip
+    maddrs = target.visible_maddrs()
+
+    async def second():
+        return await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+    other = None
+    try:
+        other = SwarmEndpoint(second, "unit", KEY, send_timeout=10)  # raw frames below carry made-up MACs
+        yield target, other
+    finally:
+        for endpoint in (target, other):
+            if endpoint is not None:
+                endpoint.close()
+
+
+def _stalling_frame(src: SwarmEndpoint, dst: SwarmEndpoint, declared: int, whole_header: bool) -> bytes:
+    header = Header("unit", "data", 0, "g", src.peer_id, dst.peer_id, "t", secrets.token_hex(16), time.time())
+    raw = header.to_bytes()
+    prefix = PREFIX.pack(MAGIC, len(raw), declared)
+    return prefix + raw + secrets.token_bytes(32) if whole_header else prefix + raw[:10]
+
+
+def test_keyless_streams_are_capped_cut_at_the_header_deadline_and_never_allocated(endpoints):
+    target, attacker = endpoints
+    from hivemind.p2p import PeerID
+
+    async def hold(frame: bytes, wait: float):
+        _, reader, writer = await attacker.p2p.call_binary_stream_handler(PeerID.from_base58(target.peer_id),
+                                                                          target.protocol)  # fmt: skip
+        started = time.monotonic()
+        try:
+            writer.write(frame)
+            await writer.drain()
+            ack = await asyncio.wait_for(reader.readexactly(1), wait)
+            return REASONS[ack[0]], time.monotonic() - started
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return "closed", time.monotonic() - started
+        finally:
+            writer.close()
+
+    async def attack():
+        stall = _stalling_frame(attacker, target, (1 << 28) - 1, whole_header=False)
+        held = [asyncio.ensure_future(hold(stall, 8)) for _ in range(2)]
+        await asyncio.sleep(0.5)  # the two stalled streams hold this peer's two unauthenticated slots
+        over = await asyncio.gather(*(hold(stall, 8) for _ in range(3)))
+        forged = await hold(_stalling_frame(attacker, target, (1 << 28) - 1, whole_header=True), 8)
+        return await asyncio.gather(*held), over, forged
+
+    before = dict(target.rejection_counts())
+    held, over, forged = attacker._loop.call(attack(), 30)
+    counts = target.rejection_counts()
+    # over the per-peer cap: refused at once, without reading
+    assert all(reason in ("throttled", "closed") and seconds < 3 for reason, seconds in over), over
+    assert counts.get("throttled", 0) - before.get("throttled", 0) >= 3
+    # the stalled ones were cut at the 2 s header deadline
+    assert all(reason == "stalled" and 1.5 < seconds < 6 for reason, seconds in held), held
+    assert counts.get("stalled", 0) - before.get("stalled", 0) == 2
+    # the forged header (declaring 256 MiB) was refused at its header MAC, after the slots freed up
+    assert forged[0] in ("unauthenticated", "throttled"), forged
+    assert target.peak_unauth_streams <= 3
+    deadline = time.monotonic() + 5  # the target's handlers finish (their acks' linger) on their own
+    while (target._unauth or target._in_flight) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not target._unauth and target._in_flight == 0  # every slot and reservation released
+
+
+def test_known_peers_are_not_held_up_by_the_global_cap(endpoints):
+    """Keyless identities filling the global cap of unauthenticated streams do not delay the run's own peers."""
+    target, sender = endpoints
+    from hivemind.p2p import PeerID
+
+    async def stall():
+        _, _, writer = await sender.p2p.call_binary_stream_handler(PeerID.from_base58(target.peer_id),
+                                                                   target.protocol)  # fmt: skip
+        writer.write(_stalling_frame(sender, target, 1 << 20, whole_header=False))
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        return writer
+
+    target.max_unauth_streams = 1
+    writer = sender._loop.call(stall(), 10)  # an unknown peer's stalled stream fills the global cap
+    try:
+        members = sorted([target.peer_id, sender.peer_id])
+        target.open_group("known", 0, members)
+        transport = sender.open_group("known", 0, members)
+        before = target.rejection_counts().get("throttled", 0)
+        with pytest.raises(CommError):  # refused at once (the ack, or a stream closed before the frame went)
+            transport.send(members.index(target.peer_id), "x", b"payload")
+        assert target.rejection_counts()["throttled"] == before + 1
+        target.note_peers([sender.peer_id])  # listed in the run's authenticated registry: per-peer cap only
+        transport.send(members.index(target.peer_id), "y", b"payload")
+        assert target.take("known", sender.peer_id, "y", timeout=5) == b"payload"
+    finally:
+        target.max_unauth_streams = 3
+        writer.close()
+        target.close_group("known")
+        sender.close_group("known")
+
+
+def test_a_key_holder_cannot_reserve_more_than_the_inbox(endpoints):
+    """Declared payloads in flight count against max_buffered_bytes before a byte of them is read."""
+    target, _ = endpoints
+    target.open_group("reserve", 0, [target.peer_id, "peer"])
+    limit, target.max_buffered_bytes = target.max_buffered_bytes, 1000
+
+    def header(tag: str) -> Header:
+        return Header("unit", "data", 0, "reserve", "peer", target.peer_id, tag, secrets.token_hex(8), 0.0)
+
+    try:
+        assert target._admit(header("a"), "peer", 600) == 600
+        with pytest.raises(Rejected, match="overflow"):
+            target._admit(header("b"), "peer", 600)
+        with pytest.raises(Rejected, match="unauthenticated"):  # a key holder speaking for another peer
+            target._admit(header("c"), "someone-else", 1)
+        with pytest.raises(Rejected, match="unexpected"):  # no such group open: refused before the payload
+            target._admit(Header("unit", "data", 0, "nope", "peer", target.peer_id, "d", "0", 0.0), "peer", 1)
+    finally:
+        target._in_flight -= 600
+        target.max_buffered_bytes = limit
+        target.close_group("reserve")
+
+
+def test_dht_records_need_the_run_key_and_a_bounded_expiry():
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+    from hivemind.utils.timed_storage import get_dht_time
+
+    validator = RunRecordValidator.create(KEY, "unit", max_ttl=300)
+    assert isinstance(validator, RecordValidatorBase)
+    now = get_dht_time()
+    record = DHTRecord(b"key-id", b"subkey", b"value", now + 60)
+    signed = dataclasses.replace(record, value=validator.sign_value(record))
+    assert validator.validate(signed) and validator.strip_value(signed) == b"value"
+    forged = [
+        record,  # unsigned
+        dataclasses.replace(signed, value=signed.value[:-1] + bytes([signed.value[-1] ^ 1])),  # altered MAC
+        dataclasses.replace(signed, subkey=b"another"),  # moved to another subkey
+        dataclasses.replace(signed, expiration_time=now + 61),  # expiry changed
+        dataclasses.replace(signed, value=b"x" + signed.value),  # value changed
+    ]
+    other = RunRecordValidator.create(RunKey("another-run-key"), "unit", max_ttl=300)
+    forged.append(dataclasses.replace(record, value=other.sign_value(record)))  # another key
+    assert not any(validator.validate(r) for r in forged)
+    far = DHTRecord(b"key-id", b"subkey", b"value", now + 10**6)
+    assert not validator.validate(dataclasses.replace(far, value=validator.sign_value(far)))
+    assert validator.counts() == {"dht_unauthenticated": len(forged), "dht_expiry": 1}
+    with pytest.raises(TypeError):
+        __import__("pickle").dumps(validator)
+
+
+def _entry(peer: str, step: int, round_index: int, age: float = 0.0) -> dict:
+    return {"peer": peer, "name": peer, "step": step, "round": round_index, "t": time.time() - age}
+
+
+def test_registry_claims_beyond_the_schedule_or_the_swarm_are_dropped():
+    steps, every = 1000, 10
+    honest = [_entry("a", 300, 30), _entry("b", 290, 29), _entry("joiner", 0, 0)]
+    liars = [_entry("far", 10**9, 10**8), _entry("past", steps + every, steps // every + 1)]
+    seen: set = set()
+
+    class Counter:
+        counts: dict = {}
+
+        def count_rejection(self, reason, detail, src):
+            self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    counter = Counter()
+    assert implausible_rounds(honest + liars, steps, every, counter, seen) == honest
+    assert counter.counts == {"implausible_step": 2}
+    implausible_rounds(honest + liars, steps, every, counter, seen)  # each claim is counted once
+    assert counter.counts == {"implausible_step": 2}
+    # a lone honest peer far ahead of peers that fell behind is still followed (rounds: schedule only)
+    assert len(implausible_rounds([_entry("lead", 900, 90), _entry("slow", 100, 10)], steps, every)) == 2
+    # a joiner's sources: near the median of the trained, live peers (a dead peer's old entry ignored)
+    assert step_bound(honest, steps, every) == 290 + 100
+    assert step_bound([*honest, _entry("dead", 10, 1, age=100)], steps, every, fresh_within=30) == 390
+    close_to_the_end = _entry("near-end", steps - every, steps // every - 1)
+    kept = implausible_steps(honest + liars + [close_to_the_end], steps, every)
+    assert [e["peer"] for e in kept] == ["a", "b", "joiner"]
+    assert step_bound([], steps, every) == steps
+
+
+def test_state_server_serves_two_states_per_requester_per_interval():
+    server = StateServer(interval=0.5)
+    with pytest.raises(CommError):
+        server.serve(b"", "x")  # nothing yet
+    server.update(20, torch.randn(100), torch.randn(100))
+    first = server.serve(b"", "alice")
+    assert decode_state(first, 100, 10)[0] == 20
+    assert server.serve(b"", "alice") is first  # a retry (burst of 2)
+    for _ in range(5):
+        with pytest.raises(Rejected) as refused:
+            server.serve(b"", "alice")
+        assert refused.value.reason == "throttled" and refused.value.counter == "state_throttled"
+    assert server.serve(b"", "bob") is first  # encoded once per snapshot
+    time.sleep(0.6)
+    assert server.serve(b"", "alice") is first
+    assert (server.served, server.throttled) == (4, 5)
+
+
+class _FakeEndpoint:
+    """The endpoint surface matchmaking's penalties use."""
+
+    def note_peers(self, peers):
+        pass
+
+    def __init__(self):
+        self.key, self.run_id, self.peer_id = KEY, "unit", "me"
+        self.counter, self.ctl, self.counts = None, {}, {}
+
+    def control_tags(self, channel, src):
+        return self.ctl.get((channel, src), [])
+
+    def count_rejection(self, reason, detail, src):
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+
+def _matchmaking(peer_id: str) -> SwarmMatchmaking:
+    """Only the penalty bookkeeping of a SwarmMatchmaking (no DHT)."""
+    mm = SwarmMatchmaking.__new__(SwarmMatchmaking)
+    mm.endpoint, mm.peer_id, mm.penalty_rounds = _FakeEndpoint(), peer_id, PENALTY_ROUNDS
+    mm._strikes, mm._late, mm._banned_until, mm._silent = {}, {}, {}, []
+    mm._heard, mm._excluded, mm._window_excluded = set(), set(), []
+    return mm
+
+
+def _silent_in(mm: SwarmMatchmaking, peer: str, round_index: int) -> None:
+    mm._silent.append((peer, round_index))
+    mm._settle()
+
+
+def test_a_peer_that_never_confirms_is_left_out_for_growing_aligned_penalties():
+    mm = _matchmaking("me")
+    _silent_in(mm, "x", 1)  # one silent round: counted, no penalty (an honest peer may not have drawn)
+    assert not any(mm.penalized("x", r) for r in range(20)) and mm.endpoint.counts["no_confirm"] == 1
+    _silent_in(mm, "x", 2)  # twice in a row: left out to the end of the next block of 4 rounds
+    assert [r for r in range(20) if mm.penalized("x", r)] == list(range(0, 8))
+    other = _matchmaking("other")  # a peer that met x a round earlier lets it back in in the same round
+    _silent_in(other, "x", 0)
+    _silent_in(other, "x", 1)
+    assert other._banned_until["x"] == mm._banned_until["x"] == 7
+    _silent_in(mm, "x", 8)
+    assert mm._banned_until["x"] == 23 and mm.endpoint.counts["no_confirm"] == 3  # 8 rounds, aligned
+    entries = [Announcement("me", 0.0, "me"), Announcement("x", 0.1, "x"), Announcement("y", 0.2, "y")]
+    assert [e.peer for e in mm._drop_penalized(entries, 9)] == ["me", "y"] and mm._window_excluded == ["x"]
+    mm._drop_penalized(entries, 9)
+    assert mm.endpoint.counts["penalized"] == 1  # once per (peer, round)
+    # an honest peer whose join arrived late (after the deadline), or whose join was taken, is not struck
+    mm.endpoint.ctl[("r30", "slow")] = ["join/g"]
+    for r in (30, 31):
+        mm._heard.add(("heard", r))
+        _silent_in(mm, "heard", r)
+    _silent_in(mm, "slow", 30)
+    assert "heard" not in mm._strikes and "slow" not in mm._strikes
+
+
+def test_frames_carry_an_authenticated_header():
+    header = Header("unit", "data", 0, "g", "a", "b", "t", "00", 0.0)
+    frame = encode_frame(KEY, header, b"abc")
+    raw = header.to_bytes()
+    assert frame[: PREFIX.size] == PREFIX.pack(MAGIC, len(raw), 3)
+    assert frame[PREFIX.size + len(raw) :][:32] == KEY.mac(HEADER_DOMAIN, frame[: PREFIX.size], raw)
