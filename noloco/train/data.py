@@ -512,6 +512,23 @@ def _load_cached(folder: Path) -> TokenizedCorpus | None:
         return None
 
 
+def train_bpe_tokenizer(train_docs: list[Document], vocab_size: int):
+    """The byte-level BPE (``tokenizers``) trained on ``train_docs`` in bounded pieces, with the EOT token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((piece for d in train_docs for piece in text_chunks(d.text)), trainer=trainer)
+    return tokenizer
+
+
 def prepare_corpus(
     source: str = "shakespeare",
     path: str | None = None,
@@ -525,7 +542,6 @@ def prepare_corpus(
     """Load, split, train the tokenizer and tokenize, reusing the cache when the inputs match.
 
     ``tokenizer`` (``data.tokenizer``) and ``hf`` (``data.source=hf``: :func:`noloco.train.hf.corpus_options`)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if tokenizer or (hf and hf.get("streaming")):  # a user tokenizer or a streamed dataset: noloco/train/hf.py
         from noloco.train import hf as hf_adapters
@@ -544,16 +560,7 @@ def prepare_corpus(
     folder.mkdir(parents=True, exist_ok=True)
     train_docs, val_docs = split_documents(docs, eval_fraction)
     del docs
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator((piece for d in train_docs for piece in text_chunks(d.text)), trainer=trainer)
+    tokenizer = train_bpe_tokenizer(train_docs, vocab_size)
     eot_id = tokenizer.token_to_id(EOT)
     reached = tokenizer.get_vocab_size()
     dtype = token_dtype(reached)

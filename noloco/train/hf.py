@@ -437,19 +437,8 @@ def _corpus(folder: Path) -> TokenizedCorpus:
 
 
 def train_bpe(train_docs: list[Document], vocab_size: int):
-    """The byte-level BPE of :func:`noloco.train.data.prepare_corpus` (the same trainer settings)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator((piece for d in train_docs for piece in D.text_chunks(d.text)), trainer=trainer)
+    """The byte-level BPE of :func:`noloco.train.data.prepare_corpus`, as a :class:`UserTokenizer`."""
+    tokenizer = D.train_bpe_tokenizer(train_docs, vocab_size)
     return UserTokenizer(tokenizer, tokenizer.token_to_id(EOT), "bpe")
 
 
