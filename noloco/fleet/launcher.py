@@ -104,27 +104,28 @@ def _stream(proc: subprocess.Popen, host: int, out: TextIO, log: TextIO | None, 
             log.flush()
 
 
+def _signal_running(procs: list[subprocess.Popen], sig: int) -> list[subprocess.Popen]:
+    """Send ``sig`` to the process group of each worker still running; returns those."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    return running
+
+
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:
     """SIGTERM each worker's process group, SIGKILL whatever is left after ``grace`` seconds."""
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+    _signal_running(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for proc in procs:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    for proc in _signal_running(procs, signal.SIGKILL):
+        proc.wait()
 
 
 class _Terminated(Exception):

@@ -512,6 +512,21 @@ def _load_cached(folder: Path) -> TokenizedCorpus | None:
         return None
 
 
+def split_meta(vocab: int, requested: int, dtype, train_docs: list[Document], val_docs: list[Document],
+               train_tokens: int, val_tokens: int) -> dict:
+    """The ``meta.json`` fields every token cache has: vocabulary, dtype, documents and tokens of each split."""
+    return {
+        "vocab_size": vocab,
+        "requested_vocab_size": requested,
+        "dtype": dtype.str,
+        "train_documents": len(train_docs),
+        "val_documents": len(val_docs),
+        "held_out": [d.name for d in val_docs],
+        "train_tokens": train_tokens,
+        "val_tokens": val_tokens,
+    }
+
+
 def train_bpe_tokenizer(train_docs: list[Document], vocab_size: int):
     """The byte-level BPE (``tokenizers``) trained on ``train_docs`` in bounded pieces, with the EOT token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -567,19 +582,8 @@ def prepare_corpus(
     train_tokens = _write_tokens(folder / "train.bin", tokenizer, train_docs, eot_id, dtype)
     val_tokens = _write_tokens(folder / "val.bin", tokenizer, val_docs, eot_id, dtype)
     _atomic_save(folder / "tokenizer.json", lambda tmp: tokenizer.save(tmp))
-    meta = {
-        "format": FORMAT_VERSION,
-        "source": source,
-        "path": path,
-        "vocab_size": reached,
-        "requested_vocab_size": vocab_size,
-        "dtype": dtype.str,
-        "train_documents": len(train_docs),
-        "val_documents": len(val_docs),
-        "held_out": [d.name for d in val_docs],
-        "train_tokens": train_tokens,
-        "val_tokens": val_tokens,
-    }
+    meta = {"format": FORMAT_VERSION, "source": source, "path": path,
+            **split_meta(reached, vocab_size, dtype, train_docs, val_docs, train_tokens, val_tokens)}  # fmt: skip
     _atomic_save(folder / "meta.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
     corpus = _load_cached(folder)
     if corpus is None:

@@ -469,15 +469,8 @@ def build_corpus(
         **meta,
         "tokenizer": user.source,
         "eot_id": user.eot_id,
-        "vocab_size": reached,
-        "requested_vocab_size": vocab_size,
-        "dtype": dtype.str,
-        "train_documents": len(train_docs),
-        "val_documents": len(val_docs),
-        "held_out": [d.name for d in val_docs],
+        **D.split_meta(reached, vocab_size, dtype, train_docs, val_docs, train_tokens, val_tokens),
         "held_out_digests": [text_digest(d.text) for d in val_docs],
-        "train_tokens": train_tokens,
-        "val_tokens": val_tokens,
     }
     D._atomic_save(folder / "meta.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
     return _corpus(folder)

@@ -100,32 +100,15 @@ def build_algorithm(
     common["overlap"] = outer.overlap
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
-    if outer.algo == "noloco":
-        return NoLoCo(
-            model,
-            opt,
-            transport,
-            every=outer.every,
-            lr=outer.lr,
-            pull=outer.pull,
-            momentum=outer.momentum,
-            group_size=outer.group_size,
-            seed=cfg.run.seed,
-            **common,
-        )
-    if outer.algo == "diloco":
-        return DiLoCo(
-            model,
-            opt,
-            transport,
-            every=outer.every,
-            lr=outer.lr,
-            momentum=outer.momentum,
-            nesterov=outer.nesterov,
-            **common,
-        )
-    if outer.algo == "avg":
-        return PeriodicAveraging(model, opt, transport, every=outer.every, **common)
+    own = {  # each outer algorithm's own knobs
+        "noloco": (NoLoCo, dict(lr=outer.lr, pull=outer.pull, momentum=outer.momentum, group_size=outer.group_size,
+                                seed=cfg.run.seed)),
+        "diloco": (DiLoCo, dict(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)),
+        "avg": (PeriodicAveraging, {}),
+    }
+    if outer.algo in own:
+        cls, kwargs = own[outer.algo]
+        return cls(model, opt, transport, every=outer.every, **kwargs, **common)
     raise ValueError(f"unknown outer.algo {outer.algo!r}")
 
 
