@@ -135,7 +135,7 @@ def load_run_model(path, worker: int | None = 0, mean: bool = False):
 
 def run_tokenizer(cfg: DictConfig, run_dir: Path, override=None):
     """The tokenizer the run trained with (see the module docstring for where it is looked for)."""
-    from noloco.train.hf import corpus_options, corpus_tokenizer, load_tokenizer
+    from noloco.train.hf import corpus_tokenizer, load_tokenizer
 
     if override:
         return load_tokenizer(override)
@@ -143,11 +143,10 @@ def run_tokenizer(cfg: DictConfig, run_dir: Path, override=None):
         return load_tokenizer(run_dir / "tokenizer.json")
     if cfg.data.get("tokenizer"):
         return load_tokenizer(cfg.data.tokenizer)
-    from noloco.train.data import prepare_corpus
+    from noloco.train.run import load_corpus
 
     try:
-        corpus = prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction,
-                                cfg.data.cache_dir, **corpus_options(cfg.data))  # fmt: skip
+        corpus = load_corpus(cfg)
     except DataError as exc:
         raise ExportError(f"cannot find the run's tokenizer ({exc}); pass --tokenizer") from None
     return corpus_tokenizer(corpus)

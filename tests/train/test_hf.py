@@ -8,7 +8,6 @@ import gzip
 import json
 import os
 import random
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +19,6 @@ pytest.importorskip("datasets")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from noloco.train import data as noloco_data  # noqa: E402
-from noloco.train import run as noloco_run  # noqa: E402
-from noloco.train.backends import local  # noqa: E402
 from noloco.train.backends.local import launch  # noqa: E402
 from noloco.train.cli import main  # noqa: E402
 from noloco.train.config import ConfigError, load_config  # noqa: E402
@@ -30,6 +26,7 @@ from noloco.train.data import EOT, BatchSampler, DataError, load_documents, prep
 from noloco.train.hf import HFCausalLM, StreamingCorpus, corpus_options, load_tokenizer, text_digest  # noqa: E402
 from noloco.train.loop import build_model  # noqa: E402
 from noloco.train.metrics import read_metrics  # noqa: E402
+from noloco.train.run import load_corpus  # noqa: E402
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wise owls sing of rivers stones and "
@@ -94,22 +91,6 @@ def bpe_tokenizer_file(path: Path, texts: list[str], vocab_size: int = 300, eot:
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(path))
     return path
-
-
-@pytest.fixture
-def with_data_options(monkeypatch):
-    """``run.prepare`` passing ``corpus_options(cfg.data)`` to ``prepare_corpus`` (what the backends' call
-    sites do; harmless where they already do)."""
-    original = noloco_run.prepare
-
-    def prepare(cfg, run_dir, quiet=False):
-        monkeypatch.setattr(
-            noloco_run, "prepare_corpus", partial(noloco_data.prepare_corpus, **corpus_options(cfg.data))
-        )
-        return original(cfg, run_dir, quiet)
-
-    monkeypatch.setattr(local, "prepare", prepare)
-    return prepare
 
 
 def _losses(run_dir: Path) -> dict:
@@ -264,14 +245,7 @@ def test_hf_files_give_the_same_first_batches_as_data_source_files(tmp_path, kin
         ]
     )
     corpora = [
-        prepare_corpus(
-            c.data.source,
-            c.data.path,
-            c.data.vocab_size,
-            c.data.eval_fraction,
-            c.data.cache_dir,
-            **corpus_options(c.data),
-        )
+        load_corpus(c)
         for c in (files, hf)
     ]
     a, b = corpora
@@ -303,7 +277,7 @@ def test_hf_reads_compressed_json_lines_and_another_text_field(tmp_path):
     assert corpus.tokenizer().decode(corpus.val.tolist()).replace(EOT, "").strip()
 
 
-def test_a_dataset_without_the_text_field_is_one_line(tiny_overrides, tmp_path, capsys, with_data_options):
+def test_a_dataset_without_the_text_field_is_one_line(tiny_overrides, tmp_path, capsys):
     write_jsonl(tmp_path / "a.jsonl", documents(4), field="content")
     args = [*tiny_overrides, "data.source=hf", "data.hf_path=json", f"data.hf_files={tmp_path}/a.jsonl"]
     assert main(args) == 2
@@ -323,14 +297,7 @@ def test_a_tokenizer_file_sets_the_vocabulary_and_the_embedding(tiny_config, tmp
     path = bpe_tokenizer_file(tmp_path / "tok.json", texts, vocab_size=333)
     write_jsonl(tmp_path / "a.jsonl", texts)
     cfg = tiny_config("data.source=files", f"data.path={tmp_path}/a.jsonl", f"data.tokenizer={path}")
-    corpus = prepare_corpus(
-        cfg.data.source,
-        cfg.data.path,
-        cfg.data.vocab_size,
-        cfg.data.eval_fraction,
-        cfg.data.cache_dir,
-        **corpus_options(cfg.data),
-    )
+    corpus = load_corpus(cfg)
     user = load_tokenizer(path)
     assert corpus.vocab_size == user.vocab_size == 333 != cfg.data.vocab_size
     assert build_model(cfg, corpus.vocab_size).embed.weight.shape[0] == 333
@@ -362,7 +329,7 @@ def test_a_transformers_tokenizer_folder_adds_no_special_tokens_inside_documents
 
 
 def test_a_tokenizer_that_does_not_match_the_checkpoint_is_refused(
-    tiny_config, tiny_overrides, tmp_path, capsys, with_data_options
+    tiny_config, tiny_overrides, tmp_path, capsys
 ):
     path = bpe_tokenizer_file(tmp_path / "tok.json", documents(40), vocab_size=300)
     launch(
@@ -406,14 +373,7 @@ def _stream_corpus(stream_files, tmp_path, sample=30) -> StreamingCorpus:
             f"data.cache_dir={tmp_path}/cache",
         ]
     )
-    corpus = prepare_corpus(
-        cfg.data.source,
-        cfg.data.path,
-        cfg.data.vocab_size,
-        cfg.data.eval_fraction,
-        cfg.data.cache_dir,
-        **corpus_options(cfg.data),
-    )
+    corpus = load_corpus(cfg)
     assert isinstance(corpus, StreamingCorpus)
     return corpus
 
@@ -451,7 +411,7 @@ def test_stream_workers_read_their_own_shards_and_skip_the_held_out_documents(st
         assert all(text[:120] not in t for t in texts)  # no held-out document is trained on
 
 
-def test_streaming_trains_on_the_local_backend(stream_files, tiny_config, tmp_path, with_data_options):
+def test_streaming_trains_on_the_local_backend(stream_files, tiny_config, tmp_path):
     cfg = tiny_config(
         "data.source=hf",
         "data.hf_path=json",
