@@ -1,13 +1,18 @@
-"""Codecs: how one segment of a reduction is turned into bytes and back.
+"""Codecs: how one segment of a reduction is turned into a message body and back.
 
 A codec is the only place a collective touches number formats. ``fp32`` sends raw little-endian
 float32 and is exact. Every :mod:`noloco.quant` spec string (``int4``, ``int8:g64``, ``mxfp4``,
-``mxfp8+hadamard``, ``bf16``, ...) is a codec too: its wire bytes are ``Packed.to_bytes()`` (the
-versioned, checksummed format of docs/quant.md) and decoding is bounded by the expected element count.
+``mxfp8+hadamard``, ``bf16``, ...) is a codec too: its message body is the payload sections of the
+encoding, each 16-byte aligned (:mod:`noloco.collectives.message`), with no per-payload header or
+checksum, since both members know the spec and the element count.
 
-``decode`` always receives the number of elements the receiver expects, and rejects a payload of
-any other size, spec or shape before allocating anything from it (:class:`PayloadMismatch`, a
-:class:`~noloco.quant.PayloadError` and so a ``ValueError``).
+Encoding runs where the segment lives (the Triton kernels on CUDA) and writes the body into one host
+buffer (:meth:`Codec.encode_message`), pinned on CUDA, after room the caller reserves for its message
+header, so a message costs one device-to-host transfer and no host copy. ``decode`` always receives the
+number of elements the receiver expects and rejects a payload of any other length, or holding values no
+encoder writes, before anything of its claimed size is allocated (:class:`PayloadMismatch`, a
+:class:`~noloco.quant.PayloadError` and so a ``ValueError``); on CUDA the body goes to the device in one
+transfer and is validated and decoded there.
 """
 
 from __future__ import annotations
@@ -17,44 +22,83 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from noloco.collectives.message import (
+    as_uint8,
+    check_message,
+    host_buffer,
+    message_layout,
+    message_view,
+    pack_into,
+    zero_gaps,
+)
 from noloco.quant import Packed, PayloadError, QuantSpec, dequantize, quantize
 
 #: Names listed by :func:`known_codecs`; any other spec :meth:`QuantSpec.parse` accepts works too.
 BASE_CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8")
+
+Buffer = bytes | bytearray | memoryview
 
 
 class PayloadMismatch(PayloadError):
     """A peer's payload does not have the size, format or values this member expects."""
 
 
+def _ready(device: torch.device) -> None:
+    """Wait until this thread's stream on ``device`` has finished (a message's copy to the host, on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 class Codec(ABC):
-    """Encodes a flat fp32 tensor segment to bytes and decodes it back."""
+    """Encodes a flat fp32 tensor segment to a message body and decodes it back."""
 
     name: str
 
     @abstractmethod
-    def encode(self, segment: torch.Tensor) -> bytes:
-        """``segment``: 1-D float tensor. Returns the wire bytes."""
+    def nbytes(self, numel: int) -> int:
+        """Bytes of the message body of ``numel`` values (a pure function of the codec and ``numel``)."""
 
     @abstractmethod
-    def decode(self, payload: bytes, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def encode_message(self, segment: torch.Tensor, head: int = 0,
+                       with_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Encode the 1-D float ``segment`` (not modified) into a fresh uint8 host tensor.
+
+        Returns ``(buffer, value)``: ``buffer[:head]`` is left for the caller (its message header),
+        ``buffer[head:]`` is the body, complete when this returns; pinned when ``segment`` is on CUDA.
+        ``value`` (with ``with_value``) is the fp32 segment a receiver decodes from the body, on
+        ``segment``'s device (error feedback's residual is ``segment - value``); else None.
+
+        Raises:
+            ValueError: ``segment`` holds NaN/Inf and the codec cannot encode it.
+        """
+
+    @abstractmethod
+    def decode(self, payload: Buffer, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Return a 1-D float32 tensor of ``numel`` elements on ``device``; raise :class:`PayloadMismatch`.
 
-        The payload is validated on the host before anything of its claimed size is allocated; only
-        then are its codes copied to ``device`` and decoded there (the fused kernels on CUDA).
+        The length is checked first, then the body is copied to ``device`` (one transfer) and its values
+        are validated and decoded there (the fused kernels on CUDA). The result owns its memory.
         """
+
+    def encode(self, segment: torch.Tensor) -> bytes:
+        """The message body of ``segment`` as ``bytes`` (a convenience: the reductions use :meth:`encode_message`)."""
+        buffer, _ = self.encode_message(segment)
+        return bytes(buffer.numpy())
 
     def encode_with_value(self, segment: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        """Wire bytes of ``segment`` and the fp32 value a receiver will decode from them.
-
-        Used by error feedback (the residual is ``segment - value``). The default decodes the bytes.
-        """
-        payload = self.encode(segment)
-        return payload, self.decode(payload, segment.numel(), segment.device)
+        """:meth:`encode` and the fp32 value a receiver will decode from those bytes."""
+        buffer, value = self.encode_message(segment, with_value=True)
+        return bytes(buffer.numpy()), value
 
     @property
     def exact(self) -> bool:
         """True when decode(encode(x)) == x for every finite fp32 x."""
+        return False
+
+    @property
+    def checks_finite(self) -> bool:
+        """True when :meth:`decode` can only return finite values (it refuses payloads that would decode to
+        NaN/Inf), so a reduction need not scan the decoded values again."""
         return False
 
     def __eq__(self, other: object) -> bool:  # equal wire formats: "int4" == "int4:g128"
@@ -72,19 +116,31 @@ class Fp32Codec(Codec):
 
     name = "fp32"
 
-    def encode(self, segment: torch.Tensor) -> bytes:
-        return segment.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
+    def nbytes(self, numel: int) -> int:
+        return 4 * numel
 
-    def decode(self, payload: bytes, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        if len(payload) != 4 * numel:
-            raise PayloadMismatch(f"fp32 payload has {len(payload)} bytes, expected {4 * numel}")
+    def encode_message(self, segment: torch.Tensor, head: int = 0,
+                       with_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        if head % 4:
+            raise ValueError(f"fp32 message head room must be a multiple of 4 bytes, got {head}")
+        value = segment.detach().to(dtype=torch.float32).contiguous().reshape(-1)
+        buffer = host_buffer(head + 4 * value.numel(), value.device)
+        buffer[head:].view(torch.float32).copy_(value, non_blocking=value.is_cuda)
+        _ready(value.device)
+        return buffer, (value if with_value else None)
+
+    def decode(self, payload: Buffer, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        size = len(memoryview(payload).cast("B"))
+        if size != 4 * numel:
+            raise PayloadMismatch(f"fp32 payload has {size} bytes, expected {4 * numel}")
         if numel == 0:
             return torch.empty(0, dtype=torch.float32, device=device)
-        return torch.frombuffer(bytearray(payload), dtype=torch.float32).to(device)
-
-    def encode_with_value(self, segment: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        value = segment.detach().to(dtype=torch.float32).contiguous()
-        return value.cpu().numpy().tobytes(), value
+        values = as_uint8(payload).view(torch.float32)
+        if torch.device(device).type == "cpu":
+            return values.clone()  # may alias the sender's buffer: the caller owns the result
+        out = values.to(device, non_blocking=True)
+        _ready(out.device)  # the host buffer may be reused once the copy has landed
+        return out
 
     @property
     def exact(self) -> bool:
@@ -92,50 +148,74 @@ class Fp32Codec(Codec):
 
 
 class QuantCodec(Codec):
-    """A :mod:`noloco.quant` format as a codec: ``quantize`` → ``Packed.to_bytes()`` and back.
+    """A :mod:`noloco.quant` format as a codec: ``quantize`` → the packed sections, 16-byte aligned, and back.
 
-    Decoding checks, besides everything ``Packed.from_bytes`` checks (magic, version, CRC-32,
-    canonical spec, lengths, value ranges), that the payload carries this codec's spec and exactly
-    ``numel`` elements as a 1-D tensor; ``max_numel`` is bounded by ``numel`` so a forged header can
-    never make the receiver allocate more than it expects.
+    Decoding checks that the body is exactly the length of ``numel`` values in this codec's spec (so a
+    forged payload can never make the receiver allocate more than it expects) and that no section holds
+    a value an encoder never writes (:func:`noloco.quant.wire.validate_values`: scales, zero points, MX
+    NaN codes, padding, non-finite floats), on the device it decodes on.
     """
 
     def __init__(self, spec: QuantSpec | str):
         self.spec = QuantSpec.parse(spec)
         self.name = str(self.spec)
 
+    def nbytes(self, numel: int) -> int:
+        return message_layout(self.spec, numel)[1]
+
     def quantize(self, segment: torch.Tensor, generator: torch.Generator | None = None) -> Packed:
         """``segment`` (1-D float) → :class:`Packed`. NaN/Inf raise ``ValueError``: here on the CPU, from the
-        payload's first use (:meth:`Packed.check`, e.g. ``to_bytes``) on CUDA, where the check is deferred."""
+        payload's first use (:meth:`Packed.check`, e.g. :func:`message_of`) on CUDA, where the check is deferred."""
         return quantize(segment.detach().reshape(-1).float(), self.spec, generator=generator)
 
-    def encode(self, segment: torch.Tensor) -> bytes:
-        return self.quantize(segment).to_bytes()
-
-    def encode_with_value(self, segment: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    def encode_message(self, segment: torch.Tensor, head: int = 0,
+                       with_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         packed = self.quantize(segment)
-        return packed.to_bytes(), dequantize(packed).reshape(-1)
+        value = dequantize(packed).reshape(-1) if with_value else None
+        return message_of(packed, head), value
 
-    def unpack(self, payload: bytes, numel: int, spec: QuantSpec | None = None,
+    def unpack(self, payload: Buffer, numel: int, spec: QuantSpec | None = None,
                device: torch.device | str = "cpu") -> Packed:
         """Parse ``payload`` into a :class:`Packed` of ``numel`` elements in ``spec`` (default: ours) on ``device``."""
         spec = self.spec if spec is None else spec
         try:
-            packed = Packed.from_bytes(payload, max_numel=max(numel, 0), device=device)
+            return check_message(payload, spec, numel, device)
         except PayloadError as err:
             raise PayloadMismatch(f"{spec} payload rejected: {err}") from err
-        if packed.spec != spec:
-            raise PayloadMismatch(f"payload is encoded as {packed.spec}, this member expects {spec}")
-        if packed.shape != (numel,):
-            raise PayloadMismatch(f"payload holds shape {packed.shape}, expected ({numel},)")
-        return packed
 
-    def decode(self, payload: bytes, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    @property
+    def checks_finite(self) -> bool:
+        return True  # validate_values bounds every scale, zero point and minimum; float payloads are scanned
+
+    def decode(self, payload: Buffer, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
         packed = self.unpack(payload, numel, device=device)
         try:
             return dequantize(packed).reshape(-1)
         except PayloadError as err:  # e.g. a forged rotated payload whose inverse rotation overflows
             raise PayloadMismatch(f"{self.spec} payload rejected: {err}") from err
+
+
+def message_of(packed: Packed, head: int = 0) -> torch.Tensor:
+    """``packed``'s message body in a fresh host buffer after ``head`` free bytes (pinned for CUDA payloads).
+
+    On CUDA the sections are copied in one transfer when the kernels laid them out as one message
+    (:func:`~noloco.collectives.message.message_view`), else through one device staging buffer; the copy
+    has landed when this returns. Raises ``ValueError`` if ``packed``'s deferred non-finite check fails.
+    """
+    nbytes = message_layout(packed.spec, packed.numel)[1]
+    device = packed.codes.device
+    buffer = host_buffer(head + nbytes, device)
+    if device.type != "cuda":
+        pack_into(buffer[head:], packed)
+    else:
+        view = message_view(packed)
+        if view is None:
+            view = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            pack_into(view, packed)
+        buffer[head:].copy_(view, non_blocking=True)
+        _ready(device)
+    zero_gaps(buffer[head:], packed.spec, packed.numel)  # no stray bytes of earlier buffers on the wire
+    return buffer
 
 
 def get_codec(name: str | Codec) -> Codec:

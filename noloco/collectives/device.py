@@ -50,7 +50,6 @@ encoding still reads its verdict at once.)
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from noloco.collectives.codec import Fp32Codec, PayloadMismatch, QuantCodec, get_codec
+from noloco.collectives.message import message_layout, message_view, pack_into, unpack
 from noloco.collectives.protocol import DTYPE_CODES, OP_CODES, RemoteFailure, crc
 from noloco.collectives.residuals import ReductionErrorFeedback
 from noloco.collectives.two_phase import segment_bounds
@@ -78,8 +78,6 @@ from noloco.quant import ops as quant_ops
 __all__ = ["allreduce_device", "wire_bytes", "message_layout", "message_view", "encode_segment", "reduce_segment",
            "decode_segment", "pack_into", "unpack"]
 
-#: every payload section starts at a multiple of this many bytes (Triton's pointer-divisibility unit)
-ALIGN = 16
 #: bytes each owner all-gathers with its reduced segment: byte 0 is 0 when it encoded it, 1 otherwise
 STATUS_BYTES = 16
 FP32 = QuantSpec.parse("fp32")
@@ -87,26 +85,6 @@ _META_MAGIC = 0x4E4C4456  # "NLDV": this all-gather is allreduce_device's call c
 _META_FIELDS = ("magic", "numel", "dtype", "op", "codec", "group size")
 _DTYPE_NAMES = {code: str(dtype).replace("torch.", "") for dtype, code in DTYPE_CODES.items()}
 _OP_NAMES = {code: name for name, code in OP_CODES.items()}
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-@functools.lru_cache(maxsize=1024)
-def message_layout(spec: QuantSpec, numel: int) -> tuple[tuple[tuple[str, torch.dtype, int, int], ...], int]:
-    """Where the payload sections of ``numel`` values in ``spec`` sit in one message.
-
-    Returns ``(sections, nbytes)``: ``sections`` is ``((name, dtype, count, byte offset), ...)`` in
-    :meth:`QuantSpec.layout` order, each offset a multiple of :data:`ALIGN`; ``nbytes`` is the message
-    size (a multiple of :data:`ALIGN`; 0 for 0 values). A pure function of ``(spec, numel)``, which is
-    what lets a receiver preallocate every message without a header.
-    """
-    sections, offset = [], 0
-    for name, dtype, count in spec.layout(numel):
-        sections.append((name, dtype, count, offset))
-        offset += _aligned(count * torch.empty(0, dtype=dtype).element_size())
-    return tuple(sections), offset
 
 
 def wire_bytes(numel: int, world: int, codec: str | QuantSpec = "int4") -> int:
@@ -124,61 +102,6 @@ def wire_bytes(numel: int, world: int, codec: str | QuantSpec = "int4") -> int:
     reduce_scatter = sum(message_layout(spec, end - start)[1] for start, end in bounds[1:])
     gather_slot = STATUS_BYTES + message_layout(spec, bounds[0][1] - bounds[0][0])[1]
     return reduce_scatter + (world - 1) * gather_slot
-
-
-def pack_into(buf: torch.Tensor, packed: Packed) -> None:
-    """Copy ``packed``'s sections into ``buf`` (uint8, at least the message size) at their offsets.
-
-    Raises:
-        ValueError: ``packed``'s pending non-finite check fails (:meth:`~noloco.quant.Packed.check`).
-    """
-    packed.check()
-    sections, nbytes = message_layout(packed.spec, packed.numel)
-    if buf.dtype != torch.uint8 or buf.numel() < nbytes:
-        raise ValueError(f"message buffer of {buf.numel()} {buf.dtype} is smaller than {nbytes} bytes")
-    for name, dtype, count, offset in sections:
-        section = getattr(packed, name)
-        if section is None or section.dtype != dtype or section.numel() != count:
-            raise ValueError(f"{packed.spec} section {name} is not {count} x {dtype}")
-        size = count * section.element_size()
-        buf[offset:offset + size].copy_(section.reshape(-1).view(torch.uint8))
-
-
-def unpack(buf: torch.Tensor, spec: QuantSpec, numel: int) -> Packed:
-    """The :class:`Packed` of ``numel`` values whose message starts at ``buf[0]``; sections are views."""
-    sections = {}
-    for name, dtype, count, offset in message_layout(spec, numel)[0]:
-        size = count * torch.empty(0, dtype=dtype).element_size()
-        sections[name] = buf[offset:offset + size].view(dtype) if size else buf.new_empty(0, dtype=dtype)
-    return Packed(spec, (numel,), torch.float32, **sections)
-
-
-def message_view(packed: Packed) -> torch.Tensor | None:
-    """``packed``'s message as a uint8 view, without a copy, or None if its sections are not laid out as one.
-
-    The Triton kernels allocate all sections of an encoding in one buffer, each padded to 16 bytes in layout
-    order, which is exactly :func:`message_layout`; then the message can be sent as it is (saving a copy of
-    the codes, ~8 % of the time of a 1 GiB reduction). The layout is checked here, pointer by pointer, so
-    any other allocation (the torch reference, scales replaced by a new tensor) falls back to
-    :func:`pack_into`. Like it, checks ``packed`` first (:meth:`~noloco.quant.Packed.check`: ``ValueError``
-    on a failed non-finite check), since the view is what gets sent.
-    """
-    packed.check()
-    sections, nbytes = message_layout(packed.spec, packed.numel)
-    codes = packed.codes
-    if not nbytes or codes.dtype != torch.uint8:
-        return None
-    base = codes.storage_offset()
-    storage = codes.untyped_storage()
-    if storage.nbytes() < base + nbytes:
-        return None
-    for name, dtype, count, offset in sections:
-        section = getattr(packed, name)
-        if (section is None or section.dtype != dtype or section.numel() != count or not section.is_contiguous()
-                or section.untyped_storage().data_ptr() != storage.data_ptr()
-                or section.storage_offset() * section.element_size() != base + offset):
-            return None
-    return codes.as_strided((nbytes,), (1,), base)
 
 
 def _is_raw(spec: QuantSpec) -> bool:

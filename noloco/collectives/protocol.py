@@ -1,12 +1,14 @@
 """The message protocol every reduction speaks: a fixed header per payload, checked on receipt,
 and error markers so that a failure on one member fails every member quickly instead of hanging.
 
-Each payload a collective sends is ``header (32 bytes) + body``. The header says what the sender
+Each payload a collective sends is ``header (32 bytes) + body``; the body is a codec's message
+(:mod:`noloco.collectives.message`: the encoded sections, sized by codec and numel, which this header
+checks). The header says what the sender
 believes this call is::
 
     offset size field
     0      2    magic b"NC"
-    2      1    version (1)
+    2      1    version (2)
     3      1    status: 0 ok; 1 mismatch, 2 timeout, 3 other error (body = UTF-8 reason)
     4      1    reduction code        5  1  op code
     6      1    input dtype code      7  1  phase (0 reduce-scatter / ring reduce, 1 all-gather)
@@ -29,7 +31,7 @@ members within about one ``timeout`` (a dead member: every survivor raises
 :class:`~noloco.comm.base.CommTimeout`; a mismatch: every member raises :class:`PayloadMismatch`).
 
 Values (docs/reliability.md): every decoded float payload is checked for NaN/Inf (:meth:`Exchange.check_finite`;
-quantized payloads are already validated by ``Packed.from_bytes``), and an optional :class:`NormBound`
+quantized payloads are already validated by the codec's ``decode``), and an optional :class:`NormBound`
 drops a peer's contribution whose L2 norm exceeds ``max_ratio`` times this member's own contribution to
 the same segment (plus a small floor): a peer that sends huge values is refused, counted in
 :class:`NormRejections` and logged with its rank, and never applied (docs/reliability.md).
@@ -46,13 +48,13 @@ from dataclasses import field as dataclass_field
 
 import torch
 
-from noloco.collectives.codec import PayloadMismatch
+from noloco.collectives.codec import Codec, PayloadMismatch
 from noloco.comm.base import CommError, CommTimeout, Transport
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"NC"
-VERSION = 1
+VERSION = 2  # 2: bodies are noloco.collectives.message layouts (1: Packed.to_bytes)
 _FORMAT = "<2sBBBBBBHHHHQII"
 HEADER_BYTES = struct.calcsize(_FORMAT)  # 32
 
@@ -209,7 +211,9 @@ class NormBound:
     def own_norms(self, contributed: torch.Tensor, bounds: list[tuple[int, int]]) -> list[float]:
         """Per segment, the norm ``own`` the bound scales with: of ``reference`` if set, else ``contributed``."""
         basis = contributed if self.reference is None else self.reference
-        return [l2_norm(basis[start:end]) for start, end in bounds]
+        norms = [torch.linalg.vector_norm(basis[s:e], dtype=torch.float64) for s, e in bounds if e > s]
+        values = iter(torch.stack(norms).tolist() if norms else [])  # one host read for all segments
+        return [next(values) if end > start else 0.0 for start, end in bounds]
 
     def limit(self, own_norm: float, numel: int, contributors: int = 1) -> float:
         return contributors * (self.max_ratio * own_norm + self.floor_rms * math.sqrt(numel))
@@ -227,6 +231,7 @@ class Exchange:
         self.transport, self.info, self.timeout = transport, info, float(timeout)
         self.bound = bound
         self._owed: dict[tuple[int, str], tuple[int, int, int]] = {}
+        self._stamped: dict[int, tuple[torch.Tensor, bytes]] = {}  # message buffers sent, with their header
 
     def tag_of(self, phase: int, segment: int, step: int) -> str:
         return f"{self.info.tag}/{self.info.reduction}/p{phase}/s{segment}/h{step}"
@@ -236,22 +241,46 @@ class Exchange:
         for dst, phase, segment, step in sends:
             self._owed[(dst, self.tag_of(phase, segment, step))] = (phase, segment, step)
 
-    def send(self, dst: int, phase: int, segment: int, step: int, body: bytes) -> None:
-        """Send ``body`` to group member ``dst`` (an index into the group)."""
+    def encode(self, codec: Codec, value: torch.Tensor,
+               with_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """``value`` encoded by ``codec`` into a message buffer with room for the header (:meth:`send` fills it).
+
+        Returns ``(message, decoded value or None)``; see :meth:`Codec.encode_message`. A message may go to
+        several members (an owner's reduced segment), always with the same header.
+        """
+        return codec.encode_message(value, HEADER_BYTES, with_value)
+
+    def send(self, dst: int, phase: int, segment: int, step: int, body: bytes | memoryview | torch.Tensor) -> None:
+        """Send to group member ``dst`` (an index into the group) a body: bytes, or a message from :meth:`encode`.
+
+        A message buffer is sent as it is, its header written into its head room (no copy of the body); the
+        transport takes it over, so nobody writes into it afterwards.
+        """
         tag = self.tag_of(phase, segment, step)
         header = self.info.header(phase, self.info.me, segment, step).pack()
-        self.transport.send(self.info.group[dst], tag, header + body)
+        if isinstance(body, torch.Tensor):
+            room = body.numpy()
+            if self._stamped.setdefault(id(body), (body, header))[1] != header:  # kept alive: ids stay unique
+                raise ValueError(f"{self.info.tag}: a message buffer already sent with another header")
+            room[:HEADER_BYTES] = memoryview(header)
+            payload = memoryview(room)
+        else:
+            payload = header + body
+        self.transport.send(self.info.group[dst], tag, payload)
         self._owed.pop((dst, tag), None)
 
-    def recv(self, src: int, phase: int, segment: int, step: int = 0) -> bytes:
-        """Receive the body member ``src`` sends for ``(phase, segment, step)``, after checking its header."""
+    def recv(self, src: int, phase: int, segment: int, step: int = 0) -> memoryview:
+        """Receive the body member ``src`` sends for ``(phase, segment, step)``, after checking its header.
+
+        The body is a view of the received buffer (no copy); decoding reads it, nothing writes it.
+        """
         tag = self.tag_of(phase, segment, step)
         payload = self.transport.recv(self.info.group[src], tag, self.timeout)
         got = Header.unpack(payload)
-        body = bytes(payload[HEADER_BYTES:])
+        body = memoryview(payload).cast("B")[HEADER_BYTES:]
         who = f"member {src} (rank {self.info.group[src]})"
         if got.status != STATUS_OK:
-            reason = body[:2000].decode("utf-8", errors="replace")
+            reason = bytes(body[:2000]).decode("utf-8", errors="replace")
             kind = CommTimeout if got.status == STATUS_TIMEOUT else RemoteFailure
             raise kind(f"{self.info.tag}: {who} failed: {reason}")
         want = self.info.header(phase, src, segment, step)
@@ -268,8 +297,13 @@ class Exchange:
                 )
         return body
 
-    def check_finite(self, value: torch.Tensor, src: int, segment: int) -> None:
-        """Raise :class:`PayloadMismatch` if member ``src``'s decoded ``value`` holds NaN or Inf."""
+    def check_finite(self, value: torch.Tensor, src: int, segment: int, codec: Codec | None = None) -> None:
+        """Raise :class:`PayloadMismatch` if member ``src``'s decoded ``value`` holds NaN or Inf.
+
+        A ``codec`` that validated what it decoded (:attr:`Codec.checks_finite`) needs no second pass.
+        """
+        if codec is not None and codec.checks_finite:
+            return
         if value.numel() and not bool(torch.isfinite(value).all()):
             raise PayloadMismatch(f"{self.info.tag}: member {src} (rank {self.info.group[src]}) sent non-finite "
                                   f"values for segment {segment}")  # fmt: skip

@@ -43,7 +43,7 @@ import struct
 
 import torch
 
-from noloco.collectives.codec import Codec, Fp32Codec, PayloadMismatch, QuantCodec
+from noloco.collectives.codec import Codec, Fp32Codec, PayloadMismatch, QuantCodec, message_of
 from noloco.collectives.protocol import PHASE_GATHER, PHASE_REDUCE, Exchange
 from noloco.collectives.two_phase import segment_bounds
 from noloco.quant import Packed, QuantSpec, dequantize, dequantize_accumulate_requantize
@@ -156,7 +156,7 @@ def _hop(flat: torch.Tensor, contribution: torch.Tensor | None, bounds: list[tup
     mine = _own(flat, contribution, bounds, seg)
     fused = (contribution is None and isinstance(incoming, Packed) and isinstance(out_codec, QuantCodec))
     if fused:
-        return dequantize_accumulate_requantize(mine, [incoming], out_codec.spec).to_bytes()
+        return bytes(message_of(dequantize_accumulate_requantize(mine, [incoming], out_codec.spec)).numpy())
     total = mine if incoming is None else mine + _value(incoming)
     if contribution is None:
         return out_codec.encode(total)
@@ -191,7 +191,7 @@ def _reduce_scatter_phase(flat: torch.Tensor, ex: Exchange, codec: Codec, bounds
         incoming = _decode_partial(in_codec, body, bounds[seg_in][1] - bounds[seg_in][0], flat.device)
         if bound is not None or isinstance(incoming, torch.Tensor):
             incoming = _value(incoming)
-            ex.check_finite(incoming, pred, seg_in)
+            ex.check_finite(incoming, pred, seg_in, in_codec)
         if bound is not None and not ex.admits(pred, seg_in, incoming, own_norms[seg_in], inputs):
             incoming, inputs = None, 0
     return incoming, inputs
@@ -234,7 +234,7 @@ def _all_gather_phase(flat: torch.Tensor, ex: Exchange, codec: Codec, op: str, b
         forward = ex.recv(pred, PHASE_GATHER, seg_in, t)
         start, end = bounds[seg_in]
         value = codec.decode(forward, end - start, flat.device)
-        ex.check_finite(value, pred, seg_in)
+        ex.check_finite(value, pred, seg_in, codec)
         if bound is not None and not ex.admits(pred, seg_in, value, own_norms[seg_in], n if op == "sum" else 1,
                                                result=True, owner=(seg_in - 1) % n):
             value = contributed[start:end]

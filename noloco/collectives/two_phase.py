@@ -42,13 +42,17 @@ def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _encode(codec: Codec, value: torch.Tensor, residual: torch.Tensor | None, start: int, end: int) -> bytes:
-    """Encode ``value``; with error feedback, store ``value - decoded`` into ``residual[start:end]``."""
-    if residual is None:
-        return codec.encode(value)
-    payload, decoded = codec.encode_with_value(value)
-    residual[start:end] = value - decoded
-    return payload
+def _encode(ex: Exchange, codec: Codec, value: torch.Tensor, residual: torch.Tensor | None, start: int,
+            end: int, keep_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A message of ``value``; with error feedback, store ``value - decoded`` into ``residual[start:end]``.
+
+    Returns ``(message, decoded)``: ``decoded`` (what every receiver decodes) when error feedback or
+    ``keep_value`` asked for it, else None.
+    """
+    message, decoded = ex.encode(codec, value, with_value=residual is not None or keep_value)
+    if residual is not None:
+        residual[start:end] = value - decoded
+    return message, decoded
 
 
 def two_phase_allreduce(
@@ -89,7 +93,7 @@ def two_phase_allreduce(
             if k == me:
                 continue
             value = flat[start:end] if contribution is None else flat[start:end] + contribution[start:end]
-            ex.send(k, PHASE_REDUCE, k, 0, _encode(codec, value, contribution, start, end))
+            ex.send(k, PHASE_REDUCE, k, 0, _encode(ex, codec, value, contribution, start, end)[0])
         start, end = bounds[me]
         numel = end - start
         own = flat[start:end]
@@ -104,7 +108,7 @@ def two_phase_allreduce(
                 admitted += 1
                 continue
             value = codec.decode(ex.recv(j, PHASE_REDUCE, me), numel, flat.device)
-            ex.check_finite(value, j, me)
+            ex.check_finite(value, j, me, codec)
             if ex.bound is None or ex.admits(j, me, value, own_norms[me]):
                 reduced += value
                 admitted += 1
@@ -116,17 +120,17 @@ def two_phase_allreduce(
         # Phase 2: all-gather. Encode the reduced segment once; everyone decodes the same bytes.
         if result is not None:
             reduced = reduced + result[start:end]
-        codes = _encode(codec, reduced, result, start, end)
+        codes, decoded = _encode(ex, codec, reduced, result, start, end, keep_value=True)
         for j in range(n):
             if j != me:
                 ex.send(j, PHASE_GATHER, me, 0, codes)
         out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
         for k, (start, end) in enumerate(bounds):
             if k == me:
-                out[start:end] = codec.decode(codes, end - start, flat.device)
+                out[start:end] = decoded  # the value of the very bytes the others decode
                 continue
             value = codec.decode(ex.recv(k, PHASE_GATHER, k), end - start, flat.device)
-            ex.check_finite(value, k, k)
+            ex.check_finite(value, k, k, codec)
             if ex.bound is not None and not ex.admits(k, k, value, own_norms[k], n if op == "sum" else 1, True):
                 value = contributed[start:end]
                 if contribution is not None:

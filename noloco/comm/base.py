@@ -79,12 +79,16 @@ class Transport(ABC):
     counter: ByteCounter
 
     @abstractmethod
-    def send(self, dst: int, tag: str, payload: bytes) -> None:
-        """Send ``payload`` to rank ``dst`` under ``tag``. Does not wait for the receiver."""
+    def send(self, dst: int, tag: str, payload: bytes | memoryview) -> None:
+        """Send ``payload`` (any bytes-like object) to rank ``dst`` under ``tag``. Does not wait for the receiver.
+
+        The transport may keep ``payload`` itself rather than a copy: the caller does not change it afterwards.
+        """
 
     @abstractmethod
-    def recv(self, src: int, tag: str, timeout: float) -> bytes:
-        """Return the payload rank ``src`` sent under ``tag``; raise :class:`CommTimeout` after ``timeout`` s."""
+    def recv(self, src: int, tag: str, timeout: float) -> bytes | memoryview:
+        """Return the payload rank ``src`` sent under ``tag`` (bytes-like; read it, do not write it);
+        raise :class:`CommTimeout` after ``timeout`` s."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; further calls may fail."""

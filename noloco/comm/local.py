@@ -1,11 +1,14 @@
 """In-process fabric: N simulated workers in one process, exchanging real byte payloads.
 
-Every rank gets a :class:`LocalTransport`; payloads are copied into per-(src, dst, tag) mailboxes,
-so nothing is shared by reference between simulated workers and every byte is counted exactly as a
-network transport would count it. :meth:`LocalFabric.run` runs one function per rank in its own
-thread and returns the results by rank; if any rank raises, the fabric is aborted so the others
-fail fast with :class:`~noloco.comm.base.CommAborted` (a :class:`~noloco.comm.base.CommError`) instead of
-waiting out their timeouts, and do not mistake the abort for a dead peer whose round can be skipped.
+Every rank gets a :class:`LocalTransport`; payloads are handed over through per-(src, dst, tag)
+mailboxes without a copy, as a network transport hands over what it sent: a sender gives up a buffer
+when it sends it (bytes cannot change; the collectives never write into a message buffer after sending
+it, :mod:`noloco.collectives.message`), so simulated workers share no state that either can change, and
+every byte is counted exactly as a network transport would count it. :meth:`LocalFabric.run` runs one
+function per rank in its own thread and returns the results by rank; if any rank raises, the fabric is
+aborted so the others fail fast with :class:`~noloco.comm.base.CommAborted` (a
+:class:`~noloco.comm.base.CommError`) instead of waiting out their timeouts, and do not mistake the
+abort for a dead peer whose round can be skipped.
 """
 
 from __future__ import annotations
@@ -44,14 +47,14 @@ class LocalFabric:
         with self._cond:
             return len(self._mail)
 
-    def _deliver(self, src: int, dst: int, tag: str, payload: bytes) -> None:
+    def _deliver(self, src: int, dst: int, tag: str, payload: bytes | memoryview) -> None:
         with self._cond:
             if self._aborted is not None:
                 raise CommAborted(f"fabric aborted: {self._aborted}")
             key = (src, dst, tag)
             if key in self._mail:
                 raise CommError(f"rank {src} sent tag {tag!r} to rank {dst} twice before it was received")
-            self._mail[key] = bytes(payload)
+            self._mail[key] = payload
             self._cond.notify_all()
 
     def _take(self, src: int, dst: int, tag: str, timeout: float) -> bytes:
@@ -112,12 +115,14 @@ class LocalTransport(Transport):
         self.world_size = fabric.world_size
         self.counter = ByteCounter()
 
-    def send(self, dst: int, tag: str, payload: bytes) -> None:
+    def send(self, dst: int, tag: str, payload: bytes | memoryview) -> None:
         self._check_peer(dst)
+        if not isinstance(payload, bytes):
+            payload = memoryview(payload).cast("B")  # handed over as it is (see the module docstring)
         self.fabric._deliver(self.rank, dst, tag, payload)
         self.counter.count_sent(len(payload))
 
-    def recv(self, src: int, tag: str, timeout: float) -> bytes:
+    def recv(self, src: int, tag: str, timeout: float) -> bytes | memoryview:
         self._check_peer(src)
         payload = self.fabric._take(src, self.rank, tag, timeout)
         self.counter.count_received(len(payload))

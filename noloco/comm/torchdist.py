@@ -121,13 +121,13 @@ class TorchDistTransport(Transport):
                     raise CommError(f"bad frame from rank {peer}: tag {tag_len} bytes, payload {size} bytes")
                 body = torch.empty(tag_len + size, dtype=torch.uint8, device=self.device)
                 dist.irecv(body, src=src, group=self.group, tag=_CHANNEL).wait()
-                raw = body.cpu().numpy().tobytes()
-                tag = raw[:tag_len].decode("utf-8")
+                raw = memoryview(body.cpu().numpy())
+                tag = bytes(raw[:tag_len]).decode("utf-8")
                 with self._cond:
                     key = (peer, tag)
                     if key in self._mail:
                         raise CommError(f"rank {peer} sent tag {tag!r} twice before it was received")
-                    self._mail[key] = raw[tag_len:]
+                    self._mail[key] = bytearray(raw[tag_len:])  # one copy; writable, so decoding reads it in place
                     self._cond.notify_all()
         except Exception as exc:  # noqa: BLE001 - the peer's link is gone; recv reports it
             with self._cond:
@@ -174,8 +174,11 @@ class TorchDistTransport(Transport):
         tag_bytes = tag.encode("utf-8")
         if not 0 < len(tag_bytes) <= _MAX_TAG:
             raise CommError(f"tag must be 1..{_MAX_TAG} UTF-8 bytes, got {len(tag_bytes)}")
-        frame = torch.tensor([_MAGIC, len(tag_bytes), len(payload)], dtype=torch.int64)
-        body = torch.frombuffer(bytearray(tag_bytes + bytes(payload)), dtype=torch.uint8)
+        size = memoryview(payload).nbytes
+        frame = torch.tensor([_MAGIC, len(tag_bytes), size], dtype=torch.int64)
+        body = torch.empty(len(tag_bytes) + size, dtype=torch.uint8)
+        view = memoryview(body.numpy())
+        view[: len(tag_bytes)], view[len(tag_bytes) :] = tag_bytes, memoryview(payload).cast("B")  # one copy
         tensors = [frame.to(self.device), body.to(self.device)]
         if self.latency > 0:
             self._post_later(dst, tensors)
@@ -184,7 +187,7 @@ class TorchDistTransport(Transport):
                 self._post(dst, tensors)
             except Exception as exc:  # noqa: BLE001 - gloo/NCCL errors become CommError
                 raise CommError(f"rank {self.rank}: send to rank {dst} failed: {exc}") from exc
-        self.counter.count_sent(len(payload))
+        self.counter.count_sent(size)
 
     def _post_later(self, dst: int, tensors: list[torch.Tensor]) -> None:
         """Queue ``tensors`` for ``dst``; its delay thread posts them ``latency`` seconds from now, in order."""

@@ -130,13 +130,18 @@ def from_bytes(data: bytes | bytearray | memoryview, *, max_numel: int | None = 
             torch.empty(0, dtype=torch.uint8)
         sections[name] = raw.view(dt)
         offset += size
-    _validate(spec, numel, sections)
+    validate_values(spec, numel, sections)
     packed = Packed(spec, tuple(int(d) for d in shape), CODE_DTYPES[dtype_code], **sections)
     return packed.to(device) if str(device) != "cpu" else packed
 
 
-def _validate(spec: QuantSpec, numel: int, s: dict[str, torch.Tensor]) -> None:
-    """Reject values a genuine encoder never writes and that could decode to non-finite numbers."""
+def validate_values(spec: QuantSpec, numel: int, s: dict[str, torch.Tensor]) -> None:
+    """Reject values a genuine encoder never writes and that could decode to non-finite numbers.
+
+    ``s`` maps section names (``codes``, ``scales``, ``zero_points`` / ``mins``) to the tensors of one
+    payload of ``numel`` values in ``spec``, on any device (a few host reads of tiny results on CUDA).
+    Used by :func:`from_bytes` and by the collectives' message bodies. Raises :class:`PayloadError`.
+    """
     n = spec.padded_numel(numel)
     codes = s["codes"]
     if spec.kind == "float":

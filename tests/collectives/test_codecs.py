@@ -11,6 +11,7 @@ from noloco.collectives import (
     get_codec,
     known_codecs,
 )
+from noloco.collectives.message import message_gaps
 from noloco.comm import LocalFabric
 from noloco.quant import PayloadError, QuantSpec
 
@@ -43,22 +44,39 @@ def test_fp32_names_give_the_exact_codec_and_unknown_names_fail():
         get_codec("int3")
 
 
-def test_quant_decode_rejects_wrong_size_spec_and_corruption():
+def test_quant_decode_rejects_wrong_size_spec_padding_and_values():
     codec = get_codec("int8")
     payload = codec.encode(torch.randn(300))
-    with pytest.raises(PayloadMismatch):
-        codec.decode(payload, 299)  # declares more elements than expected: max_numel bound
-    with pytest.raises(PayloadMismatch):
-        codec.decode(payload, 301)
+    assert len(payload) == codec.nbytes(300) == 304 + 16 + 16  # codes, bf16 scales, zero points; 16-byte aligned
+    with pytest.raises(PayloadMismatch, match="non-zero alignment padding"):
+        codec.decode(payload, 299)  # same length, but code 299 sits where 299 values have padding
+    with pytest.raises(PayloadMismatch, match="bytes"):
+        codec.decode(payload, 301 + 16)  # a longer message than the payload
     with pytest.raises(PayloadMismatch, match="int4"):
         get_codec("int4").decode(payload, 300)
-    corrupted = bytearray(payload)
-    corrupted[40] ^= 0xFF
-    with pytest.raises(PayloadError):
-        codec.decode(bytes(corrupted), 300)
     with pytest.raises(PayloadError):
         codec.decode(payload[:-7], 300)
+    padding = bytearray(payload)
+    padding[302] = 1  # alignment padding after the 300 codes
+    with pytest.raises(PayloadMismatch, match="padding"):
+        codec.decode(bytes(padding), 300)
+    scale = bytearray(payload)
+    scale[304:306] = (0x7F80).to_bytes(2, "little")  # bf16 +Inf as a group scale
+    with pytest.raises(PayloadMismatch, match="scale"):
+        codec.decode(bytes(scale), 300)
     assert issubclass(PayloadMismatch, ValueError)
+
+
+def test_message_bodies_have_zero_padding_whatever_the_buffer_held():
+    codec, spec = get_codec("int4"), QuantSpec.parse("int4")
+    gaps = message_gaps(spec, 301)
+    assert gaps  # 151 code bytes and 3 scales / zero points leave padding after every section
+    for _ in range(3):  # freed host memory is reused for the next message: its old bytes must not be sent
+        stale = torch.full((4096,), 0xAB, dtype=torch.uint8)
+        del stale
+        payload = codec.encode(torch.randn(301))
+        for start, end in gaps:
+            assert not any(payload[start:end])
 
 
 def test_small_messages_go_uncompressed_and_large_ones_compressed():

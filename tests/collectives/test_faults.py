@@ -100,7 +100,7 @@ def test_corrupted_payload_fails_every_member():
 
         def send(self, dst, tag, payload):
             payload = bytearray(payload)
-            payload[-10] ^= 0x55  # flips bits inside the quantized body: its CRC-32 no longer matches
+            payload[-10] ^= 0x55  # flips bits of the body's last alignment padding, which must be zero
             self.inner.send(dst, tag, bytes(payload))
 
         def recv(self, src, tag, timeout):
@@ -109,7 +109,7 @@ def test_corrupted_payload_fails_every_member():
     xs = [torch.randn(900) for _ in range(world)]
     results, elapsed = run_collecting(world, lambda t: allreduce(
         xs[t.rank], Corrupting(t) if t.rank == 0 else t, codec="int8", timeout=20, min_compress_numel=0))
-    _assert_all_failed(results, elapsed, PayloadMismatch, "checksum", limit=10)
+    _assert_all_failed(results, elapsed, PayloadMismatch, "padding", limit=10)
 
 
 def test_non_finite_input_fails_every_member():

@@ -1,6 +1,7 @@
 import time
 
 import pytest
+import torch
 
 from noloco.comm import CommError, CommTimeout, LocalFabric
 
@@ -52,9 +53,13 @@ def test_bad_addresses_are_rejected():
         t.send(5, "x", b"")
 
 
-def test_payload_is_copied_not_shared():
+def test_payload_is_handed_over_without_a_copy_and_counted():
     fabric = LocalFabric(2)
-    buf = bytearray(b"abc")
-    fabric.transports[0].send(1, "t", buf)
-    buf[0] = ord("z")
-    assert fabric.transports[1].recv(0, "t", 1.0) == b"abc"
+    message = torch.arange(64, dtype=torch.uint8)  # a collective's message buffer
+    fabric.transports[0].send(1, "t", memoryview(message.numpy()))
+    got = fabric.transports[1].recv(0, "t", 1.0)
+    assert bytes(got) == bytes(range(64))
+    assert torch.frombuffer(got, dtype=torch.uint8).data_ptr() == message.data_ptr()  # the same memory
+    assert fabric.transports[0].counter.bytes_sent == fabric.transports[1].counter.bytes_received == 64
+    fabric.transports[0].send(1, "u", b"abc")
+    assert fabric.transports[1].recv(0, "u", 1.0) == b"abc"
