@@ -45,13 +45,14 @@ def _vector(rank: int, numel: int) -> torch.Tensor:
 
 def _noloco_peer(rank, numel, rounds, codec, boot, queue, barrier):
     from noloco.collectives import allreduce
-    from noloco.swarm import PeerRegistry, RunKey, SwarmEndpoint, SwarmMatchmaking, start_dht
+    from noloco.swarm import PeerIdentity, PeerRegistry, RunKey, SwarmEndpoint, SwarmMatchmaking, start_peer_dht
 
     torch.set_num_threads(1)
-    dht = start_dht(initial_peers=boot or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    identity = PeerIdentity.generate()  # signs this peer's DHT records (registry, announcements)
+    dht = start_peer_dht(boot, ["/ip4/127.0.0.1/tcp/0"], identity=identity)
     if rank == 0:
         queue.put([str(m) for m in dht.get_visible_maddrs()])
-    endpoint = SwarmEndpoint.from_dht(dht, f"bench-{codec}", RunKey(KEY), max_message_bytes=1 << 30)
+    endpoint = SwarmEndpoint.from_dht(dht, f"bench-{codec}", RunKey(KEY), max_message_bytes=1 << 30, identity=identity)
     registry = PeerRegistry(dht, endpoint, str(rank))
     registry.publish(0, 0)
     expected = lambda r: {e["peer"] for e in registry.live()}  # everyone: rounds start together here

@@ -5,15 +5,23 @@ process owns the libp2p daemon (p2pd) that :class:`~noloco.swarm.endpoint.SwarmE
 :func:`start_dht` makes sure a SIGKILLed peer leaves no daemons behind; :func:`start_peer_dht`
 retries a start that a busy bootstrap peer made fail.
 
-:class:`RunRecordValidator` makes the run's DHT records verifiable: every record a peer stores carries
-an HMAC under the run key over (DHT key, subkey, value, expiration), appended by the DHT itself
-(hivemind's ``RecordValidatorBase.sign_value``). Every node that runs it refuses, at store time, a
-record without a valid MAC or with an expiration further ahead than ``max_ttl``, so junk from a
-process without the key can neither be stored on an honest node nor displace an honest record (the
-DHT keeps the latest expiration per subkey); a reader's node applies the same check to every record
-another node returns (hivemind drops a node's whole dictionary if one of its entries fails), so a
-node that does not validate (a plain ``hivemind-dht``, a malicious node) cannot feed it junk either.
-Refusals are counted in shared memory (the DHT runs in a forked child) and read with :meth:`counts`.
+:class:`RunRecordValidator` makes the run's DHT records verifiable twice over, appended by the DHT itself
+(hivemind's ``RecordValidatorBase.sign_value``) to every record a peer stores: an HMAC under the run
+key over (run, DHT key, subkey, value, expiration), which only key holders can make, and an Ed25519
+signature of the same bytes by the peer whose libp2p id *is the subkey*
+(:class:`~noloco.swarm.identity.PeerIdentity`; the public key is read from the id itself), which only
+that peer can make. Every node that runs it refuses, at store time, a record without a valid MAC
+(``dht_unauthenticated``), one whose subkey names a peer that did not sign it (``dht_forged``: a key
+holder writing under another peer's registry entry or announcement), and one with an expiration further
+ahead than ``max_ttl`` (``dht_expiry``). So junk from a process without the key can neither be stored
+on an honest node nor displace an honest record (the DHT keeps the latest expiration per subkey), and a
+key holder can write under its own subkeys only. A reader's node applies the same checks to every record
+another node returns (hivemind drops a node's whole dictionary if one of its entries fails), so a node
+that does not validate (a plain ``hivemind-dht``, a malicious node) cannot feed it junk or forgeries
+either. (hivemind's own ``RSASignatureValidator`` puts an RSA key into the subkey instead; a subkey that
+*is* the libp2p id ties a record to the identity libp2p authenticates on every stream, so the peer a
+record names and the peer a reader then talks to are one.) Refusals are counted in shared memory (the
+DHT runs in a forked child) and read with :meth:`RunRecordValidator.counts`.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import os
 import struct
 import threading
 import time
+
+from noloco.swarm.identity import SIGNATURE_BYTES, PeerIdentity, verify
 
 
 def _children(pid: int) -> list[int]:
@@ -77,24 +87,38 @@ def start_dht(poll: float = 1.0, **kwargs):
 
 
 def start_peer_dht(initial_peers: list[str] | None, host_maddrs: list[str], announce_maddrs: list[str] | None = None,
-                   startup_timeout: float = 60.0, attempts: int = 3, **kwargs):
-    """:func:`start_dht` for a swarm peer; p2pd sometimes fails to reach a busy bootstrap peer, so retry."""
+                   startup_timeout: float = 60.0, attempts: int = 3, identity: PeerIdentity | None = None,
+                   **kwargs):  # fmt: skip
+    """:func:`start_dht` for a swarm peer; p2pd sometimes fails to reach a busy bootstrap peer, so retry.
+
+    ``identity``: the peer's :class:`~noloco.swarm.identity.PeerIdentity`; its daemon then runs under that
+    libp2p id (the key file exists only until the daemon has started).
+    """
     from hivemind.p2p import P2PDaemonError
 
     options = dict(host_maddrs=list(host_maddrs), start=True, startup_timeout=startup_timeout, **kwargs)
     if announce_maddrs:
         options["announce_maddrs"] = list(announce_maddrs)
-    for attempt in range(attempts):
-        try:
-            return start_dht(initial_peers=list(initial_peers or []) or None, **options)
-        except P2PDaemonError:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(2.0)
+    with identity.identity_file() if identity is not None else contextlib.nullcontext() as path:
+        if path is not None:  # hivemind's check that an identity is free reads RSA keys only: ours is new anyway
+            options.update(identity_path=path, check_if_identity_free=False)
+        for attempt in range(attempts):
+            try:
+                dht = start_dht(initial_peers=list(initial_peers or []) or None, **options)
+            except P2PDaemonError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(2.0)
+                continue
+            if identity is not None and dht.peer_id.to_base58() != identity.peer_id:
+                dht.shutdown()
+                raise RuntimeError("the DHT's daemon did not take this peer's identity")
+            return dht
 
 
-_TRAILER = b"NLV1"
-_SIGNED = len(_TRAILER) + 32
+_TRAILER = b"NLV2"
+_SIGNED = len(_TRAILER) + SIGNATURE_BYTES + 32  # trailer ‖ Ed25519 signature ‖ HMAC
+_REFUSALS = ("dht_unauthenticated", "dht_expiry", "dht_forged")
 
 
 def _validator_base():
@@ -103,40 +127,56 @@ def _validator_base():
     return RecordValidatorBase
 
 
+def record_owner(subkey: bytes) -> str | None:
+    """The peer id a record's (msgpack-serialized) subkey names, or ``None`` (no subkey, not a string)."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    try:
+        owner = MSGPackSerializer.loads(bytes(subkey))
+    except Exception:  # noqa: BLE001 - whatever another node sent
+        return None
+    return owner if isinstance(owner, str) else None
+
+
 class RunRecordValidator:
-    """A hivemind record validator keyed on the run key (see the module docstring).
+    """A hivemind record validator: run-key HMAC and the subkey owner's signature (see the module docstring).
 
     Built with :meth:`create` (hivemind imported lazily). ``max_ttl``: the furthest ahead, in seconds of
-    this node's DHT clock, an accepted expiration may be. Counts (``dht_unauthenticated``,
-    ``dht_expiry``) are shared with the forked DHT process; a record a reader's node refuses is
-    counted each time it is returned.
+    this node's DHT clock, an accepted expiration may be. ``identity``: this peer's
+    :class:`~noloco.swarm.identity.PeerIdentity`, which signs the records stored under its own peer id
+    (without one, or under another subkey, the signature is left empty and every node refuses the
+    record). Counts (``dht_unauthenticated``, ``dht_forged``, ``dht_expiry``) are shared with the forked
+    DHT process; a record a reader's node refuses is counted each time it is returned.
     """
 
     @staticmethod
-    def create(key, run_id: str, max_ttl: float):
+    def create(key, run_id: str, max_ttl: float, identity: PeerIdentity | None = None):
         base = _validator_base()
 
         class _Validator(RunRecordValidator, base):
             pass
 
-        return _Validator(key, run_id, max_ttl)
+        return _Validator(key, run_id, max_ttl, identity)
 
-    def __init__(self, key, run_id: str, max_ttl: float):
-        self._key, self.run_id, self.max_ttl = key, run_id, float(max_ttl)
-        self._counts = multiprocessing.get_context("fork").Array("q", 2)  # unauthenticated, expiry
+    def __init__(self, key, run_id: str, max_ttl: float, identity: PeerIdentity | None = None):
+        self._key, self.run_id, self.max_ttl, self.identity = key, run_id, float(max_ttl), identity
+        self._counts = multiprocessing.get_context("fork").Array("q", len(_REFUSALS))
 
-    def _mac(self, record) -> bytes:
+    def _signed_bytes(self, record) -> bytes:
         parts = [self.run_id.encode(), bytes(record.key), bytes(record.subkey), bytes(record.value)]
-        framed = b"".join(struct.pack("!I", len(p)) + p for p in parts)
-        return self._key.mac(b"noloco-dht/1", framed, struct.pack("!d", float(record.expiration_time)))
+        return b"".join(struct.pack("!I", len(p)) + p for p in parts) + struct.pack("!d", float(record.expiration_time))
 
-    def _count(self, index: int) -> bool:
+    def _count(self, reason: str) -> bool:
         with self._counts.get_lock():
-            self._counts[index] += 1
+            self._counts[_REFUSALS.index(reason)] += 1
         return False
 
     def sign_value(self, record) -> bytes:
-        return bytes(record.value) + _TRAILER + self._mac(record)
+        signed = self._signed_bytes(record)
+        owner = record_owner(record.subkey)
+        mine = self.identity is not None and owner == self.identity.peer_id
+        signature = self.identity.sign(b"noloco-dht-sig/2" + signed) if mine else bytes(SIGNATURE_BYTES)
+        return bytes(record.value) + _TRAILER + signature + self._key.mac(b"noloco-dht/2", signed)
 
     def validate(self, record) -> bool:
         from dataclasses import replace
@@ -144,12 +184,16 @@ class RunRecordValidator:
         from hivemind.utils.timed_storage import get_dht_time
 
         value = bytes(record.value)
-        if len(value) < _SIGNED or value[-_SIGNED:-32] != _TRAILER:
-            return self._count(0)
-        if not hmac.compare_digest(self._mac(replace(record, value=value[:-_SIGNED])), value[-32:]):
-            return self._count(0)
+        if len(value) < _SIGNED or value[-_SIGNED : -_SIGNED + len(_TRAILER)] != _TRAILER:
+            return self._count("dht_unauthenticated")
+        signed = self._signed_bytes(replace(record, value=value[:-_SIGNED]))
+        if not hmac.compare_digest(self._key.mac(b"noloco-dht/2", signed), value[-32:]):
+            return self._count("dht_unauthenticated")
+        owner = record_owner(record.subkey)
+        if owner is None or not verify(owner, b"noloco-dht-sig/2" + signed, value[-SIGNATURE_BYTES - 32 : -32]):
+            return self._count("dht_forged")
         if record.expiration_time > get_dht_time() + self.max_ttl:
-            return self._count(1)
+            return self._count("dht_expiry")
         return True
 
     def strip_value(self, record) -> bytes:
@@ -163,10 +207,9 @@ class RunRecordValidator:
         return False
 
     def counts(self) -> dict[str, int]:
-        """Records refused so far by this peer's DHT node (stores and reads together)."""
+        """Records refused so far by this peer's DHT node (stores and reads together), by reason."""
         with self._counts.get_lock():
-            unauthenticated, expiry = self._counts[0], self._counts[1]
-        return {"dht_unauthenticated": int(unauthenticated), "dht_expiry": int(expiry)}
+            return {reason: int(self._counts[i]) for i, reason in enumerate(_REFUSALS)}
 
     def __reduce__(self):  # holds the run key: never pickled
         raise TypeError("RunRecordValidator cannot be pickled")

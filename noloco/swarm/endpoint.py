@@ -3,7 +3,7 @@
 Implements the transport of the hivemind backend (docs/design.md §2, §5). One
 :class:`SwarmEndpoint` per peer process owns a ``hivemind.P2P`` client (usually the replica of the
 DHT's own p2pd daemon, :meth:`SwarmEndpoint.from_dht`) and an asyncio loop in a background thread. It
-serves one raw libp2p stream protocol, ``/noloco/<run id>/1``; every message is one stream:
+serves one raw libp2p stream protocol, ``/noloco/<run id>/2``; every message is one stream:
 
     prefix  16 B   magic b"NLC2", header length (u32), payload length (u64), big-endian
     header  ≤ 4 KiB canonical JSON: run, kind, round, group, src, dst, tag, nonce, send time
@@ -291,6 +291,8 @@ class SwarmEndpoint:
             all (peers noted with :meth:`note_peers` are only held to ``max_auth_per_peer`` per peer);
             more are refused at once (``throttled``) without reading a byte.
         max_auth_per_peer: authenticated frames being read at once from one remote peer.
+        identity: this peer's :class:`~noloco.swarm.identity.PeerIdentity` (the key of its libp2p id), which
+            signs its DHT records (:attr:`identity`; ``None``: this endpoint cannot publish records).
     """
 
     def __init__(
@@ -305,6 +307,7 @@ class SwarmEndpoint:
         max_unauth_per_peer: int = MAX_UNAUTH_PER_PEER,
         max_unauth_streams: int = MAX_UNAUTH_STREAMS,
         max_auth_per_peer: int = MAX_AUTH_PER_PEER,
+        identity=None,
     ):
         if not run_id or "/" in run_id:
             raise ValueError(f"run id must be a non-empty string without '/', got {run_id!r}")
@@ -314,6 +317,7 @@ class SwarmEndpoint:
         self.send_timeout, self.header_timeout = float(send_timeout), float(header_timeout)
         self.max_unauth_per_peer, self.max_unauth_streams = int(max_unauth_per_peer), int(max_unauth_streams)
         self.max_auth_per_peer = int(max_auth_per_peer)
+        self.identity = identity
         self.counter = ByteCounter()
         self.rejected: dict[str, int] = defaultdict(int)
         self.wire_bytes_sent = 0
@@ -338,6 +342,8 @@ class SwarmEndpoint:
         try:
             self.p2p = self._loop.call(p2p_factory(), 60)
             self.peer_id = self.p2p.peer_id.to_base58()
+            if identity is not None and identity.peer_id != self.peer_id:
+                raise ValueError(f"identity {identity.peer_id} is not this daemon's peer id {self.peer_id}")
             self._loop.call(self.p2p.add_binary_stream_handler(self.protocol, self._handle), 30)
         except BaseException:
             self._loop.stop()
@@ -566,10 +572,23 @@ class SwarmEndpoint:
         self.counter.count_received(len(payload))
         return payload
 
+    def delivered_from(self, group_id: str) -> set[str]:
+        """Members of open group ``group_id`` whose data this peer received (taken or waiting in the inbox)."""
+        with self._cond:
+            group = self._groups.get(group_id)
+            taken = {src for src, _ in group.consumed} if group is not None else set()
+            return taken | {src for (gid, src, _) in self._inbox if gid == group_id}
+
     def control_tags(self, group_id: str, src: str) -> list[str]:
         """Tags of the control messages from ``src`` under ``group_id`` waiting to be taken."""
         with self._cond:
             return [tag for (group, sender, tag) in self._ctl if group == group_id and sender == src]
+
+    def control_payloads(self, group_id: str, src: str) -> list[bytes]:
+        """Payloads of the control messages from ``src`` under ``group_id`` waiting to be taken (not taken)."""
+        with self._cond:
+            return [payload for (group, sender, _), (_, payload) in self._ctl.items() if group == group_id
+                    and sender == src]  # fmt: skip
 
     def take_control(self, group_id: str, src: str, tag: str, timeout: float) -> bytes | None:
         """A control message (e.g. a membership confirmation) or ``None`` after ``timeout``."""
@@ -721,7 +740,9 @@ class SwarmTransport(Transport):
     """A group-local transport over a :class:`SwarmEndpoint`: rank = index in ``members``.
 
     Every payload is bound to (run, round, group id, sender, receiver, tag) and authenticated.
-    ``counter`` is the endpoint's (all bytes this peer moved for exchanges).
+    ``counter`` is the endpoint's (all bytes this peer moved for exchanges). :attr:`waited_on` holds the
+    members a ``recv`` timed out waiting for, :attr:`refused_by` those a ``send`` to failed (refused,
+    unreachable); matchmaking strikes those of them that delivered no data at all.
     """
 
     def __init__(self, endpoint: SwarmEndpoint, group_id: str, round_index: int, members: list[str]):
@@ -730,14 +751,24 @@ class SwarmTransport(Transport):
         self.rank = self.members.index(endpoint.peer_id)
         self.world_size = len(self.members)
         self.counter = endpoint.counter
+        self.waited_on: set[str] = set()
+        self.refused_by: set[str] = set()
 
     def send(self, dst: int, tag: str, payload: bytes) -> None:
         self._check_peer(dst)
-        self.endpoint.send_frame("data", self.round, self.group_id, self.members[dst], tag, bytes(payload))
+        try:
+            self.endpoint.send_frame("data", self.round, self.group_id, self.members[dst], tag, bytes(payload))
+        except CommError:
+            self.refused_by.add(self.members[dst])
+            raise
 
     def recv(self, src: int, tag: str, timeout: float) -> bytes:
         self._check_peer(src)
-        return self.endpoint.take(self.group_id, self.members[src], tag, timeout)
+        try:
+            return self.endpoint.take(self.group_id, self.members[src], tag, timeout)
+        except CommTimeout:
+            self.waited_on.add(self.members[src])
+            raise
 
     def close(self) -> None:
         self.endpoint.close_group(self.group_id)

@@ -6,8 +6,11 @@ finds no partner in time gets ``None`` and keeps training. Design (details and f
 docs/swarm.md):
 
 1. *Announce*: store ``(t, name)`` under DHT key ``<run>/ready/<r>``, subkey = peer id, with an
-   expiry, and an HMAC of (run, r, peer, t, name) under the run key. Entries without a valid MAC
-   (another key, forged) are ignored and counted as ``unauthenticated``.
+   expiry, an HMAC of (run, r, peer, t, name) under the run key and an Ed25519 signature of the same
+   text by the peer's own identity (its libp2p id names the public key:
+   :mod:`noloco.swarm.identity`). Entries without a valid MAC (another key) are ignored and counted as
+   ``unauthenticated``; entries with a valid MAC that the peer of their subkey did not sign (a key
+   holder writing under another peer's subkey) as ``forged``.
 2. *Windows*: the valid announcements of round ``r`` are cut, by their announce times, into
    windows of ``window`` seconds: the first starts at the earliest announcement, each next one at
    the first announcement after the previous window closed. Every peer computes the same windows
@@ -27,19 +30,27 @@ docs/swarm.md):
    libp2p and waits up to ``confirm_timeout`` for theirs. The group id hashes (run, r, window,
    members), so members whose views of the DHT differ compute different ids: when a member's
    ``join`` names another group, the draw is redone once from the closed window (which all members
-   see alike). Any other failure gives ``None`` for that round (the round is skipped, nothing is
-   half-applied).
+   see alike), also leaving out the peers that the group's members list in their ``join`` as left
+   out by them (their penalties can differ: they saw a no-show a different number of times); such a
+   claim counts for that redraw only. Any other failure gives ``None`` for that round (the round is
+   skipped, nothing is half-applied).
 
 5. *Penalties*: a member that was ready in this peer's window, drawn into its group and sent it
    nothing at all in that round (no ``join``, not even one naming another group: every peer also
    sends its ``join`` to the other peers of its window, in the background, so that an honest peer
    whose view differed is never mistaken for a silent one) is *struck* once the next round begins,
-   unless its ``join`` arrived late meanwhile. From the second strike in a row (no confirmation in
-   between; one silent round can be an honest peer that never drew) a struck peer is left out of
-   this peer's draws for at least ``L = penalty_rounds × 2**(strikes − 2)`` swarm rounds (``L`` at
-   most :data:`MAX_PENALTY_ROUNDS`), until the end of the next block of ``L`` rounds, so that peers
-   that struck it a round apart let it back in together and their draws stay alike; a confirmation
-   resets its strikes. Strikes and exclusions are counted (``no_confirm``, ``penalized``).
+   unless its ``join`` arrived late meanwhile (``no_confirm``). So is a member that confirmed and then
+   delivered no data at all in the exchange while this peer timed out waiting for it or could not
+   send to it (``no_data``; a member that sent part of its data, or that this peer never waited for,
+   is not struck: in a group of three with one silent member, the other honest member is not blamed
+   for the round). From the
+   ``strikes_before_penalty``-th strike of a kind in a row (for ``no_confirm`` no confirmation in
+   between, for ``no_data`` no data delivered in between; one silent round can be an honest peer that
+   never drew or a slow link) a struck peer is left out of this peer's draws for at least
+   ``L = penalty_rounds × 2**(strikes − strikes_before_penalty)`` swarm rounds (``L`` at most
+   ``max_penalty_rounds``), until the end of the next block of ``L`` rounds, so that peers that
+   struck it a round apart let it back in together and their draws stay alike. Strikes and exclusions
+   are counted (``no_confirm``, ``no_data``, ``penalized``).
 
 :class:`PeerRegistry` is the list of live peers (name, inner step) that late joiners read to find a
 peer to download the current slow weights from. :func:`implausible_rounds` drops entries listing a
@@ -49,16 +60,21 @@ also drops, for a joiner, sources further ahead than the other live peers' media
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
+import json
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from noloco.comm.base import ByteCounter, CommError
 from noloco.gossip.base import Group, GroupSource
-from noloco.swarm.endpoint import RunKey, SwarmEndpoint
+from noloco.swarm.endpoint import RunKey, SwarmEndpoint, SwarmTransport
+from noloco.swarm.identity import verify
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +140,15 @@ def draw_groups(
     return [sorted(g) for g in groups]
 
 
-#: A peer silent in SILENCES_BEFORE_PENALTY consecutive rounds with this one is left out of its draws for
-#: PENALTY_ROUNDS * 2**(penalties - 1) rounds (aligned to blocks of that length), at most MAX_PENALTY_ROUNDS.
-SILENCES_BEFORE_PENALTY = 2
+#: Defaults of ``peer.strikes_before_penalty``, ``peer.penalty_rounds``, ``peer.max_penalty_rounds``: a peer
+#: struck in STRIKES_BEFORE_PENALTY consecutive rounds with this one (for one kind of silence) is left out of its
+#: draws for PENALTY_ROUNDS * 2**(penalties - 1) rounds (aligned to blocks of that length), at most
+#: MAX_PENALTY_ROUNDS.
+STRIKES_BEFORE_PENALTY = 2
 PENALTY_ROUNDS = 4
 MAX_PENALTY_ROUNDS = 256
+#: Most peer ids a ``join`` lists as left out of the window (a control message is at most 4 KiB).
+MAX_CLAIMED = 64
 #: How far above the median listed step of the other live, trained peers a joiner's source may be: this many
 #: rounds (× every), or a tenth of the run if that is more.
 TOLERANCE_ROUNDS = 4
@@ -199,29 +219,52 @@ def announcement_ttl(window: float, slack: float, confirm_timeout: float) -> flo
     return max(60.0, 10 * (float(window) + float(slack) + float(confirm_timeout)))
 
 
-def signed_entries(found, verify: Callable[[str, object], bool], endpoint: SwarmEndpoint, seen: set,
-                   what: str) -> list[tuple[str, dict]]:  # fmt: skip
-    """``(peer, value)`` for the subkeys of a DHT dictionary record whose MAC ``verify(peer, value)`` accepts.
+SIGNATURE_DOMAIN = b"noloco-record/1|"
 
-    Malformed or unauthenticated entries are ignored and counted on ``endpoint`` as ``unauthenticated``
-    rejections, each (peer, stamp) once (``seen`` remembers them across reads).
+
+def sign_record(endpoint: SwarmEndpoint, text: bytes) -> dict[str, str]:
+    """The ``mac`` (run key) and ``sig`` (this peer's identity) fields of a record whose canonical text is ``text``."""
+    if endpoint.identity is None:
+        raise ValueError("this endpoint has no PeerIdentity: it cannot publish DHT records")
+    return {"mac": endpoint.key.mac(text).hex(), "sig": endpoint.identity.sign(SIGNATURE_DOMAIN + text).hex()}
+
+
+@functools.lru_cache(maxsize=8192)
+def _signed_by(peer: str, text: bytes, signature: str) -> bool:
+    """Whether ``signature`` (hex) is ``peer``'s over ``text`` (cached: the same entries are read every poll)."""
+    return verify(peer, SIGNATURE_DOMAIN + text, bytes.fromhex(signature))
+
+
+def signed_entries(found, text: Callable[[str, dict], bytes], endpoint: SwarmEndpoint, seen: set,
+                   what: str) -> list[tuple[str, dict]]:  # fmt: skip
+    """``(peer, value)`` for the subkeys of a DHT dictionary record that the peer named by the subkey signed.
+
+    ``text(peer, value)`` is the entry's canonical text (raising ``KeyError``/``TypeError``/``ValueError`` if
+    malformed); the value's ``mac`` must be the run key's HMAC of it and its ``sig`` the Ed25519 signature of
+    it by ``peer`` itself (the key its libp2p id names). Other entries are ignored and counted on
+    ``endpoint`` as ``unauthenticated`` (malformed, or a bad MAC: not a key holder) or ``forged`` (a key
+    holder's entry under another peer's subkey), each (peer, stamp) once (``seen`` remembers them).
     """
     if found is None or not isinstance(found.value, dict):
         return []
     good = []
     for peer, item in found.value.items():
         value = getattr(item, "value", None)
+        reason = "unauthenticated"
         try:
-            ok = bool(verify(str(peer), value))
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if ok:
+            data = text(str(peer), value)
+            if hmac.compare_digest(str(value["mac"]), endpoint.key.mac(data).hex()):
+                reason = None if _signed_by(str(peer), data, value["sig"]) else "forged"
+        except (TypeError, KeyError, ValueError, AttributeError):
+            pass
+        if reason is None:
             good.append((str(peer), value))
             continue
         stamp = (str(peer), repr(value.get("t")) if isinstance(value, dict) else None)
         if stamp not in seen:  # count each bad entry once
             seen.add(stamp)
-            endpoint.count_rejection("unauthenticated", f"{what} with a bad MAC", str(peer))
+            detail = "with a bad MAC" if reason == "unauthenticated" else "not signed by the peer it names"
+            endpoint.count_rejection(reason, f"{what} {detail}", str(peer))
     return good
 
 
@@ -265,8 +308,11 @@ class SwarmMatchmaking(GroupSource):
             waiting ``timeout`` for nobody. (A single empty DHT read must not cost a round.)
         alone_after: seconds without seeing another live peer before rounds are skipped at once.
         poll: seconds between reads of the round's announcements while waiting.
-        penalty_rounds: rounds a peer that did not confirm is left out of draws after its first strike
-            (doubling with each further strike; 0 turns penalties off).
+        penalty_rounds: rounds a struck peer (no confirmation, or no data after confirming) is first left
+            out of draws for (doubling with each further strike; 0 turns penalties off, strikes are still
+            counted).
+        strikes_before_penalty: strikes of one kind in a row before the first penalty.
+        max_penalty_rounds: the longest penalty.
     """
 
     def __init__(
@@ -286,9 +332,13 @@ class SwarmMatchmaking(GroupSource):
         alone_after: float = 30.0,
         poll: float = 0.25,
         penalty_rounds: int = PENALTY_ROUNDS,
+        strikes_before_penalty: int = STRIKES_BEFORE_PENALTY,
+        max_penalty_rounds: int = MAX_PENALTY_ROUNDS,
     ):
         if group_size is not None and group_size < 2:
             raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
+        if penalty_rounds < 0 or strikes_before_penalty < 1 or max_penalty_rounds < 1:
+            raise ValueError("penalty_rounds must be >= 0, strikes_before_penalty and max_penalty_rounds >= 1")
         self.dht, self.endpoint, self.name = dht, endpoint, name
         self.key: RunKey = endpoint.key
         self.run_id, self.peer_id = endpoint.run_id, endpoint.peer_id
@@ -302,8 +352,12 @@ class SwarmMatchmaking(GroupSource):
         self.rounds: list[RoundRecord] = []
         self._open: dict[str, tuple[RoundRecord, float, dict[str, int]]] = {}
         self._bad_entries: set[tuple[str, float]] = set()
-        self.penalty_rounds = int(penalty_rounds)
+        self.penalty_rounds, self.strikes_before_penalty = int(penalty_rounds), int(strikes_before_penalty)
+        self.max_penalty_rounds = int(max_penalty_rounds)
         self._strikes: dict[str, int] = {}  # peer -> silent rounds with this peer since it last confirmed
+        self._mute_strikes: dict[str, int] = {}  # peer -> exchanges it sent nothing in since it last sent data
+        self._mute: list[tuple[str, int]] = []  # (peer, round) it confirmed and sent no data in; settled next round
+        self._penalty_lock = threading.Lock()  # release() may run in an overlapped exchange's thread
         self._late: dict[str, int] = {}
         self._banned_until: dict[str, int] = {}  # peer -> last swarm round it is left out of
         self._silent: list[tuple[str, int]] = []  # (peer, round) it sent nothing in; settled next round
@@ -320,8 +374,9 @@ class SwarmMatchmaking(GroupSource):
     def _settle(self) -> None:
         """Strike the peers that stayed silent in an earlier round, unless their join arrived late since.
 
-        A strike is counted (``no_confirm``); from the :data:`SILENCES_BEFORE_PENALTY`-th strike in a row
-        (no confirmation with this peer in between) each one also leaves the peer out of the draws.
+        Two kinds: no ``join`` (``no_confirm``) and no data after confirming (``no_data``, noted by
+        :meth:`release`). Each strike is counted; from the ``strikes_before_penalty``-th of a kind in a row
+        each one also leaves the peer out of the draws (:meth:`_strike`).
         """
         for peer, round_index in dict.fromkeys(self._silent):
             if (peer, round_index) in self._heard:
@@ -330,30 +385,43 @@ class SwarmMatchmaking(GroupSource):
                 self._late[peer] = self._late.get(peer, 0) + 1
                 if self._late[peer] < 2:  # late once: a slow honest peer; late every time: a strike too
                     continue
-            strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
-            if strikes < SILENCES_BEFORE_PENALTY:
-                self.endpoint.count_rejection("no_confirm", f"ready in round {round_index} but did not confirm "
-                                              f"(strike {strikes}, no penalty yet)", peer)  # fmt: skip
-                continue
-            length = min(MAX_PENALTY_ROUNDS, self.penalty_rounds * 2 ** (strikes - SILENCES_BEFORE_PENALTY))
-            # The penalty ends with a block of `length` rounds, not `length` rounds after the strike: peers
-            # that struck the same no-show a round apart then let it back in the same round, and their
-            # draws stay alike (a peer let back in by one member only makes both members' rounds fail).
-            until = ((round_index + length) // length + 1) * length - 1
-            self._banned_until[peer] = max(self._banned_until.get(peer, -1), until)
-            self.endpoint.count_rejection("no_confirm", f"ready in round {round_index} but did not confirm; "
-                                          f"left out until round {until} (strike {strikes})", peer)  # fmt: skip
+            self._strike(self._strikes, peer, round_index, "no_confirm", f"ready in round {round_index} but did "
+                         "not confirm")  # fmt: skip
         self._silent.clear()
         self._heard.clear()
+        with self._penalty_lock:
+            mute, self._mute = self._mute, []
+            for peer, round_index in dict.fromkeys(mute):
+                self._strike(self._mute_strikes, peer, round_index, "no_data", f"confirmed round {round_index} "
+                             "but sent no data")  # fmt: skip
+
+    def _strike(self, strikes_of: dict[str, int], peer: str, round_index: int, reason: str, what: str) -> None:
+        """Count one strike of ``peer`` in ``strikes_of``; from ``strikes_before_penalty`` in a row, leave it out."""
+        strikes = strikes_of[peer] = strikes_of.get(peer, 0) + 1
+        if strikes < self.strikes_before_penalty or self.penalty_rounds <= 0:
+            self.endpoint.count_rejection(reason, f"{what} (strike {strikes}, no penalty)", peer)
+            return
+        length = min(self.max_penalty_rounds, self.penalty_rounds * 2 ** (strikes - self.strikes_before_penalty))
+        # The penalty ends with a block of `length` rounds, not `length` rounds after the strike: peers that
+        # struck the same no-show a round apart then let it back in the same round, and their draws stay
+        # alike (a peer let back in by one member only makes both members' rounds fail).
+        until = ((round_index + length) // length + 1) * length - 1
+        self._banned_until[peer] = max(self._banned_until.get(peer, -1), until)
+        self.endpoint.count_rejection(reason, f"{what}; left out until round {until} (strike {strikes})", peer)
 
     def penalized(self, peer: str, round_index: int) -> bool:
         """Whether ``peer`` is left out of this peer's draw in swarm round ``round_index``."""
         return self.penalty_rounds > 0 and self._banned_until.get(peer, -1) >= round_index
 
-    def _drop_penalized(self, entries: list[Announcement], round_index: int) -> list[Announcement]:
+    def _drop_penalized(self, entries: list[Announcement], round_index: int,
+                        also: frozenset[str] = frozenset()) -> list[Announcement]:  # fmt: skip
+        """``entries`` without the peers this peer penalizes in ``round_index`` and those in ``also``."""
         kept = []
         self._window_excluded = []
         for entry in entries:
+            if entry.peer != self.peer_id and entry.peer in also:
+                self._window_excluded.append(entry.peer)
+                continue
             if entry.peer != self.peer_id and self.penalized(entry.peer, round_index):
                 self._window_excluded.append(entry.peer)
                 if (entry.peer, round_index) not in self._excluded:
@@ -364,25 +432,24 @@ class SwarmMatchmaking(GroupSource):
         return kept
 
     # ------------------------------------------------------------------ DHT entries
-    def _mac(self, *parts: object) -> str:
-        return self.key.mac("|".join(map(str, parts)).encode()).hex()
+    def _text(self, round_index: int, peer: str, t: float, name: str) -> bytes:
+        return "|".join(map(str, ("ready", self.run_id, round_index, peer, t, name))).encode()
 
     def _announce(self, round_index: int) -> float:
         now = get_dht_time()
-        value = {"t": now, "name": self.name, "mac": self._mac("ready", self.run_id, round_index, self.peer_id, now,
-                                                               self.name)}  # fmt: skip
+        value = {"t": now, "name": self.name, **sign_record(self.endpoint, self._text(round_index, self.peer_id, now,
+                                                                                       self.name))}  # fmt: skip
         expiry = now + self.ready_ttl
         self.dht.store(f"{self.run_id}/ready/{round_index}", value, expiry, subkey=self.peer_id)
         return now
 
     def _ready(self, round_index: int) -> list[Announcement]:
-        def verify(peer: str, value) -> bool:
+        def text(peer: str, value) -> bytes:
             float(value["t"])  # a time that does not parse is malformed
-            name = str(value["name"])
-            return str(value["mac"]) == self._mac("ready", self.run_id, round_index, peer, value["t"], name)
+            return self._text(round_index, peer, value["t"], str(value["name"]))
 
         found = self.dht.get(f"{self.run_id}/ready/{round_index}", latest=True)
-        entries = signed_entries(found, verify, self.endpoint, self._bad_entries, "DHT announcement")
+        entries = signed_entries(found, text, self.endpoint, self._bad_entries, "DHT announcement")
         self.endpoint.note_peers(peer for peer, _ in entries)
         return [Announcement(peer, float(value["t"]), str(value["name"])) for peer, value in entries]
 
@@ -425,10 +492,13 @@ class SwarmMatchmaking(GroupSource):
                 return None
         expected = self.expected(round_index) if self.expected is not None else set()
         mine = self._announce(round_index)
+        claimed: frozenset[str] = frozenset()
         for attempt in range(2):
             # Attempt 0 may read the window early (all expected peers in); if members then disagree on
-            # the group, attempt 1 reads the closed window, which every member sees alike.
-            gathered = self._gather(round_index, record, deadline, mine, expected if attempt == 0 else set())
+            # the group, attempt 1 reads the closed window, which every member sees alike, and also leaves
+            # out the peers that the members of attempt 0's group said they leave out (penalties differ
+            # between peers that saw a no-show a different number of times).
+            gathered = self._gather(round_index, record, deadline, mine, expected if attempt == 0 else set(), claimed)
             if gathered is None:
                 return None
             in_window, start, mine = gathered
@@ -444,6 +514,7 @@ class SwarmMatchmaking(GroupSource):
                 self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0,
                               window_peers=outside)  # fmt: skip
             except _Mismatch as exc:
+                claimed = self._claimed_exclusions(round_index, members, names)
                 self.endpoint.close_group(group_id)
                 record.outcome = f"confirm failed: {exc}"
                 continue
@@ -455,14 +526,39 @@ class SwarmMatchmaking(GroupSource):
             return Group(transport, list(range(len(members))), round_index, [names[m] for m in members])
         return None
 
-    def _gather(self, round_index: int, record: RoundRecord, deadline: float, mine: float, expected: set[str]):
-        """Wait for this peer's window to be readable; ``(announcements in it, window start, my time)`` or None."""
+    def _claimed_exclusions(self, round_index: int, members: list[str], names: dict[str, str]) -> frozenset[str]:
+        """Peers of the window that the other members of this peer's group said (in their ``join``) they leave out.
+
+        Only members' claims count, and only about the window's other peers: a key holder in the group can
+        fail the round anyway, and a claim lasts for this round's redraw only (it is never adopted as a
+        penalty).
+        """
+        out: set[str] = set()
+        for member in members:
+            if member == self.peer_id:
+                continue
+            for payload in self.endpoint.control_payloads(f"r{round_index}", member):
+                try:
+                    listed = json.loads(payload.decode())
+                except (ValueError, UnicodeDecodeError, RecursionError):
+                    continue
+                if isinstance(listed, list):
+                    out.update(p for p in listed[:MAX_CLAIMED] if isinstance(p, str) and p in names)
+        out.discard(self.peer_id)
+        return frozenset(out)
+
+    def _gather(self, round_index: int, record: RoundRecord, deadline: float, mine: float, expected: set[str],
+                also: frozenset[str] = frozenset()):  # fmt: skip
+        """Wait for this peer's window to be readable; ``(announcements in it, window start, my time)`` or None.
+
+        ``also``: peers left out of the draw besides this peer's own penalties.
+        """
         while True:
             entries = self._ready(round_index)
             if not any(e.peer == self.peer_id for e in entries):
                 entries.append(Announcement(self.peer_id, mine, self.name))
             start, end = next(w for w in windows([e.time for e in entries], self.window) if w[0] <= mine <= w[1])
-            in_window = self._drop_penalized([e for e in entries if start <= e.time <= end], round_index)
+            in_window = self._drop_penalized([e for e in entries if start <= e.time <= end], round_index, also)
             present = {e.peer for e in in_window}
             now = get_dht_time()
             wanted = {p for p in expected if not self.penalized(p, round_index)}
@@ -496,15 +592,17 @@ class SwarmMatchmaking(GroupSource):
         confirm_by = min(deadline, time.monotonic() + self.confirm_timeout)
         others = [m for m in members if m != self.peer_id]
         tag = f"join/{group_id}"
+        # the join says whom this peer left out of the window (a member whose penalties differ redraws with them)
+        left_out = json.dumps(sorted(self._window_excluded)[:MAX_CLAIMED]).encode()
         for member in others:
             try:
-                self.endpoint.send_control(channel, round_index, member, tag, b"",
+                self.endpoint.send_control(channel, round_index, member, tag, left_out,
                                            max(0.1, confirm_by - time.monotonic()))  # fmt: skip
             except CommError:
                 self._silent.append((member, round_index))  # unreachable: gone, or refusing us
                 raise
         for peer in window_peers:
-            self.endpoint.post_control(channel, round_index, peer, tag, b"", self.confirm_timeout)
+            self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
         waiting = set(others)
         while waiting:
             for member in list(waiting):
@@ -523,8 +621,22 @@ class SwarmMatchmaking(GroupSource):
                 time.sleep(0.02)
 
     def release(self, group: Group) -> None:
-        group_id = group.transport.group_id
-        group.transport.close()
+        """Close the round's group; members that sent no data and that this peer waited for are noted.
+
+        "Waited for": a ``recv`` from it timed out, or a ``send`` to it failed (a member that confirms and then
+        refuses the data fails the round at once instead of by a timeout). They are struck (``no_data``) when
+        the next round begins; a member that delivered data clears its ``no_data`` strikes.
+        """
+        transport = group.transport
+        group_id = transport.group_id
+        if isinstance(transport, SwarmTransport):
+            delivered = self.endpoint.delivered_from(group_id)
+            with self._penalty_lock:
+                for peer in delivered:
+                    self._mute_strikes.pop(peer, None)
+                silent = (transport.waited_on | transport.refused_by) - delivered
+                self._mute.extend((peer, group.round) for peer in sorted(silent))
+        transport.close()
         if group_id in self._open:
             record, since, before = self._open.pop(group_id)
             after = self.counter.state_dict()
@@ -534,37 +646,38 @@ class SwarmMatchmaking(GroupSource):
 
 
 class PeerRegistry:
-    """Live peers of a run under DHT key ``<run>/peers`` (subkey = peer id), each entry MAC'd.
+    """Live peers of a run under DHT key ``<run>/peers`` (subkey = peer id), each entry MAC'd and signed.
 
     ``publish`` is called after every outer round with this peer's inner step (and as a heartbeat
     during long rounds); entries expire after ``ttl`` seconds, so a dead peer drops out. Entries
-    whose MAC fails are ignored and counted as ``unauthenticated`` rejections.
+    whose MAC fails are ignored and counted as ``unauthenticated`` rejections, entries the peer of
+    their subkey did not sign as ``forged`` (:func:`signed_entries`).
     """
 
     def __init__(self, dht, endpoint: SwarmEndpoint, name: str, ttl: float = 120.0):
         self.dht, self.endpoint, self.name, self.ttl = dht, endpoint, name, float(ttl)
         self._bad_entries: set[tuple[str, object]] = set()
 
-    def _mac(self, peer: str, step: int, next_round: int, t: float, name: str) -> str:
-        text = f"alive|{self.endpoint.run_id}|{peer}|{step}|{next_round}|{t}|{name}"
-        return self.endpoint.key.mac(text.encode()).hex()
+    def _text(self, peer: str, step: int, next_round: int, t: float, name: str) -> bytes:
+        return f"alive|{self.endpoint.run_id}|{peer}|{step}|{next_round}|{t}|{name}".encode()
 
     def publish(self, step: int, next_round: int) -> None:
         """List this peer as live at inner ``step``, next matching in swarm round ``next_round``."""
         now = get_dht_time()
+        text = self._text(self.endpoint.peer_id, int(step), int(next_round), now, self.name)
         value = {"step": int(step), "round": int(next_round), "t": now, "name": self.name,
-                 "mac": self._mac(self.endpoint.peer_id, int(step), int(next_round), now, self.name)}  # fmt: skip
+                 **sign_record(self.endpoint, text)}  # fmt: skip
         self.dht.store(f"{self.endpoint.run_id}/peers", value, now + self.ttl, subkey=self.endpoint.peer_id)
 
     def live(self) -> list[dict]:
         """Valid entries of other peers, most advanced first: ``{"peer", "name", "step", "round", "t"}``."""
-        def verify(peer: str, value) -> bool:
+
+        def text(peer: str, value) -> bytes:
             float(value["t"])  # a time that does not parse is malformed
-            step, next_round, name = int(value["step"]), int(value["round"]), str(value["name"])
-            return value["mac"] == self._mac(peer, step, next_round, value["t"], name)
+            return self._text(peer, int(value["step"]), int(value["round"]), value["t"], str(value["name"]))
 
         found = self.dht.get(f"{self.endpoint.run_id}/peers", latest=True)
-        entries = signed_entries(found, verify, self.endpoint, self._bad_entries, "registry entry")
+        entries = signed_entries(found, text, self.endpoint, self._bad_entries, "registry entry")
         self.endpoint.note_peers(peer for peer, _ in entries)
         out = [{"peer": peer, "name": str(value["name"]), "step": int(value["step"]), "round": int(value["round"]),
                 "t": float(value["t"])}

@@ -14,7 +14,13 @@ did to ``--out`` (JSON, rewritten as it goes; ``"ready": true`` once the attack 
   second identity one round past ``--steps``, and serves that state at those steps.
 - ``silent`` (key holder): announces itself ready in every round the honest peers announce in, and
   lists itself live, but never confirms a group.
+- ``mute`` (key holder): lists itself live, announces and confirms like an honest peer, then sends no
+  data in the exchange and holds its group open for ``--hold`` seconds (its partners wait for it).
 - ``flood`` (key holder): requests the target's full state as fast as it is answered.
+- ``forge`` (key holder, its own libp2p identity): stores records under the *honest peers'* subkeys,
+  with a valid run-key MAC (it has the key) but signed with its own identity: registry entries saying
+  they finished (round -1) and readiness announcements far from their real ones, with an expiry later
+  than theirs, so that if accepted they would displace the honest records.
 """
 
 from __future__ import annotations
@@ -119,12 +125,12 @@ def _forger(trailer: bool = True):
         def validate(self, record) -> bool:
             return True
 
-        def sign_value(self, record) -> bytes:
-            return record.value + b"NLV1" + secrets.token_bytes(32) if trailer else record.value
+        def sign_value(self, record) -> bytes:  # noloco's trailer: b"NLV2", signature (64 B), HMAC (32 B)
+            return record.value + b"NLV2" + secrets.token_bytes(96) if trailer else record.value
 
         def strip_value(self, record) -> bytes:
             value = record.value
-            return value[:-36] if len(value) >= 36 and value[-36:-32] == b"NLV1" else value
+            return value[:-100] if len(value) >= 100 and value[-100:-96] == b"NLV2" else value
 
     return Forger()
 
@@ -161,37 +167,34 @@ def dht_junk(args, stats: Stats) -> None:
 
 
 # ------------------------------------------------------------------------------------------ key holders
-def _key_holder(args, host=LOOPBACK):
-    """A DHT (signing its records like an honest peer) and an endpoint on its daemon."""
-    from noloco.swarm import SwarmEndpoint, run_key_from, start_peer_dht
+def _key_holder(args, host=LOOPBACK, validator=None):
+    """A DHT under its own libp2p identity (signing its records like an honest peer) and an endpoint on its daemon.
 
-    try:
-        from noloco.swarm import RunRecordValidator
-    except ImportError:  # a tree before issue #14 (to measure an attack without the defences)
-        RunRecordValidator = None  # noqa: N806
+    ``validator(key, identity)``: the record validator to run instead of the honest one.
+    """
+    from noloco.swarm import RunRecordValidator, SwarmEndpoint, run_key_from, start_peer_dht
 
     key = run_key_from(None)
     _, maddrs = _target(args.target)
-    validators = [] if RunRecordValidator is None else [RunRecordValidator.create(key, args.run_id, 600)]
-    dht = start_peer_dht(maddrs, host, record_validators=validators)
-    endpoint = SwarmEndpoint.from_dht(dht, args.run_id, key, send_timeout=20)
+    try:
+        from noloco.swarm import PeerIdentity
+    except ImportError:  # a tree before per-peer signatures (to measure an attack without the defence)
+        dht = start_peer_dht(maddrs, host, record_validators=[RunRecordValidator.create(key, args.run_id, 600)])
+        return key, dht, SwarmEndpoint.from_dht(dht, args.run_id, key, send_timeout=20)
+    identity = PeerIdentity.generate()
+    validator = (validator or (lambda k, i: RunRecordValidator.create(k, args.run_id, 600, i)))(key, identity)
+    dht = start_peer_dht(maddrs, host, record_validators=[validator], identity=identity)
+    endpoint = SwarmEndpoint.from_dht(dht, args.run_id, key, send_timeout=20, identity=identity)
     return key, dht, endpoint
 
 
 def ahead(args, stats: Stats) -> None:
-    from hivemind.p2p import P2P
-
-    from noloco.swarm import STATE_SERVICE, PeerRegistry, SwarmEndpoint, decode_state, encode_state
+    from noloco.swarm import STATE_SERVICE, PeerRegistry, decode_state, encode_state
 
     key, dht, endpoint = _key_holder(args)
-    second = None
+    second = second_dht = None
     try:
-        _, maddrs = _target(args.target)
-
-        async def own_daemon():
-            return await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK)
-
-        second = SwarmEndpoint(own_daemon, args.run_id, key, send_timeout=20)
+        _, second_dht, second = _key_holder(args)  # a second identity, with a DHT node of its own to sign with
         target, _ = _target(args.target)
         deadline = time.monotonic() + args.seconds
         payload = None
@@ -211,7 +214,8 @@ def ahead(args, stats: Stats) -> None:
         for ep, (claimed, _) in claims.items():
             state = encode_state(claimed, slow, velocity)
             ep.serve(STATE_SERVICE, lambda request, src, state=state: stats.bump("states_served") or state)
-        registries = {ep: PeerRegistry(dht, ep, name) for ep, name in ((endpoint, "far-ahead"), (second, "past-end"))}
+        registries = {endpoint: PeerRegistry(dht, endpoint, "far-ahead"),
+                      second: PeerRegistry(second_dht, second, "past-end")}  # fmt: skip
         stats["ready"] = True
         while time.monotonic() < deadline and stats.get("publishes", 0) < args.count:
             for ep, (claimed, claimed_round) in claims.items():
@@ -223,7 +227,9 @@ def ahead(args, stats: Stats) -> None:
         for ep in (second, endpoint):
             if ep is not None:
                 ep.close()
-        dht.shutdown()
+        for node in (second_dht, dht):
+            if node is not None:
+                node.shutdown()
 
 
 def silent(args, stats: Stats) -> None:
@@ -278,7 +284,126 @@ def flood(args, stats: Stats) -> None:
         dht.shutdown()
 
 
-ATTACKS = {"streams": streams, "dht-junk": dht_junk, "ahead": ahead, "silent": silent, "flood": flood}
+def mute(args, stats: Stats) -> None:
+    from noloco.swarm import PeerRegistry, SwarmMatchmaking
+
+    _, dht, endpoint = _key_holder(args)
+    registry = PeerRegistry(dht, endpoint, "mute")
+
+    def front() -> int:
+        return max((e["round"] for e in registry.live() if e["round"] >= 0), default=0)
+
+    try:
+        mm = SwarmMatchmaking(dht, endpoint, "mute", window=args.window, slack=0.5, confirm_timeout=4, timeout=8,
+                              front=front)  # fmt: skip
+        mm._settle = lambda: None  # it never strikes anyone: it wants to be in every group
+        stats["ready"] = True
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline and stats.get("groups", 0) < args.count:
+            round_index = front()
+            registry.publish(round_index * args.every, round_index)  # listed live: the honest peers expect it
+            group = mm.form(round_index, 8)
+            if group is None:
+                stats.bump("no_group")
+                stats.save()
+                continue
+            stats.bump("groups")
+            stats.save()
+            # confirmed: the partners now send their data and wait for ours, which never comes
+            held = time.monotonic() + args.hold
+            while time.monotonic() < min(held, deadline):
+                time.sleep(0.1)
+            group_id = group.transport.group_id
+            stats.bump("data_received", len({src for (g, src, _) in endpoint._inbox if g == group_id}))  # who sent
+            mm.release(group)
+            stats.save()
+    finally:
+        endpoint.close()
+        dht.shutdown()
+
+
+def _forging_validator(args):
+    """A key holder's DHT validator that stores anything locally and MACs and signs (with its own identity)
+    whatever it stores, under any subkey: the honest nodes must see through it."""
+    from noloco.swarm.dht import _SIGNED, _TRAILER, RunRecordValidator
+
+    def make(key, identity):  # (a tree before per-peer signatures takes the honest validator: the MAC is enough)
+        class Forger(RunRecordValidator.create(key, args.run_id, 600, identity).__class__):
+            def validate(self, record) -> bool:
+                return True
+
+            def sign_value(self, record) -> bytes:
+                signed = self._signed_bytes(record)
+                forged = identity.sign(b"noloco-dht-sig/2" + signed)  # not the subkey's owner
+                return bytes(record.value) + _TRAILER + forged + key.mac(b"noloco-dht/2", signed)
+
+            def strip_value(self, record) -> bytes:
+                return bytes(record.value)[:-_SIGNED]
+
+        return Forger(key, args.run_id, 600, identity)
+
+    return make
+
+
+def forge(args, stats: Stats) -> None:
+    from hivemind.utils.timed_storage import get_dht_time
+
+    try:
+        from noloco.swarm.matchmaking import sign_record
+    except ImportError:  # a tree before per-peer signatures: records carry the run key's MAC only
+
+        def sign_record(endpoint, text: bytes) -> dict:
+            return {"mac": endpoint.key.mac(text).hex()}
+
+    key, dht, endpoint = _key_holder(args, validator=_forging_validator(args))
+    try:
+        stats["ready"] = True
+        deadline = time.monotonic() + args.seconds
+        honest: dict[str, str] = {}  # peer id -> name
+        while time.monotonic() < deadline and stats.get("stores", 0) < args.count:
+            try:
+                found = dht.get(f"{args.run_id}/peers", latest=True, return_future=True).result(5)
+            except Exception:  # noqa: BLE001 - a read that does not come back
+                found = None
+            if found is not None and isinstance(found.value, dict):
+                for peer, item in found.value.items():
+                    value = getattr(item, "value", None)
+                    if str(peer) != endpoint.peer_id and isinstance(value, dict) and value.get("round", -1) >= 0:
+                        honest[str(peer)] = str(value.get("name"))
+            stats["honest_subkeys_seen"] = len(honest)
+            now = get_dht_time()
+            # the round the honest peers are in: the latest ready list holding a real (not forged: t ~ now) entry
+            for r in range(stats.get("front", 0), stats.get("front", 0) + 4):
+                try:
+                    ready = dht.get(f"{args.run_id}/ready/{r}", latest=True, return_future=True).result(5)
+                except Exception:  # noqa: BLE001
+                    ready = None
+                entries = ready.value.values() if ready is not None and isinstance(ready.value, dict) else []
+                if any(isinstance(e.value, dict) and abs(float(e.value.get("t", 0)) - now) < 600 for e in entries):
+                    stats["front"] = r
+            expiry = now + 200  # later than the honest records' (120 s, 75 s), within the bound (240 s)
+            front = stats.get("front", 0)
+            for peer, name in honest.items():
+                # "finished" in the registry: the others would stop waiting for it and skip their rounds
+                text = f"alive|{args.run_id}|{peer}|{args.steps}|-1|{now}|{name}".encode()
+                value = {"step": args.steps, "round": -1, "t": now, "name": name, **sign_record(endpoint, text)}
+                dht.store(f"{args.run_id}/peers", value, expiry, subkey=peer, return_future=True)
+                stats.bump("stores")
+                for r in range(front, front + 3):  # ready far from now: its partners would never see it
+                    t = now + 3600
+                    text = "|".join(map(str, ("ready", args.run_id, r, peer, t, name))).encode()
+                    value = {"t": t, "name": name, **sign_record(endpoint, text)}
+                    dht.store(f"{args.run_id}/ready/{r}", value, expiry, subkey=peer, return_future=True)
+                    stats.bump("stores")
+            stats.save()
+            time.sleep(args.pause)
+    finally:
+        endpoint.close()
+        dht.shutdown()
+
+
+ATTACKS = {"streams": streams, "dht-junk": dht_junk, "ahead": ahead, "silent": silent, "flood": flood,
+           "mute": mute, "forge": forge}  # fmt: skip
 
 
 def main() -> None:
@@ -296,6 +421,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--window", type=float, default=3.0)
+    parser.add_argument("--hold", type=float, default=10.0, help="mute: seconds a confirmed group is held open")
     parser.add_argument("--no-trailer", action="store_true", help="dht-junk: plain junk values (for a tree before #14)")
     args = parser.parse_args()
     stats = Stats(args.out, attack=args.attack)

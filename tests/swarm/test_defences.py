@@ -1,5 +1,6 @@
 """The defences of issue #14 one by one, fast: caps on unauthenticated streams (real p2pd on loopback), the
-DHT record validator, plausible registry claims, state-serving rate limits and no-confirm penalties.
+DHT record validator (run key and per-peer signatures, also between real DHT nodes), plausible registry
+claims, state-serving rate limits, no-confirm and no-data penalties, and the ``peer.*`` keys of these limits.
 
 The end-to-end attacks on training peers are in test_hostile.py.
 """
@@ -14,8 +15,9 @@ import time
 import pytest
 import torch
 
-from noloco.comm.base import CommError
-from noloco.swarm.dht import RunRecordValidator
+from noloco.comm.base import CommError, CommTimeout
+from noloco.gossip.base import Group
+from noloco.swarm.dht import RunRecordValidator, start_peer_dht
 from noloco.swarm.endpoint import (
     HEADER_DOMAIN,
     MAGIC,
@@ -27,12 +29,18 @@ from noloco.swarm.endpoint import (
     SwarmEndpoint,
     encode_frame,
 )
+from noloco.swarm.identity import PeerIdentity, verify
 from noloco.swarm.matchmaking import (
+    MAX_PENALTY_ROUNDS,
     PENALTY_ROUNDS,
+    STRIKES_BEFORE_PENALTY,
     Announcement,
+    PeerRegistry,
     SwarmMatchmaking,
     implausible_rounds,
     implausible_steps,
+    sign_record,
+    signed_entries,
     step_bound,
 )
 from noloco.swarm.state import StateServer, decode_state
@@ -172,31 +180,121 @@ def test_a_key_holder_cannot_reserve_more_than_the_inbox(endpoints):
         target.close_group("reserve")
 
 
-def test_dht_records_need_the_run_key_and_a_bounded_expiry():
+def _subkey(peer_id: str) -> bytes:
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    return MSGPackSerializer.dumps(peer_id)
+
+
+def test_a_peer_identity_is_its_libp2p_id_and_signs_verifiably():
+    me, other = PeerIdentity.generate(), PeerIdentity.generate()
+    assert me.peer_id.startswith("12D3KooW") and me.peer_id != other.peer_id  # an Ed25519 libp2p id
+    signature = me.sign(b"text")
+    assert verify(me.peer_id, b"text", signature)
+    assert not verify(other.peer_id, b"text", signature)  # another peer's id
+    assert not verify(me.peer_id, b"texT", signature)  # other bytes
+    assert not verify(me.peer_id, b"text", signature[:-1] + bytes([signature[-1] ^ 1]))
+    for junk in ("", "not-base58!", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "12D3KooW"):
+        assert not verify(junk, b"text", signature)  # names no Ed25519 key (an RSA id, junk)
+    assert me.peer_id in repr(me)
+    with pytest.raises(TypeError):
+        __import__("pickle").dumps(me)
+    with me.identity_file() as path:
+        assert (__import__("os").stat(path).st_mode & 0o777) == 0o600
+    assert not __import__("os").path.exists(path)  # gone once the daemon has read it
+
+
+def test_dht_records_need_the_run_key_the_owners_signature_and_a_bounded_expiry():
     from hivemind.dht.validation import DHTRecord, RecordValidatorBase
     from hivemind.utils.timed_storage import get_dht_time
 
-    validator = RunRecordValidator.create(KEY, "unit", max_ttl=300)
+    me, other = PeerIdentity.generate(), PeerIdentity.generate()
+    validator = RunRecordValidator.create(KEY, "unit", max_ttl=300, identity=me)
     assert isinstance(validator, RecordValidatorBase)
     now = get_dht_time()
-    record = DHTRecord(b"key-id", b"subkey", b"value", now + 60)
+    record = DHTRecord(b"key-id", _subkey(me.peer_id), b"value", now + 60)
     signed = dataclasses.replace(record, value=validator.sign_value(record))
     assert validator.validate(signed) and validator.strip_value(signed) == b"value"
-    forged = [
+    unauthenticated = [
         record,  # unsigned
         dataclasses.replace(signed, value=signed.value[:-1] + bytes([signed.value[-1] ^ 1])),  # altered MAC
-        dataclasses.replace(signed, subkey=b"another"),  # moved to another subkey
+        dataclasses.replace(signed, subkey=_subkey(other.peer_id)),  # moved to another subkey
         dataclasses.replace(signed, expiration_time=now + 61),  # expiry changed
         dataclasses.replace(signed, value=b"x" + signed.value),  # value changed
     ]
-    other = RunRecordValidator.create(RunKey("another-run-key"), "unit", max_ttl=300)
-    forged.append(dataclasses.replace(record, value=other.sign_value(record)))  # another key
-    assert not any(validator.validate(r) for r in forged)
-    far = DHTRecord(b"key-id", b"subkey", b"value", now + 10**6)
+    foreign = RunRecordValidator.create(RunKey("another-run-key"), "unit", max_ttl=300, identity=me)
+    unauthenticated.append(dataclasses.replace(record, value=foreign.sign_value(record)))  # another run key
+    # a key holder (the run key's MAC is right) writing under another peer's subkey, however it signs
+    theirs = DHTRecord(b"key-id", _subkey(other.peer_id), b"value", now + 60)
+    holder = RunRecordValidator.create(KEY, "unit", max_ttl=300, identity=me)
+    forged = [dataclasses.replace(theirs, value=holder.sign_value(theirs))]  # honest code leaves it unsigned
+    body = holder._signed_bytes(theirs)
+    own_signature = me.sign(b"noloco-dht-sig/2" + body)  # signed with the forger's own key
+    mac = KEY.mac(b"noloco-dht/2", body)
+    forged.append(dataclasses.replace(theirs, value=b"value" + b"NLV2" + own_signature + mac))
+    garbled = signed.value[:-96] + bytes(64) + signed.value[-32:]  # owner's signature zeroed, MAC kept
+    forged.append(dataclasses.replace(signed, value=garbled))
+    no_owner = DHTRecord(b"key-id", _subkey("not-a-peer"), b"value", now + 60)
+    forged.append(dataclasses.replace(no_owner, value=holder.sign_value(no_owner)))
+    assert not any(validator.validate(r) for r in unauthenticated + forged)
+    far = DHTRecord(b"key-id", _subkey(me.peer_id), b"value", now + 10**6)
     assert not validator.validate(dataclasses.replace(far, value=validator.sign_value(far)))
-    assert validator.counts() == {"dht_unauthenticated": len(forged), "dht_expiry": 1}
+    assert validator.counts() == {"dht_unauthenticated": len(unauthenticated), "dht_expiry": 1,
+                                  "dht_forged": len(forged)}  # fmt: skip
+    # the owner's own record verifies on any node of the run, whatever identity that node has
+    assert RunRecordValidator.create(KEY, "unit", max_ttl=300, identity=other).validate(signed)
     with pytest.raises(TypeError):
         __import__("pickle").dumps(validator)
+
+
+def test_a_key_holder_cannot_store_under_another_peers_subkey_on_real_dht_nodes():
+    """Two honest peers' DHT nodes and a key holder's, on loopback: its forgery is refused everywhere it is read."""
+    from types import SimpleNamespace
+
+    from hivemind.utils.timed_storage import get_dht_time
+
+    nodes, endpoints = [], []
+    try:
+        maddrs: list[str] = []
+        for _ in range(2):
+            identity = PeerIdentity.generate()
+            validator = RunRecordValidator.create(KEY, "unit", 600, identity)
+            dht = start_peer_dht(maddrs, ["/ip4/127.0.0.1/tcp/0"], record_validators=[validator], identity=identity)
+            nodes.append((dht, validator))
+            endpoints.append(SwarmEndpoint.from_dht(dht, "unit", KEY, identity=identity))
+            maddrs = maddrs or [str(m) for m in dht.get_visible_maddrs()]
+        (a_dht, a_validator), (b_dht, b_validator) = nodes
+        a, b = endpoints
+        PeerRegistry(a_dht, a, "a").publish(40, 4)
+        # b, a key holder with its own identity, writes "a finished" under a's subkey: MAC right, not a's signature
+        now = get_dht_time()
+        text = f"alive|unit|{a.peer_id}|100|-1|{now}|a".encode()
+        value = {"step": 100, "round": -1, "t": now, "name": "a", **sign_record(b, text)}
+        assert not b_dht.store("unit/peers", value, now + 300, subkey=a.peer_id)  # refused, its own node included
+        assert b_validator.counts()["dht_forged"] >= 1
+        for dht in (a_dht, b_dht):  # a's own entry, read on either node (live() lists the others: read as b)
+            entries = PeerRegistry(dht, b, "reader").live()
+            listed = [(e["peer"], e["step"], e["round"]) for e in entries if e["peer"] == a.peer_id]
+            assert listed == [(a.peer_id, 40, 4)]
+        # what a reader drops itself (should a node hand it over): an entry its subkey's peer did not sign
+        bad_mac = {"step": 1, "round": 0, "t": now, "name": "b", "mac": "00", "sig": "00"}
+        items = {a.peer_id: SimpleNamespace(value=value), b.peer_id: SimpleNamespace(value=bad_mac)}
+        found = SimpleNamespace(value=items)
+        registry = PeerRegistry(None, a, "a")
+
+        def text(peer, v):
+            return registry._text(peer, int(v["step"]), int(v["round"]), v["t"], str(v["name"]))
+
+        before = a.rejection_counts()
+        assert signed_entries(found, text, a, set(), "entry") == []
+        after = a.rejection_counts()
+        assert after.get("forged", 0) == before.get("forged", 0) + 1
+        assert after.get("unauthenticated", 0) == before.get("unauthenticated", 0) + 1
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
+        for dht, _ in nodes:
+            dht.shutdown()
 
 
 def _entry(peer: str, step: int, round_index: int, age: float = 0.0) -> dict:
@@ -268,11 +366,9 @@ class _FakeEndpoint:
 
 def _matchmaking(peer_id: str) -> SwarmMatchmaking:
     """Only the penalty bookkeeping of a SwarmMatchmaking (no DHT)."""
-    mm = SwarmMatchmaking.__new__(SwarmMatchmaking)
-    mm.endpoint, mm.peer_id, mm.penalty_rounds = _FakeEndpoint(), peer_id, PENALTY_ROUNDS
-    mm._strikes, mm._late, mm._banned_until, mm._silent = {}, {}, {}, []
-    mm._heard, mm._excluded, mm._window_excluded = set(), set(), []
-    return mm
+    endpoint = _FakeEndpoint()
+    endpoint.peer_id = peer_id
+    return SwarmMatchmaking(None, endpoint, peer_id)
 
 
 def _silent_in(mm: SwarmMatchmaking, peer: str, round_index: int) -> None:
@@ -303,6 +399,84 @@ def test_a_peer_that_never_confirms_is_left_out_for_growing_aligned_penalties():
         _silent_in(mm, "heard", r)
     _silent_in(mm, "slow", 30)
     assert "heard" not in mm._strikes and "slow" not in mm._strikes
+
+
+def test_a_member_that_confirms_and_then_sends_no_data_is_struck_and_left_out(endpoints):
+    """Real endpoints: a member this peer timed out waiting for, that delivered nothing, is struck (no_data)."""
+    target, other = endpoints
+    mm = SwarmMatchmaking(None, target, "target", penalty_rounds=4, strikes_before_penalty=2)
+    members = sorted([target.peer_id, other.peer_id])
+    me, them = members.index(target.peer_id), members.index(other.peer_id)
+    before = dict(target.rejection_counts())
+
+    def exchange(round_index: int, sends: bool, waits: bool = True, refuses: bool = False) -> None:
+        group_id = f"mute-{round_index}"
+        transport = target.open_group(group_id, round_index, members)
+        theirs = other.open_group(group_id, round_index, members)
+        try:
+            if sends:
+                theirs.send(me, "outer/x", b"data")
+            if refuses:  # it closed the group it confirmed: our data is refused (unexpected), at once
+                other.close_group(group_id)
+                with pytest.raises(CommError, match="unexpected"):
+                    transport.send(them, "outer/y", b"ours")
+            elif waits:
+                with pytest.raises(CommTimeout):
+                    transport.recv(them, "outer/never-sent", timeout=0.3)
+        finally:
+            mm.release(Group(transport, [0, 1], round_index, members))
+            other.close_group(group_id)
+        mm._settle()  # the next round begins
+
+    counts = lambda: {k: v - before.get(k, 0) for k, v in target.rejection_counts().items()}  # noqa: E731
+    exchange(0, sends=False)
+    assert counts().get("no_data") == 1 and not mm.penalized(other.peer_id, 1)  # one strike: no penalty yet
+    exchange(1, sends=True)  # it sent something (and we still timed out on another tag): not struck, strikes reset
+    assert counts().get("no_data") == 1 and other.peer_id not in mm._mute_strikes
+    exchange(2, sends=False, waits=False)  # we never waited for it (our round failed elsewhere): not struck
+    exchange(3, sends=False)
+    exchange(4, sends=False, refuses=True)  # the second strike in a row: left out to the end of the next block of 4
+    assert counts()["no_data"] == 3
+    assert [r for r in range(20) if mm.penalized(other.peer_id, r)] == list(range(0, 12))
+    assert mm._strikes == {}  # confirmation strikes are another count
+
+
+def test_the_limits_are_peer_config_keys_with_one_line_errors():
+    from noloco.swarm import endpoint as swarm_endpoint
+    from noloco.swarm import state as swarm_state
+    from noloco.train.config import ConfigError, load_config
+
+    peer = load_config([]).peer  # the defaults are the modules' constants
+    endpoint_limits = (
+        swarm_endpoint.MAX_UNAUTH_PER_PEER,
+        swarm_endpoint.MAX_UNAUTH_STREAMS,
+        swarm_endpoint.HEADER_TIMEOUT,
+    )
+    state_limits = (swarm_state.STATE_BURST, swarm_state.STATE_INTERVAL_SECONDS, swarm_state.STATE_CONCURRENCY)
+    assert (peer.max_unauth_per_peer, peer.max_unauth_streams, peer.header_timeout) == endpoint_limits
+    assert (peer.state_burst, peer.state_interval, peer.state_concurrency) == state_limits
+    assert (peer.strikes_before_penalty, peer.penalty_rounds, peer.max_penalty_rounds) == (
+        STRIKES_BEFORE_PENALTY, PENALTY_ROUNDS, MAX_PENALTY_ROUNDS)  # fmt: skip
+    cfg = load_config(["peer.header_timeout=2.5", "peer.state_burst=1", "peer.penalty_rounds=0"])
+    assert (cfg.peer.header_timeout, cfg.peer.state_burst, cfg.peer.penalty_rounds) == (2.5, 1, 0)
+    for bad, message in [("peer.max_unauth_per_peer=0", "peer.max_unauth_per_peer must be an integer >= 1, got 0"),
+                         ("peer.max_unauth_streams=1.5", "peer.max_unauth_streams must be an integer >= 1"),
+                         ("peer.header_timeout=0", "peer.header_timeout must be a number of seconds > 0, got 0"),
+                         ("peer.state_interval=-1", "peer.state_interval must be a number of seconds > 0"),
+                         ("peer.state_burst=true", "peer.state_burst must be an integer >= 1, got True"),
+                         ("peer.state_concurrency=0", "peer.state_concurrency must be an integer >= 1"),
+                         ("peer.strikes_before_penalty=0", "peer.strikes_before_penalty must be an integer >= 1"),
+                         ("peer.penalty_rounds=-1", "peer.penalty_rounds must be an integer >= 0, got -1"),
+                         ("peer.max_penalty_rounds=0", "peer.max_penalty_rounds must be an integer >= 1"),
+                         ("peer.header_timeout=soon", "peer.header_timeout must be a number of seconds")]:  # fmt: skip
+        with pytest.raises(ConfigError) as error:
+            load_config([bad])
+        assert str(error.value).startswith(message) and "\n" not in str(error.value), (bad, str(error.value))
+    # penalties off: strikes are still counted, nobody is left out (and no division by a zero length)
+    mm = SwarmMatchmaking(None, _FakeEndpoint(), "me", penalty_rounds=0)
+    for r in range(4):
+        _silent_in(mm, "x", r)
+    assert mm.endpoint.counts["no_confirm"] == 4 and not any(mm.penalized("x", r) for r in range(10))
 
 
 def test_frames_carry_an_authenticated_header():
