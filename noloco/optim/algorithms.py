@@ -22,6 +22,10 @@ terms) sends the fast weights as the difference from the initial weights, θ −
 with error feedback: exact for fp32, and for a lossy codec half the bytes of the two-vector exchange
 (measured in docs/results/codecs.md).
 
+Fragments (``fragments=k``, docs/design.md §3.1): the flat vector is cut into k contiguous slices
+(:mod:`noloco.optim.fragments`); an exchange runs every ``every/k`` steps on one slice only, with that
+slice's own error feedback, so each carries about 1/k of the bytes.
+
 Faults (docs/reliability.md): a round whose exchange fails — a dead or silent peer
 (:class:`~noloco.comm.base.CommTimeout` after ``timeout`` seconds), a malformed or non-finite payload
 (:class:`~noloco.collectives.PayloadMismatch`) — is skipped by default: φ, θ and the error-feedback
@@ -49,6 +53,7 @@ from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
 from noloco.optim.base import OuterRule
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
+from noloco.optim.fragments import split_fragments
 from noloco.optim.noloco import NoLoCoRule
 
 logger = logging.getLogger(__name__)
@@ -67,6 +72,7 @@ class OuterRoundInfo:
     group: list[int]
     skipped: str | None = None
     rejected: int = 0  # partners' contributions (or reduced segments) the norm bound refused this round
+    fragment: int | None = None  # which fragment the round exchanged (outer.fragments > 1); None: all parameters
 
 
 SAME_START = ("broadcast", "check", "trust")
@@ -129,12 +135,14 @@ class _RoundResult:
 
 @dataclass
 class _InFlight:
-    """An overlapped round's exchange: its snapshot of the fast weights, and its future or result."""
+    """An overlapped round's exchange: its snapshot of the fast weights (of its fragment ``part``; None: of
+    all parameters), and its future or result."""
 
     round: int
     snapshot: torch.Tensor
     future: object | None = None
     result: _RoundResult | None = None
+    part: slice | None = None
 
 
 def _in_flight_state(pending: _InFlight | None) -> dict | None:
@@ -143,7 +151,7 @@ def _in_flight_state(pending: _InFlight | None) -> dict | None:
     result = pending.result
     info = result.info
     means = result.means
-    return {
+    state = {
         "round": pending.round,
         "snapshot": pending.snapshot.clone(),
         "info": {"round": info.round, "group": list(info.group), "skipped": info.skipped, "rejected": info.rejected},
@@ -151,19 +159,29 @@ def _in_flight_state(pending: _InFlight | None) -> dict | None:
         "mean_slow": None if means is None or means[1] is None else means[1].clone(),
         "guarded": result.guarded,
     }
+    if pending.part is not None:  # a fragment's exchange: its tensors are of the slice [start, stop) of φ
+        state["part"] = [pending.part.start, pending.part.stop]
+    return state
 
 
-def _in_flight_from(state: dict | None, like: torch.Tensor) -> _InFlight | None:
+def _in_flight_from(state: dict | None, like: torch.Tensor, split) -> _InFlight | None:
+    """The exchange in flight of a checkpoint; ``split(round)``: the (slice, fragment) this run's round exchanges."""
     if state is None:
         return None
+    part, fragment = split(int(state["round"]))
+    stored = state.get("part")
+    if (None if stored is None else [int(b) for b in stored]) != (None if part is None else [part.start, part.stop]):
+        raise ValueError(f"checkpoint's in-flight exchange is of the slice {stored} of the parameters, this "
+                         f"run's round {state['round']} exchanges {part} (was outer.fragments changed?)")  # fmt: skip
+    shape = like.shape if part is None else torch.Size([part.stop - part.start])
     for key in ("snapshot", "mean_delta", "mean_slow"):
         tensor = state[key]
-        if tensor is not None and (tensor.shape != like.shape or not torch.isfinite(tensor).all()):
+        if tensor is not None and (tensor.shape != shape or not torch.isfinite(tensor).all()):
             raise ValueError(f"checkpoint's in-flight exchange has a bad {key}")
     to = lambda t: None if t is None else t.to(like.device, torch.float32).clone()  # noqa: E731
     means = None if state["mean_delta"] is None else (to(state["mean_delta"]), to(state["mean_slow"]))
-    result = _RoundResult(OuterRoundInfo(**state["info"]), means, bool(state["guarded"]))
-    return _InFlight(int(state["round"]), to(state["snapshot"]), None, result)
+    result = _RoundResult(OuterRoundInfo(**state["info"], fragment=fragment), means, bool(state["guarded"]))
+    return _InFlight(int(state["round"]), to(state["snapshot"]), None, result, part)
 
 
 @dataclass
@@ -195,6 +213,68 @@ def _ef_state(feedback: ReductionErrorFeedback | None) -> dict | None:
 def _ef_load(feedback: ReductionErrorFeedback | None, state: dict | None) -> None:
     if feedback is not None and state is not None:
         feedback.load_state_dict(state)
+
+
+def _fragments_ef_state(feedbacks: list[ReductionErrorFeedback | None], parts: list[slice]) -> dict | None:
+    """One error-feedback state for the whole flat vector: the fragments' residuals side by side.
+
+    Residuals are indexed by position (noloco.collectives.residuals), so fragment j's are the positions
+    ``parts[j]`` of one full-length state; a fragment not exchanged yet holds zeros there, which is what
+    its first reduction starts from anyway. One fragment: that fragment's own state, unchanged.
+    """
+    if len(feedbacks) == 1 or feedbacks[0] is None:
+        return _ef_state(feedbacks[0])
+    states = [feedback.state_dict() for feedback in feedbacks]
+    present = [state["contribution"] for state in states if state["contribution"] is not None]
+    if not present:
+        return states[0]
+
+    def joined(key: str) -> torch.Tensor:
+        return torch.cat([state[key] if state[key] is not None else
+                          torch.zeros(part.stop - part.start, dtype=torch.float32, device=present[0].device)
+                          for state, part in zip(states, parts)])  # fmt: skip
+
+    return {"version": 1, "contribution": joined("contribution"), "result": joined("result")}
+
+
+def _fragments_ef_load(feedbacks: list[ReductionErrorFeedback | None], parts: list[slice], state: dict | None) -> None:
+    """Load :func:`_fragments_ef_state`'s full-length state into each fragment's error feedback."""
+    if len(feedbacks) == 1 or feedbacks[0] is None or state is None:
+        _ef_load(feedbacks[0], state)
+        return
+    contribution, result = state.get("contribution"), state.get("result")
+    total = parts[-1].stop
+    for residual in (contribution, result):
+        if residual is not None and residual.numel() != total:
+            raise ValueError(f"error-feedback state tracks {residual.numel()} values, the parameters are {total}")
+    for feedback, part in zip(feedbacks, parts):
+        pieces = [None if t is None else t.reshape(-1)[part] for t in (contribution, result)]
+        feedback.load_state_dict({"version": state.get("version"), "contribution": pieces[0], "result": pieces[1]})
+
+
+@torch.no_grad()
+def _read_part(tensors: list[torch.Tensor], part: slice) -> torch.Tensor:
+    """The positions ``part`` of the flat fp32 vector of ``tensors`` (a new tensor)."""
+    pieces, offset = [], 0
+    for tensor in tensors:
+        n = tensor.numel()
+        lo, hi = max(part.start, offset), min(part.stop, offset + n)
+        if lo < hi:
+            pieces.append(tensor.detach().reshape(-1)[lo - offset : hi - offset].float())
+        offset += n
+    return torch.cat(pieces)
+
+
+@torch.no_grad()
+def _write_part(values: torch.Tensor, part: slice, tensors: list[torch.Tensor]) -> None:
+    """Copy ``values`` into the positions ``part`` of the flat vector of ``tensors``, in place."""
+    offset = 0
+    for tensor in tensors:
+        n = tensor.numel()
+        lo, hi = max(part.start, offset), min(part.stop, offset + n)
+        if lo < hi:
+            tensor.view(-1)[lo - offset : hi - offset].copy_(values[lo - part.start : hi - part.start])
+        offset += n
 
 
 @torch.no_grad()
@@ -336,6 +416,12 @@ class OuterAlgorithm(Algorithm):
     the missed steps. A deliberate shutdown of the transport (:class:`~noloco.comm.base.CommAborted`:
     another in-process worker crashed) is always raised. When false, every failure is raised.
 
+    ``fragments`` (default 1): cut the parameters into that many contiguous fragments
+    (:func:`noloco.optim.fragments.split_fragments`) and exchange fragment j alone at the steps ≡ j·every/k
+    (mod every), each with its own error-feedback state; ``every`` must be a multiple of it. Every
+    exchange then carries about 1/k of the bytes (Streaming DiLoCo's fragments, docs/design.md §3.1).
+    Rounds are numbered by exchange (every ``every/k`` steps), and NoLoCo draws a group for each.
+
     ``max_norm_ratio``: the norm bound every reduction of the outer step runs with (None: none); what
     it refuses is counted in :attr:`norm_rejections` (kept in the checkpoint) and in the round's
     :class:`OuterRoundInfo`. "Own" means, per segment: for the pseudo-gradient, this worker's own
@@ -362,6 +448,7 @@ class OuterAlgorithm(Algorithm):
         algorithm: str | None = None,
         same_start: str = "broadcast",
         overlap: bool = False,
+        fragments: int = 1,
     ):
         super().__init__(
             model,
@@ -377,6 +464,8 @@ class OuterAlgorithm(Algorithm):
         self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
         if every < 1:
             raise ValueError(f"outer.every must be >= 1, got {every}")
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or every % fragments:
+            raise ValueError(f"outer.fragments={fragments!r} must be an integer >= 1 that divides outer.every={every}")
         self.rule, self.every, self.groups = rule, int(every), groups
         self.skip_failed_rounds = bool(skip_failed_rounds)
         self.replicas = None  # set for a worker of several processes (see noloco.train.backends.distributed)
@@ -385,6 +474,14 @@ class OuterAlgorithm(Algorithm):
         self.slow_codec: Codec = self.codec if slow_codec is None else get_codec(slow_codec)
         self.reference = self.slow.clone()
         self.slow_feedback = ReductionErrorFeedback() if error_feedback and not self.slow_codec.exact else None
+        # fragments: slices of the flat vector, one exchanged every `period` steps in turn, each with its own
+        # error feedback (one fragment: the whole vector, today's feedback objects, part None everywhere)
+        self.fragments = split_fragments([tuple(p.shape) for p in self.params], fragments)
+        self.period = self.every // fragments  # inner steps between two exchanges
+        self._feedbacks = [(self.feedback, self.slow_feedback)]
+        if fragments > 1:
+            fresh = lambda feedback: None if feedback is None else ReductionErrorFeedback()  # noqa: E731
+            self._feedbacks = [(fresh(self.feedback), fresh(self.slow_feedback)) for _ in self.fragments]
         if max_norm_ratio is not None:
             NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
@@ -392,17 +489,45 @@ class OuterAlgorithm(Algorithm):
         self.overlap = bool(overlap)
         self._in_flight: _InFlight | None = None
         self._exchanger = None
+        self._side_stream = None  # CUDA: the stream overlapped exchanges run on (_exchange_after)
 
     @property
     def counter(self) -> ByteCounter:
         return self.groups.counter
 
     def _after_inner_step(self) -> OuterRoundInfo | None:
-        if self.inner_step % self.every:
+        if self.inner_step % self.period:
             return None
         if self.overlap:
-            return self._overlapped_round(self.inner_step // self.every - 1)
-        return self.outer_step(self.inner_step // self.every - 1)
+            return self._overlapped_round(self.inner_step // self.period - 1)
+        return self.outer_step(self.inner_step // self.period - 1)
+
+    # --- fragments (outer.fragments; docs/design.md §3.1, "Streamed fragments") ------------------------------
+    def fragment_of(self, round_index: int) -> int:
+        """The fragment round ``round_index`` exchanges: the one whose steps ≡ j·every/k (mod every) it ends."""
+        return (round_index + 1) % len(self.fragments)
+
+    def _part_of(self, round_index: int) -> slice | None:
+        """The slice of the flat vector round ``round_index`` exchanges; None: all of it (one fragment)."""
+        return None if len(self.fragments) == 1 else self.fragments[self.fragment_of(round_index)]
+
+    def _split_of(self, round_index: int) -> tuple[slice | None, int | None]:
+        """The slice and the fragment index of round ``round_index`` (None, None: one fragment)."""
+        part = self._part_of(round_index)
+        return part, None if part is None else self.fragment_of(round_index)
+
+    def _read_fast(self, part: slice | None) -> torch.Tensor:
+        """This worker's fast weights θ (of ``part``), flat fp32, a new tensor."""
+        if part is None:
+            return parameters_to_vector(self.params).detach().float()
+        return _read_part(self.params, part)
+
+    def _write_fast(self, values: torch.Tensor, part: slice | None) -> None:
+        """θ ← ``values`` (on ``part`` only; the other fragments' fast weights train on untouched)."""
+        if part is None:
+            copy_flat_into(values, self.params)
+        else:
+            _write_part(values, part, self.params)
 
     # --- overlapped exchange (outer.overlap; docs/design.md §3.1, "Overlapped outer steps") -----------------
     @torch.no_grad()
@@ -418,14 +543,30 @@ class OuterAlgorithm(Algorithm):
         round boundary, not when the bytes arrive, keeps runs deterministic and resumable.
         """
         info = self._merge_in_flight()
-        snapshot = parameters_to_vector(self.params).detach().float().clone()
+        part = self._part_of(round_index)
+        snapshot = self._read_fast(part).clone()
         if self._exchanger is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="noloco-exchange")
-        future = self._exchanger.submit(self._exchange_round, round_index, snapshot)
-        self._in_flight = _InFlight(round_index, snapshot, future)
+        caller = torch.cuda.current_stream(snapshot.device) if snapshot.is_cuda else None
+        future = self._exchanger.submit(self._exchange_after, caller, round_index, snapshot)
+        self._in_flight = _InFlight(round_index, snapshot, future, part=part)
         return info
+
+    def _exchange_after(self, caller, round_index: int, snapshot: torch.Tensor) -> _RoundResult:
+        """:meth:`_exchange_round` in the exchange thread; on CUDA on a side stream that first waits for the
+        training stream's work up to the snapshot (``caller``), its results complete when this returns."""
+        if caller is None:
+            return self._exchange_round(round_index, snapshot)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(caller.device)
+        side = self._side_stream
+        side.wait_stream(caller)
+        with torch.cuda.device(caller.device), torch.cuda.stream(side):
+            result = self._exchange_round(round_index, snapshot)
+        side.synchronize()
+        return result
 
     @torch.no_grad()
     def _merge_in_flight(self) -> OuterRoundInfo | None:
@@ -438,12 +579,17 @@ class OuterAlgorithm(Algorithm):
             self.inner_opt.state.clear()
         if result.means is None:
             return result.info
-        self.rule.step(self.slow, *result.means)
+        for mean in result.means:  # made on the exchange's side stream, read on this one: keep them until read
+            if isinstance(mean, torch.Tensor) and mean.is_cuda:
+                mean.record_stream(torch.cuda.current_stream(mean.device))
+        part = pending.part
+        self.rule.step(self.slow, *result.means, part)
+        slow = self.slow if part is None else self.slow[part]
         if result.guarded:  # the fast weights went non-finite: restart from φ
-            copy_flat_into(self.slow, self.params)
+            self._write_fast(slow, part)
         else:
-            progress = parameters_to_vector(self.params).detach().float() - pending.snapshot
-            copy_flat_into(self.slow + progress, self.params)
+            progress = self._read_fast(part) - pending.snapshot
+            self._write_fast(slow + progress, part)
         return result.info
 
     def finish(self) -> OuterRoundInfo | None:
@@ -470,61 +616,72 @@ class OuterAlgorithm(Algorithm):
             return self._outer_step(round_index)
         info = self._outer_step(round_index) if self.replicas.leader else OuterRoundInfo(round_index, [])
         self.replicas.broadcast(self.slow)
-        copy_flat_into(self.slow, self.params)
+        part = self._part_of(round_index)
+        self._write_fast(self.slow if part is None else self.slow[part], part)
         return info
 
     def _outer_step(self, round_index: int) -> OuterRoundInfo:
-        result = self._exchange_round(round_index, parameters_to_vector(self.params).detach().float())
+        part = self._part_of(round_index)
+        result = self._exchange_round(round_index, self._read_fast(part))
         if result.guarded:
             self.inner_opt.state.clear()  # moments may hold NaN/Inf too
         if result.means is not None:
-            self.rule.step(self.slow, *result.means)
-            copy_flat_into(self.slow, self.params)
+            self.rule.step(self.slow, *result.means, part)
+            self._write_fast(self.slow if part is None else self.slow[part], part)
         return result.info
 
     def _exchange_round(self, round_index: int, fast: torch.Tensor) -> _RoundResult:
-        """Form the round's group and reduce ``fast`` (this worker's fast weights, flat fp32) over it.
+        """Form the round's group and reduce ``fast`` (this worker's fast weights of the round's fragment, flat
+        fp32) over it.
 
         Changes nothing but the exchange's own state (error feedback, counters), so it can run in the
         background while training goes on (``overlap``); the caller applies the means.
         """
         rank = getattr(self.transport, "rank", None)
         link = faults.fire("outer.exchange", self.inner_step, rank)
+        part, fragment = self._split_of(round_index)
+        slow = self.slow if part is None else self.slow[part]
         guarded = not bool(torch.isfinite(fast).all())
         if guarded:  # contribute a zero pseudo-gradient; partners are not poisoned, this worker restarts from φ
             self.nonfinite_events += 1
-            fast = self.slow.clone()
+            fast = slow.clone()
         group = self.groups.form(round_index, self.group_timeout)
         if group is None:
             if not self.skip_failed_rounds:
                 raise CommError(f"round {round_index}: no group could be formed")
-            return _RoundResult(OuterRoundInfo(round=round_index, group=[], skipped="no partner"), None, guarded)
+            info = OuterRoundInfo(round=round_index, group=[], skipped="no partner", fragment=fragment)
+            return _RoundResult(info, None, guarded)
         rejected_before = self.norm_rejections.total
         try:
             transport = faults.exchange_transport(group.transport, link, self.inner_step, rank)
             means = self._exchange(group if transport is group.transport else replace(group, transport=transport),
-                                   fast, guarded)  # fmt: skip
+                                   fast, guarded, part)  # fmt: skip
         except CommAborted:
             raise
         except (CommError, ValueError) as exc:
             if not self.skip_failed_rounds:
                 raise
             info = OuterRoundInfo(round_index, group.members, skipped=f"{type(exc).__name__}: {exc}",
-                                  rejected=self.norm_rejections.total - rejected_before)  # fmt: skip
+                                  rejected=self.norm_rejections.total - rejected_before, fragment=fragment)  # fmt: skip
             return _RoundResult(info, None, guarded)
         finally:
             self.groups.release(group)
         info = OuterRoundInfo(round=round_index, group=group.peer_ids or group.members,
-                              rejected=self.norm_rejections.total - rejected_before)  # fmt: skip
+                              rejected=self.norm_rejections.total - rejected_before, fragment=fragment)  # fmt: skip
         return _RoundResult(info, means, guarded)
 
-    def _exchange(self, group, fast: torch.Tensor, guarded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Group means of the pseudo-gradient and (if the rule needs it) the slow weights.
+    def _exchange(self, group, fast: torch.Tensor, guarded: bool,
+                  part: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Group means of the pseudo-gradient and (if the rule needs it) the slow weights, of ``part``.
 
         ``fast``: what this worker contributes (its fast weights; its slow weights when they went
-        non-finite, ``guarded``).
+        non-finite, ``guarded``), of the fragment ``part`` of the flat vector (None: all of it). Each
+        fragment reduces with its own error-feedback state.
         """
         tag = f"outer/r{group.round}"
+        feedback, slow_feedback = self._feedbacks[0 if part is None else self.fragments.index(part)]
+        slow = self.slow if part is None else self.slow[part]
+        reference = self.reference if part is None else self.reference[part]
 
         def reduce(x: torch.Tensor, what: str, codec: Codec, feedback, reference=None) -> torch.Tensor:
             return allreduce(
@@ -543,18 +700,18 @@ class OuterAlgorithm(Algorithm):
             )
 
         if self._fused_exchange():  # θ − φ_0 like the slow term: the codec and the norm bound see training updates
-            mean_fast = self.reference + reduce(fast - self.reference, "fast", self.codec, self.feedback)
-            return mean_fast - self.slow, self.slow.clone()
+            mean_fast = reference + reduce(fast - reference, "fast", self.codec, feedback)
+            return mean_fast - slow, slow.clone()
         # Scales of the norm bound (see the class docstring): the pseudo-gradient is bounded by this worker's
         # own; the slow-weight term φ − φ_0 by the hypotenuse of its own and the pseudo-gradient's, because a
         # worker that skipped its rounds legitimately has φ = φ_0 while its partners moved by about one Δ.
-        delta = fast - self.slow
-        progress = self.slow - self.reference
-        mean_delta = reduce(delta, "delta", self.codec, self.feedback, progress if guarded else None)
+        delta = fast - slow
+        progress = slow - reference
+        mean_delta = reduce(delta, "delta", self.codec, feedback, progress if guarded else None)
         mean_slow = None
         if self.rule.needs_slow_mean:
             scale = torch.hypot(progress, delta) if self.max_norm_ratio is not None else None
-            mean_slow = self.reference + reduce(progress, "slow", self.slow_codec, self.slow_feedback, scale)
+            mean_slow = reference + reduce(progress, "slow", self.slow_codec, slow_feedback, scale)
         return mean_delta, mean_slow
 
     def _fused_exchange(self) -> bool:
@@ -601,8 +758,8 @@ class OuterAlgorithm(Algorithm):
             "rule": self.rule.state_dict(),
             "nonfinite_events": self.nonfinite_events,
             "reference": self.reference.clone(),
-            "feedback": _ef_state(self.feedback),
-            "slow_feedback": _ef_state(self.slow_feedback),
+            "feedback": _fragments_ef_state([pair[0] for pair in self._feedbacks], self.fragments),
+            "slow_feedback": _fragments_ef_state([pair[1] for pair in self._feedbacks], self.fragments),
             "norm_rejections": self.norm_rejections.state_dict(),
             "in_flight": _in_flight_state(self._in_flight),
         }
@@ -621,11 +778,11 @@ class OuterAlgorithm(Algorithm):
         self.nonfinite_events = int(state.get("nonfinite_events", 0))
         if "reference" in state:
             self.reference = state["reference"].to(device, torch.float32).clone()
-        _ef_load(self.feedback, state.get("feedback"))
-        _ef_load(self.slow_feedback, state.get("slow_feedback"))
+        _fragments_ef_load([pair[0] for pair in self._feedbacks], self.fragments, state.get("feedback"))
+        _fragments_ef_load([pair[1] for pair in self._feedbacks], self.fragments, state.get("slow_feedback"))
         if "norm_rejections" in state:
             self.norm_rejections.load_state_dict(state["norm_rejections"])
-        self._in_flight = _in_flight_from(state.get("in_flight"), self.slow)
+        self._in_flight = _in_flight_from(state.get("in_flight"), self.slow, self._split_of)
 
 
 def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:
@@ -642,7 +799,7 @@ class NoLoCo(OuterAlgorithm):
     ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking). ``exchange``
     takes the keyword arguments of :class:`OuterAlgorithm` that shape the exchange: ``codec``,
     ``slow_codec``, ``error_feedback``, ``reduction``, ``timeout``, ``group_timeout``,
-    ``skip_failed_rounds``, ``max_norm_ratio``.
+    ``skip_failed_rounds``, ``max_norm_ratio``, ``overlap``, ``fragments``.
     """
 
     name = "noloco"

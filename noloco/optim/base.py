@@ -25,13 +25,16 @@ class OuterRule(ABC):
     velocity: torch.Tensor | None = None
 
     @abstractmethod
-    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None) -> None:
-        """Update ``slow`` in place.
+    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None,
+             part: slice | None = None) -> None:  # fmt: skip
+        """Update ``slow`` in place (only ``slow[part]`` when ``part`` is given).
 
         Args:
             slow: this worker's slow weights φ_i, 1-D fp32 (mutated).
-            mean_delta: group mean of pseudo-gradients ``θ_j − φ_j``, same shape.
-            mean_slow: group mean of slow weights ``φ_j`` (``None`` unless ``needs_slow_mean``).
+            mean_delta: group mean of pseudo-gradients ``θ_j − φ_j``, the shape of ``slow[part]``.
+            mean_slow: group mean of slow weights ``φ_j`` (``None`` unless ``needs_slow_mean``), same shape.
+            part: a fragment of the flat vector (``outer.fragments``, docs/design.md §3.1): the update and
+                the state it uses (the momentum's same slice) touch only these positions; None: all.
         """
 
     @abstractmethod
@@ -45,3 +48,8 @@ def _lazy_buffer(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tenso
     if buffer is None or buffer.shape != like.shape:
         return torch.zeros_like(like, dtype=torch.float32)
     return buffer
+
+
+def _part(tensor: torch.Tensor, part: slice | None) -> torch.Tensor:
+    """``tensor[part]`` as a view (in-place updates reach ``tensor``); the tensor itself for None."""
+    return tensor if part is None else tensor[part]

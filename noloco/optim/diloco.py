@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from noloco.optim.base import OuterRule, _lazy_buffer
+from noloco.optim.base import OuterRule, _lazy_buffer, _part
 
 
 class DiLoCoRule(OuterRule):
@@ -29,12 +29,14 @@ class DiLoCoRule(OuterRule):
         self.velocity: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None) -> None:
+    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None,
+             part: slice | None = None) -> None:  # fmt: skip
         grad = -mean_delta
         self.velocity = _lazy_buffer(self.velocity, slow)
-        self.velocity.mul_(self.momentum).add_(grad)
-        update = grad.add(self.velocity, alpha=self.momentum) if self.nesterov else self.velocity
-        slow.add_(update, alpha=-self.lr)
+        velocity = _part(self.velocity, part)
+        velocity.mul_(self.momentum).add_(grad)
+        update = grad.add(velocity, alpha=self.momentum) if self.nesterov else velocity
+        _part(slow, part).add_(update, alpha=-self.lr)
 
     def state_dict(self) -> dict:
         return {"velocity": None if self.velocity is None else self.velocity.clone()}
@@ -51,8 +53,9 @@ class AveragingRule(OuterRule):
     needs_slow_mean = False
 
     @torch.no_grad()
-    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None) -> None:
-        slow.add_(mean_delta)
+    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None,
+             part: slice | None = None) -> None:  # fmt: skip
+        _part(slow, part).add_(mean_delta)
 
     def state_dict(self) -> dict:
         return {}

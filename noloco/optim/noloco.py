@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from noloco.optim.base import OuterRule, _lazy_buffer
+from noloco.optim.base import OuterRule, _lazy_buffer, _part
 
 
 class NoLoCoRule(OuterRule):
@@ -31,13 +31,15 @@ class NoLoCoRule(OuterRule):
         self.velocity: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None) -> None:
+    def step(self, slow: torch.Tensor, mean_delta: torch.Tensor, mean_slow: torch.Tensor | None,
+             part: slice | None = None) -> None:  # fmt: skip
         if mean_slow is None:
             raise ValueError("NoLoCo needs the group mean of the slow weights")
         self.velocity = _lazy_buffer(self.velocity, slow)
-        self.velocity.mul_(self.momentum).add_(mean_delta, alpha=self.lr)
-        self.velocity.add_(mean_slow - slow, alpha=self.pull)
-        slow.add_(self.velocity)
+        velocity, slow = _part(self.velocity, part), _part(slow, part)
+        velocity.mul_(self.momentum).add_(mean_delta, alpha=self.lr)
+        velocity.add_(mean_slow - slow, alpha=self.pull)
+        slow.add_(velocity)
 
     def state_dict(self) -> dict:
         return {"velocity": None if self.velocity is None else self.velocity.clone()}

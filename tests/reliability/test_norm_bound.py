@@ -118,8 +118,9 @@ class Scaled(NoLoCo):
 
     scale = 1e30
 
-    def _exchange(self, group, fast, guarded):
-        return super()._exchange(group, self.slow + self.scale * (fast - self.slow), guarded)
+    def _exchange(self, group, fast, guarded, part=None):
+        slow = self.slow if part is None else self.slow[part]
+        return super()._exchange(group, slow + self.scale * (fast - slow), guarded, part)
 
 
 def _train(world: int, rounds: int, every: int = 3, attacker: int | None = None, **kw):
