@@ -88,19 +88,73 @@ def noloco_run(preset: str, workers: int, compiled: bool, steps: int, every: int
     summary = launch(cfg, quiet=True)
     shutil.rmtree(Path(summary["run_dir"]) / "checkpoints", ignore_errors=True)  # 32 B/param/worker: disks fill
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    walls = {}
-    for r in records:
-        if r["step"] in (WARMUP, steps):
-            walls.setdefault(r["step"], []).append(r["wall"])
-    seconds = max(walls[steps]) - min(walls[WARMUP])
-    tokens = workers * (steps - WARMUP) * cfg.data.batch_size * cfg.data.seq_len
-    outer = [r["outer_ms"] for r in records if "outer_ms" in r]
+    rate, outer = steady_rate(records, steps, cfg.data.batch_size * cfg.data.seq_len)
     model = build_model(cfg, summary_vocab(cfg))
-    row = _row(f"noloco K={workers} ({'compiled' if compiled else 'eager'})", model, cfg, tokens / seconds,
+    row = _row(f"noloco K={workers} ({'compiled' if compiled else 'eager'})", model, cfg, rate,
                sum(outer) / len(outer) if outer else None, torch.cuda.max_memory_allocated(), workers)  # fmt: skip
     row["final_eval_loss"] = summary["final_eval_loss"]
     row["bytes_sent_per_worker"] = summary["bytes_sent_per_worker"]
     return row
+
+
+def steady_rate(records: list[dict], steps: int, tokens_per_step: int) -> tuple[float, list[float]]:
+    """Summed tokens/s over the second half of the run, and the outer-step ms of that half.
+
+    The window starts at step ``steps // 2`` (at least :data:`WARMUP`): threads compile their models one
+    after another (compilation holds the GIL), and by then every worker has finished compiling and met
+    its partners at an outer round, so no worker's window includes another's compilation. Each worker's
+    rate is read on its own clock (``wall``) and the rates are summed.
+    """
+    begin = max(WARMUP, steps // 2)
+    walls: dict[int, dict[int, float]] = {}
+    for r in records:
+        if r["step"] in (begin, steps) and "loss" in r:
+            walls.setdefault(r["worker"], {})[r["step"]] = r["wall"]
+    rate = sum((steps - begin) * tokens_per_step / (w[steps] - w[begin]) for w in walls.values())
+    outer = [r["outer_ms"] for r in records if "outer_ms" in r and begin < r["step"] <= steps]
+    return rate, outer
+
+
+def outer_step_alone(preset: str, repeats: int = 6) -> dict:
+    """NoLoCo's outer step (int4, fused exchange, error feedback, norm bound) of two workers sharing the GPU.
+
+    Each worker holds the preset's parameters on the GPU on a stream of its own (as ``train.py`` does) and
+    runs the library's ``NoLoCo`` with ``every=1``: one call of ``step()`` is its AdamW step and an outer
+    step (encode, exchange over the in-process fabric, decode, update of φ, momentum and the model). The
+    GPU is idle otherwise; the first call (allocations) is left out.
+    """
+    from noloco.comm import LocalFabric
+    from noloco.optim import NoLoCo
+
+    cfg = _cfg(preset, [], Path("/tmp"))
+    vocab = summary_vocab(cfg)
+    times: dict[int, list[float]] = {}
+
+    def worker(transport) -> None:
+        device = torch.device("cuda")
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            torch.manual_seed(cfg.run.seed)
+            model = build_model(cfg, vocab).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            algo = NoLoCo(model, opt, transport, every=1, codec="int4", max_norm_ratio=10.0)
+            spent = []
+            for _ in range(repeats + 1):
+                for p in model.parameters():
+                    p.grad = torch.randn_like(p) * 1e-3
+                stream.synchronize()
+                started = time.perf_counter()
+                algo.step()
+                stream.synchronize()
+                spent.append(1e3 * (time.perf_counter() - started))
+            times[transport.rank] = spent[1:]
+
+    LocalFabric(2).run(worker)
+    every = [t for ms in times.values() for t in ms]
+    model = build_model(cfg, vocab)
+    return {"preset": preset, "label": "outer step alone, 2 workers (ms: AdamW + outer step)",
+            "params": sum(p.numel() for p in model.parameters()), "outer_ms_mean": sum(every) / len(every),
+            "outer_ms_min": min(every), "outer_ms_max": max(every)}  # fmt: skip
 
 
 def summary_vocab(cfg) -> int:
@@ -134,30 +188,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--presets", default="125m", help="comma-separated model presets (1.3b runs K=1 only)")
     parser.add_argument("--workers", default="1,4,8", help="K values for the noloco rows")
     parser.add_argument("--modes", default="eager,compiled")
-    parser.add_argument("--steps", type=int, default=100, help="inner steps per worker of each noloco run")
+    parser.add_argument("--steps", type=int, default=200, help="inner steps per worker of each noloco run")
     parser.add_argument("--plain-steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=50, help="H, inner steps between outer steps")
+    parser.add_argument("--outer-only", action="store_true", help="only time the outer step alone")
+    parser.add_argument("--no-plain", action="store_true", help="leave out the plain loops (rows of an earlier run)")
     common.add_out(parser, "gpu_train")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_train needs a CUDA GPU")
     run_dir = common.out_dir(args.out) / "runs"
-    rows = []
+    rows, alone = [], []
     for preset in args.presets.split(","):
+        alone.append(outer_step_alone(preset))
+        print(f"{preset}: outer step alone {alone[-1]['outer_ms_mean']:.1f} ms per worker "
+              f"(min {alone[-1]['outer_ms_min']:.1f}, max {alone[-1]['outer_ms_max']:.1f})", flush=True)
+        if args.outer_only:
+            continue
         ks = [1] if preset != "125m" else [int(k) for k in args.workers.split(",")]
         for mode in args.modes.split(","):
             compiled = mode == "compiled"
-            rows.append(plain_loop(preset, compiled, args.plain_steps, run_dir))
-            print("\n".join(table(rows[-1:])[2:]), flush=True)
+            if not args.no_plain:
+                rows.append(plain_loop(preset, compiled, args.plain_steps, run_dir))
+                print("\n".join(table(rows[-1:])[2:]), flush=True)
             for k in ks:
                 rows.append(noloco_run(preset, k, compiled, args.steps, args.every, run_dir))
                 print("\n".join(table(rows[-1:])[2:]), flush=True)
                 torch.cuda.empty_cache()
     machine, command = common.machine(), common.command("gpu_train", argv)
+    outer_lines = ["| model | outer step alone, ms per worker (mean) | min | max |", "|---|---|---|---|"]
+    outer_lines += [f"| {a['preset']} ({a['params'] / 1e6:.0f}M) | {a['outer_ms_mean']:.1f} | "
+                    f"{a['outer_ms_min']:.1f} | {a['outer_ms_max']:.1f} |" for a in alone]  # fmt: skip
     lines = ["# Training throughput on one GPU", "", f"Machine: {machine}  ", f"Command: `{command}`", "",
-             *table(rows)]  # fmt: skip
-    print("\n".join(table(rows)))
-    common.write_report(args.out, "gpu_train", lines, rows, command=command, machine=machine)
+             *(table(rows) if rows else []), "", *outer_lines]  # fmt: skip
+    print("\n".join(lines[5:]))
+    common.write_report(args.out, "gpu_train", lines, rows + alone, command=command, machine=machine)
 
 
 if __name__ == "__main__":

@@ -469,6 +469,14 @@ def train_tiny(docs: Docs, cmd: DocCommand, part: Part, step: Step, produces: st
     return shown(argv)
 
 
+def train_fragments(docs: Docs, cmd: DocCommand, part: Part, step: Step) -> str:
+    """``outer.fragments=k``: the tiny run with ``outer.every`` a multiple of k (the tiny run's 2 is not of 4)."""
+    k = int(next(w for w in part.argv if w.startswith("outer.fragments=")).split("=", 1)[1])
+    argv = [*part.argv, *docs.tiny_for(cmd, part.argv), f"outer.every={k}"]
+    docs.train(argv, cmd, step, part)
+    return shown(argv)
+
+
 def train_torch(docs: Docs, cmd, part, step, produces: str | None = None) -> str:
     """``backend=torch workers=4``: 2 worker processes (2 cores); other worker counts as written. A subprocess
     (in the background): its workers are processes anyway."""
@@ -483,6 +491,7 @@ def print_config(docs: Docs, cmd, part, step) -> str:
     rc, out = docs.python(part.argv, step.cwd, {**step.env, **part.env}, cmd.id)
     check(rc, out, part.raw)
     assert "outer:" in out and "peer:" in out, out
+    assert re.search(r"^  every: \d+ +# H: inner steps between outer steps$", out, re.M), out  # with its comment
     return part.raw
 
 
@@ -1118,7 +1127,8 @@ TABLE = [
     Rule(r"^bash scripts/setup\.sh( --test)?$", setup_sh, "bash -n; what it installs is installed"),
     Rule(r"^python -m pytest ", pytest_command, "--collect-only; the fuzz line at NOLOCO_FUZZ_SCALE=0.01",
          background=True),  # fmt: skip
-    Rule(r"^python -m pytest -q$", pytest_command, "--collect-only of the whole suite", background=True),
+    Rule(r"^python -m pytest -q( -n auto --dist loadfile)?$", pytest_command, "--collect-only of the whole suite",
+         background=True),  # fmt: skip
     Rule(r"^python train\.py --print-config$", print_config, "as written"),
     Rule(r"^python train\.py .*\bdevice=cuda\b", train_cuda, "tiny on a GPU; else --print-config with device=cpu"),
     Rule(r"^python train\.py resume=runs/<run>/checkpoints/latest$", train_resume,
@@ -1138,8 +1148,12 @@ TABLE = [
     Rule(r"^python train\.py comm\.codec=fp32$", train_tiny, "tiny", produces="fp32-run"),
     Rule(r"^python train\.py data\.source=hf .*data\.hf_path=\w+/", train_hub,
          "a hub dataset: offline here, so trains from a local copy or ends with the documented error line"),
+    Rule(r"^python train\.py (\S+ )*outer\.fragments=\d+( |$)", train_fragments,
+         "tiny, outer.every = the fragment count"),  # fmt: skip
     Rule(r"^python train\.py (outer\.|--config configs/|run\.name=\w+$|model\.source=hf |data\.source=hf |"
          r"data\.tokenizer=)", train_tiny, "tiny"),  # fmt: skip
+    Rule(r"^python train\.py log\.wandb\.project=\w+ log\.wandb\.mode=offline$", train_tiny,
+         "tiny, wandb offline (written under the run's wandb/)"),  # fmt: skip
     Rule(r"^python -c ", python_tool, "as written (in the runner)"),
     Rule(r"^python -m noloco\.(export|sample) runs/\w+ |^python -m noloco\.sample \w+/ ", python_tool,
          "as written, on the tiny run of the line that names it"),  # fmt: skip

@@ -552,11 +552,18 @@ class Layout:
             pending = algo.get("in_flight")
             if pending is not None:  # an overlapped round's exchange, finished before the save
                 where = "algorithm/in_flight"
-                _keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"})
-                _tensor(pending["snapshot"], f"{where}/snapshot", n)
+                _keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"}, {"part"})
+                size = n
+                if "part" in pending:  # one fragment's exchange (outer.fragments): the slice [start, stop) of φ
+                    part = pending["part"]
+                    if not (isinstance(part, list) and len(part) == 2 and all(_is_int(b) for b in part)
+                            and 0 <= part[0] < part[1] <= self.numel):  # fmt: skip
+                        raise _Malformed(f"{where}/part: not a slice of the {self.numel} parameters")
+                    size = (part[1] - part[0],)
+                _tensor(pending["snapshot"], f"{where}/snapshot", size)
                 for key in ("mean_delta", "mean_slow"):
                     if pending[key] is not None:
-                        _tensor(pending[key], f"{where}/{key}", n)
+                        _tensor(pending[key], f"{where}/{key}", size)
                 info = pending["info"]
                 _keys(info, f"{where}/info", {"round", "group", "skipped", "rejected"})
                 if not (_is_int(pending["round"]) and _is_int(info["round"]) and isinstance(info["group"], list)

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.utils import parameters_to_vector
 
 from noloco.train import backends, checkpoint
-from noloco.train.config import ConfigError, load_config
+from noloco.train.config import ConfigError, commented_yaml, load_config
 from noloco.train.data import DataError
 
 
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", action="append", default=[], help="YAML file merged over the defaults")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (with the comments of defaults.yaml) and exit")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="key=value overrides (omegaconf dotlist)")
     args = parser.parse_args(argv)
 
@@ -99,17 +100,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(
                     f"resume: checkpoint is at step {resume_step}, run has steps={cfg.steps}; raise steps= to continue"
                 )
-        if args.print_config:
-            print(OmegaConf.to_yaml(cfg))
+        if args.print_config:  # the resolved values, each with its comment from defaults.yaml
+            print(commented_yaml(cfg), end="")
             return 0
         if resume_from is not None:
             check_resume(cfg, resume_from, resume_step)  # all or nothing: before config.yaml or metrics change
         interrupt.install(signal.SIGINT)
         # local: threads of this process; torch: a process per worker; hivemind: one swarm peer (docs/swarm.md)
-        backends.launch(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)
-        if interrupt.solo.target is not None and interrupt.solo.target < cfg.steps:  # a swarm peer stopped early
-            folder = checkpoint.step_dir(interrupt.run_dir or Path("."), interrupt.solo.target)
-            raise checkpoint.Interrupted(interrupt.solo.target, interrupt.run_dir, (folder / "COMPLETE").exists())
+        backends.launch(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)  # Interrupted: Ctrl-C
         if interrupt.requested:  # after the last step: the run is complete
             print("interrupted after the last step: the run is complete", file=sys.stderr)
             return 130

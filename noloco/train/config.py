@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import sys
 from importlib import resources
 from pathlib import Path
@@ -30,6 +31,95 @@ def default_config() -> DictConfig:
     cfg = OmegaConf.create(text)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+# ------------------------------------------------------------------------ --print-config with comments
+_KEY_LINE = re.compile(r"^( *)([A-Za-z_][A-Za-z0-9_]*):(?=\s|$)")
+COMMENT_COLUMN = 24  # where defaults.yaml's comments start
+
+
+def _split_comment(line: str) -> tuple[str, str | None]:
+    """``(code, comment)`` of one YAML line: a ``#`` outside quotes, at the start or after a space."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            return line[:i].rstrip(), line[i + 1 :].strip()
+    return line.rstrip(), None
+
+
+def key_comments(text: str) -> dict[str, tuple[list[str], list[str]]]:
+    """The comments of each key path of a block-style YAML text such as ``defaults.yaml``.
+
+    ``{"outer.every": (above, beside)}``: ``above`` are the comment lines just above the key (a heading of
+    what follows), ``beside`` the comment on the key's line and the comment-only lines below it that start
+    right of the key's code (they continue it). The file's opening comments belong to no key. Keys inside
+    lists and block scalars are not read (defaults.yaml has none).
+    """
+    comments: dict[str, tuple[list[str], list[str]]] = {}
+    stack: list[tuple[int, str]] = []  # (indent, key) of the enclosing keys
+    pending: list[str] = []  # comment lines waiting for the key below them
+    last: tuple[int, list[str]] | None = None  # where the previous key's code ends, and its comment lines
+    seen_key = False
+    for raw in text.splitlines():
+        code, comment = _split_comment(raw)
+        if not code.strip():
+            if comment is None:  # a blank line ends a comment block
+                pending, last = [], None
+                continue
+            indent = len(raw) - len(raw.lstrip())
+            if last is not None and last[1] and indent > last[0]:
+                last[1].append(comment)  # continues the comment of the key above
+            elif seen_key:
+                pending.append(comment)
+                last = None
+            continue
+        match = _KEY_LINE.match(code)
+        if match is None:  # a list item or a block scalar's text: not a key of its own
+            continue
+        indent, key = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, key))
+        path = ".".join(k for _, k in stack)
+        beside = [comment] if comment else []
+        comments[path] = (pending, beside)
+        pending, last, seen_key = [], (len(code), beside), True
+    return comments
+
+
+def commented_yaml(cfg: DictConfig, defaults_text: str | None = None) -> str:
+    """``cfg`` as YAML (its values: overrides included) with each key's comment from ``defaults.yaml``.
+
+    Keys that ``defaults.yaml`` does not have are printed without a comment.
+    """
+    if defaults_text is None:
+        defaults_text = resources.files("noloco.train").joinpath("defaults.yaml").read_text()
+    comments = key_comments(defaults_text)
+    out: list[str] = []
+    stack: list[tuple[int, str]] = []
+    for line in OmegaConf.to_yaml(cfg).splitlines():
+        match = _KEY_LINE.match(line)
+        if match is None:
+            out.append(line)
+            continue
+        indent, key = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, key))
+        above, beside = comments.get(".".join(k for _, k in stack), ([], []))
+        out += [" " * indent + "# " + text for text in above]
+        if not beside:
+            out.append(line)
+            continue
+        column = max(COMMENT_COLUMN, len(line) + 2)
+        out.append(line.ljust(column) + "# " + beside[0])
+        out += [" " * column + "# " + text for text in beside[1:]]
+    return "\n".join(out) + "\n"
 
 
 def _merge(cfg: DictConfig, other: DictConfig, origin: str) -> DictConfig:
@@ -134,6 +224,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.precision in ("auto", "bf16", "fp32"), f"precision={cfg.precision!r} is not one of auto, bf16, fp32")
     _require(isinstance(cfg.compile, bool), f"compile must be true or false, got {cfg.compile!r}")
     _require(cfg.log.flush_every is None or cfg.log.flush_every >= 1, "log.flush_every must be >= 1 (or null)")
+    _validate_wandb(cfg.log.wandb)
     outer = cfg.outer
     _require(outer.algo in ALGOS, f"outer.algo={outer.algo!r} is not one of {ALGOS}")
     _require(outer.every >= 1, f"outer.every must be >= 1, got {outer.every}")
@@ -176,6 +267,13 @@ def validate(cfg: DictConfig) -> None:
     _require(not (outer.overlap and inner.processes > 1),
              "outer.overlap does not run with inner.processes > 1 yet (a worker of several processes)")  # fmt: skip
     _require(not (outer.overlap and outer.algo == "ddp"), "outer.overlap is for the outer algorithms, not ddp")
+    fragments = outer.fragments
+    _require(isinstance(fragments, int) and not isinstance(fragments, bool) and fragments >= 1,
+             f"outer.fragments must be an integer >= 1, got {fragments!r}")  # fmt: skip
+    _require(outer.every % fragments == 0, f"outer.fragments={fragments} does not divide outer.every={outer.every}")
+    _require(fragments == 1 or outer.algo != "ddp", "outer.fragments is for the outer algorithms, not ddp")
+    _require(fragments == 1 or cfg.backend != "hivemind",
+             "outer.fragments > 1 does not run on backend=hivemind yet (its matchmaking counts rounds of outer.every)")
     _require(
         inner.processes == 1 or cfg.backend == "torch",
         f"inner.processes={inner.processes} needs backend=torch (a process per device of a worker)",
@@ -199,6 +297,23 @@ def validate(cfg: DictConfig) -> None:
     from noloco.train.model import PRESETS
 
     _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
+    _validate_peer(cfg.peer)
+
+
+def _validate_peer(peer) -> None:
+    """The swarm's limits against hostile peers (``peer.*``, docs/swarm.md): counts and seconds in range."""
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    for key, least in (("max_unauth_per_peer", 1), ("max_unauth_streams", 1), ("state_burst", 1),
+                       ("state_concurrency", 1), ("strikes_before_penalty", 1), ("penalty_rounds", 0),
+                       ("max_penalty_rounds", 1)):  # fmt: skip
+        value = peer[key]
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= least,
+                 f"peer.{key} must be an integer >= {least}, got {value!r}")  # fmt: skip
+    for key in ("header_timeout", "state_interval"):
+        _require(number(peer[key]) and peer[key] > 0, f"peer.{key} must be a number of seconds > 0, got {peer[key]!r}")
 
 
 def _exists(spec) -> bool:
@@ -229,3 +344,18 @@ def _validate_sources(cfg: DictConfig) -> None:
     _require(isinstance(data.stream_sample, int) and data.stream_sample >= 1, "data.stream_sample must be >= 1")
     _require(data.tokenizer is None or Path(str(data.tokenizer)).expanduser().exists(),
              f"data.tokenizer={data.tokenizer!r}: no such file or folder")  # fmt: skip
+
+
+def _validate_wandb(wandb) -> None:
+    """``log.wandb``: a known mode; with a project set, the wandb package installed (found, not imported)."""
+    from importlib.util import find_spec
+
+    from noloco.train.metrics import WANDB_MODES
+
+    _require(wandb.mode in WANDB_MODES, f"log.wandb.mode={wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
+    if wandb.project:
+        _require(
+            find_spec("wandb") is not None,
+            f"log.wandb.project={wandb.project!r} needs wandb, which is not installed: pip install 'noloco[wandb]' "
+            "(or drop log.wandb.project)",
+        )

@@ -648,3 +648,24 @@ def eval_batches(
     starts = torch.linspace(0, last, n_batches * batch_size).long().clamp_(0, last)
     windows = _to_device(_windows(tokens, starts, seq_len), device)
     return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
+
+
+def stream_summary(steps: int, streams: list[dict | None]) -> dict:
+    """``summary.json``'s keys for a streamed corpus (``data.streaming``), from each worker's
+    ``StreamSampler.report()`` (None: not streamed): nothing for a corpus read ahead. A shard that ended before
+    ``steps`` was started again; ``stream_note`` says whose, at which steps, and that its text was repeated."""
+    if not any(streams):
+        return {}
+    out = {
+        "stream_shards": [s and [s["shard"], s["shards"]] for s in streams],
+        "stream_epochs_by_worker": [s and s["epoch"] + 1 for s in streams],
+        "stream_ends_by_worker": [s and s["ends"] for s in streams],
+    }
+    ended = [(rank, s["ends"]) for rank, s in enumerate(streams) if s and s["ends"]]
+    if ended:
+        where = "; ".join(f"worker {rank} at step{'s' * (len(ends) > 1)} {', '.join(map(str, ends))}"
+                          for rank, ends in ended)  # fmt: skip
+        out["stream_note"] = (f"data.streaming: {len(ended)} of {len(streams)} workers' shards ended before "
+                              f"steps={steps} and were started again ({where}): their documents were trained on "
+                              "more than once")  # fmt: skip
+    return out

@@ -5,7 +5,7 @@ round robin over the visible GPUs by their index on this host) or ``cuda:N`` (ev
 process on GPU N). ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``bf16`` (autocast of
 the forward and backward in bfloat16; the weights, gradients, AdamW state and every outer buffer
 stay fp32: "fp32 master weights") or ``fp32``. ``compile: true`` wraps the module the loop calls in
-``torch.compile``. A GPU asked for on a machine without one is a config error (exit 2), found
+``torch.compile`` (:class:`CompiledForward`). A GPU asked for on a machine without one is a config error (exit 2), found
 before any work.
 
 MFU (model FLOPs utilisation) counts ``6·N + 12·layers·dim·seq`` FLOPs per trained token (N the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 
@@ -55,6 +56,64 @@ def worker_device(name: str, index: int) -> torch.device:
     if name == "cuda":
         return torch.device("cuda", index % torch.cuda.device_count())
     return torch.device(name)
+
+
+#: held while a compiled module of this process runs forward or backward (see :class:`CompiledForward`)
+COMPILE_LOCK = threading.Lock()
+
+
+class CompiledForward:
+    """``torch.compile(module)`` that K worker threads of one process can share safely.
+
+    While torch.compile traces a graph it sets a process-wide flag, and a compiled module called from
+    another thread meanwhile fails ("using FX to symbolically trace a dynamo-optimized function"). With
+    K simulated workers (``backend=local``) each compiles its own model, at its first step, while
+    others already train. So every forward and backward of a compiled model runs under one lock: only
+    the host-side launch is serialized (the GIL serializes it anyway); the GPU work stays asynchronous.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.compiled = torch.compile(module)
+
+    def __call__(self, *args, **kwargs):
+        with COMPILE_LOCK:
+            return self.compiled(*args, **kwargs)
+
+    @staticmethod
+    def backward(loss: torch.Tensor) -> None:
+        with COMPILE_LOCK:  # the first backward compiles the backward graph
+            loss.backward()
+
+
+def backward(forward, loss: torch.Tensor) -> None:
+    """``loss.backward()``, under :data:`COMPILE_LOCK` when ``forward`` is a :class:`CompiledForward`."""
+    if isinstance(forward, CompiledForward):
+        forward.backward(loss)
+    else:
+        loss.backward()
+
+
+def worker_stream(device: torch.device):
+    """The context a worker runs in: on CUDA, a stream of its own for everything this thread queues.
+
+    K simulated workers share one GPU (``backend=local``): on one shared stream, every host read of one
+    worker (its loss, the outer step's checks and its message copies) would wait for all the kernels the
+    other workers had queued before it. On its own stream a worker waits for its own work only, and the
+    GPU still runs the K streams' kernels back to back. A no-op on the CPU.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work this thread queued on ``device`` (its stream, not the whole GPU); no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

@@ -548,7 +548,8 @@ class StreamSampler:
     windows (the arguments only check that it is this worker's). The position, :meth:`state_dict`
     (JSON-able: the epoch, the dataset's own ``state_dict()`` before the current document, and how many
     of its tokens were used), restores with :meth:`load_state_dict` to continue exactly: the same batches
-    as if the run had not stopped. At the end of its shard a worker starts it again (the next epoch).
+    as if the run had not stopped. At the end of its shard a worker starts it again (the next epoch);
+    ``ends`` lists the steps whose batch crossed an end, and :meth:`report` goes into ``summary.json``.
     """
 
     def __init__(self, opts: dict, rank: int, world: int, seq_len: int, batch_size: int, tokenizer_path,
@@ -562,6 +563,8 @@ class StreamSampler:
         self.epoch = 0
         self.position: dict | None = None  # the dataset's state before the current document (None: its start)
         self.offset = 0  # tokens of the current document already used
+        self.ends: list[int] = []  # the steps whose batch reached the end of the shard (and started it again)
+        self._step = 0
         self._dataset = None
         self._iterator: Iterator | None = None
         self._tokens = np.zeros(0, dtype=np.int64)  # the current document's tokens
@@ -602,6 +605,7 @@ class StreamSampler:
                     raise DataError(f"{_label(self.opts)}: worker {self.rank}'s shard (of {self.world}) holds no "
                                     "training documents")  # fmt: skip
                 self.epoch, self.position, self._iterator, empty_epoch = self.epoch + 1, None, None, True
+                self.ends.append(self._step)
                 continue
             text = _text(example[self._name], f"{_label(self.opts)} (worker {self.rank}'s shard)", self._name)
             if text_digest(text) in self.held_out:
@@ -614,6 +618,7 @@ class StreamSampler:
     def batch(self, worker: int, step: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         if worker != self.rank:
             raise ValueError(f"this stream sampler is worker {self.rank}'s, not worker {worker}'s")
+        self._step = int(step)
         need = self.batch_size * (self.seq_len + 1)
         parts, have = [], 0
         if self._iterator is None and self.position is not None:  # resumed: read the current document again
@@ -642,7 +647,11 @@ class StreamSampler:
     def state_dict(self) -> dict:
         """Where the stream is (JSON-able, for a checkpoint)."""
         return {"version": STREAM_FORMAT, "rank": self.rank, "world": self.world, "epoch": self.epoch,
-                "position": self.position, "offset": self.offset}  # fmt: skip
+                "position": self.position, "offset": self.offset, "ends": list(self.ends)}  # fmt: skip
+
+    def report(self) -> dict:
+        """What ``summary.json`` says of this worker's stream: its shard, passes begun, the steps it ended at."""
+        return {"shard": self.shard, "shards": self.world, "epoch": self.epoch, "ends": list(self.ends)}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STREAM_FORMAT or state.get("world") != self.world or state.get("rank") != self.rank:
@@ -651,4 +660,5 @@ class StreamSampler:
                 f"(format {state.get('version')}); this is worker {self.rank} of {self.world}"
             )
         self.epoch, self.position, self.offset = int(state["epoch"]), state["position"], int(state["offset"])
+        self.ends = [int(s) for s in state.get("ends", [])]  # (absent from checkpoints written before it was kept)
         self._iterator, self._dataset, self._tokens = None, None, np.zeros(0, dtype=np.int64)

@@ -26,7 +26,18 @@ from noloco.optim.algorithms import copy_flat_into
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.data import BatchSampler, TokenizedCorpus, eval_batches
-from noloco.train.device import autocast, flops_per_token, local_index, peak_tflops, resolve_precision, worker_device
+from noloco.train.device import (
+    CompiledForward,
+    autocast,
+    backward,
+    flops_per_token,
+    local_index,
+    peak_tflops,
+    resolve_precision,
+    synchronize,
+    worker_device,
+    worker_stream,
+)
 from noloco.train.metrics import MetricsLogger
 from noloco.train.model import LLaMA, model_config
 
@@ -47,6 +58,7 @@ class WorkerResult:
     nonfinite_events: int = 0
     norm_rejections: int = 0  # partners' contributions the outer exchange's norm bound refused
     peak_memory_bytes: int = 0  # peak GPU memory allocated by this worker's process (CUDA only)
+    stream: dict | None = None  # data.streaming: its shard and where it ended (StreamSampler.report)
 
 
 def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
@@ -98,6 +110,7 @@ def build_algorithm(
     common["max_norm_ratio"] = comm.max_norm_ratio
     common["group_timeout"] = comm.group_timeout
     common["overlap"] = outer.overlap
+    common["fragments"] = outer.fragments
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
     own = {  # each outer algorithm's own knobs
@@ -262,7 +275,7 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
     worker = Worker(
         rank=backend.rank,
         model=model,
-        forward=torch.compile(forward) if cfg.compile else forward,
+        forward=CompiledForward(forward) if cfg.compile else forward,
         opt=opt,
         schedule=schedule,
         algo=algo,
@@ -286,7 +299,12 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
 
 
 def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
-    """One worker's whole run on ``backend``; returns its final numbers."""
+    """One worker's whole run on ``backend``, on a CUDA stream of its own on a GPU; returns its final numbers."""
+    with worker_stream(worker_device(str(ctx.cfg.device), local_index(backend.rank))):
+        return _train(ctx, backend)
+
+
+def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
     cfg = ctx.cfg
     worker = build_worker(ctx, backend)
     algo = worker.algo
@@ -321,6 +339,7 @@ def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
         nonfinite_events=algo.nonfinite_events,
         norm_rejections=algo.norm_rejections.total,
         peak_memory_bytes=torch.cuda.max_memory_allocated(worker.device) if worker.device.type == "cuda" else 0,
+        stream=worker.sampler.report() if hasattr(worker.sampler, "report") else None,
     )
 
 
@@ -404,22 +423,21 @@ def inner_step(cfg: DictConfig, worker: Worker, step: int):
         inputs, targets = worker.sampler.batch(worker.rank, step, device=worker.device)
     with autocast(worker.device, worker.precision):
         _, loss = worker.forward(inputs, targets)
-    loss.backward()
+    backward(worker.forward, loss)
     worker.algo.sync_gradients()
     if cfg.inner.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(worker.model.parameters(), cfg.inner.grad_clip)
     lr = worker.schedule.get_last_lr()[0]
-    every = getattr(worker.algo, "every", 0)
-    if every and (worker.algo.inner_step + 1) % every == 0 and worker.device.type == "cuda":
-        torch.cuda.synchronize(worker.device)  # outer_ms then times the outer step, not the queued inner steps
+    every = getattr(worker.algo, "period", 0)  # inner steps between exchanges: outer.every / outer.fragments
+    if every and (worker.algo.inner_step + 1) % every == 0:
+        synchronize(worker.device)  # outer_ms then times the outer step, not this worker's queued inner steps
     started = time.perf_counter()
     outer_round = worker.algo.step()
     if step == cfg.steps:  # an exchange still in flight (outer.overlap) lands before the final evaluation
         outer_round = worker.algo.finish() or outer_round
     outer_seconds = None
     if outer_round is not None:
-        if worker.device.type == "cuda":
-            torch.cuda.synchronize(worker.device)
+        synchronize(worker.device)
         outer_seconds = time.perf_counter() - started
     worker.schedule.step()
     return loss.detach(), lr, outer_round, outer_seconds
@@ -440,6 +458,8 @@ def step_record(worker: Worker, step: int, lr: float, outer_round, tokens_per_st
     }
     if outer_round is not None:
         record["outer_round"], record["group"] = outer_round.round, outer_round.group
+        if outer_round.fragment is not None:  # outer.fragments > 1: which fragment this exchange carried
+            record["fragment"] = outer_round.fragment
         if outer_round.skipped:
             record["outer_skipped"] = outer_round.skipped
     if algo.norm_rejections.total:

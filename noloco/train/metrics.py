@@ -1,24 +1,100 @@
-"""Run metrics: one JSON line per (worker, step) in ``metrics.jsonl`` plus TensorBoard scalars.
+"""Run metrics: one JSON line per (worker, step) in ``metrics.jsonl`` plus TensorBoard scalars, and
+optionally the same scalars in Weights & Biases (``log.wandb.project``, the ``wandb`` extra).
 
 Thread-safe, so simulated workers of one process share one logger. On resume, records after the
 checkpoint step are dropped from ``metrics.jsonl`` and TensorBoard purges them, so the files read
 as one uninterrupted run.
+
+wandb: one wandb run per worker (a swarm peer: one per peer), all of a noloco run in one wandb group
+(``log.wandb.group``, default the run's name), each run's x axis the inner ``step``; ``mode=offline``
+writes them under ``runs/<run>/wandb/`` for ``wandb sync`` later. A resumed run continues each worker's
+wandb run (its id is kept in ``wandb/<worker>.id``); the steps between the checkpoint and the stop are
+logged again. wandb is imported only when a project is set (``noloco.train.config`` refuses the run
+at start-up when it is not installed).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 from pathlib import Path
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def wandb_options(cfg, group: str, name: str | None = None) -> dict | None:
+    """What :class:`MetricsLogger` needs to log to wandb, from ``cfg.log.wandb``; None when no project is set.
+
+    ``group``: the wandb group when ``log.wandb.group`` is null (the run's name); ``name``: the one wandb
+    run's name of a process that logs a single worker under its own name (a swarm peer), else each
+    worker's run is ``<group>/worker<w>``. The run's whole config is the wandb config."""
+    from omegaconf import OmegaConf
+
+    settings = cfg.log.get("wandb")
+    if settings is None or not settings.get("project"):
+        return None
+    return {
+        "project": str(settings.project),
+        "entity": settings.get("entity"),
+        "mode": str(settings.get("mode") or "online"),
+        "group": str(settings.get("group") or group),
+        "tags": [str(t) for t in settings.get("tags") or []],
+        "name": name,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+class WandbRuns:
+    """One wandb run per worker, started at the worker's first record (``reinit="create_new"``: several runs
+    of one process at once, as the local backend's threads need). Not thread-safe: the caller holds a lock."""
+
+    def __init__(self, run_dir: Path, options: dict, resume: bool):
+        import wandb
+
+        self.wandb, self.options, self.resume = wandb, options, resume
+        self.folder = Path(run_dir) / "wandb"  # wandb writes its own files under <dir>/wandb/
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.runs: dict[int, object] = {}
+
+    def _start(self, worker: int):
+        opts = self.options
+        id_file = self.folder / f"worker{worker}.id"
+        run_id = id_file.read_text().strip() if self.resume and id_file.is_file() else None
+        if run_id is None:
+            run_id = secrets.token_hex(6)  # wandb ids: letters, digits, - and _
+            id_file.write_text(run_id + "\n")
+        name = opts["name"] or f"{opts['group']}/worker{worker}"
+        run = self.wandb.init(
+            project=opts["project"], entity=opts["entity"], group=opts["group"], name=name, tags=opts["tags"],
+            id=run_id, resume="allow", mode=opts["mode"],
+            dir=str(self.folder.parent), config={**opts["config"], "worker": worker}, reinit="create_new",
+            settings=self.wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )  # fmt: skip
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+        return run
+
+    def log(self, worker: int, step: int, scalars: dict) -> None:
+        if worker not in self.runs:
+            self.runs[worker] = self._start(worker)
+        self.runs[worker].log({**scalars, "step": step})
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.finish()
+        self.runs.clear()
 
 
 class MetricsLogger:
     """``filename``: ``metrics.jsonl`` for one process; ``metrics.rank<r>.jsonl`` per process of a
-    multi-process run (all ``metrics*.jsonl`` of a run folder are read together)."""
+    multi-process run (all ``metrics*.jsonl`` of a run folder are read together). ``wandb``:
+    :func:`wandb_options` (None: no wandb)."""
 
     def __init__(
-        self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None, filename: str = "metrics.jsonl"
-    ):
+        self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None, filename: str = "metrics.jsonl",
+        wandb: dict | None = None,
+    ):  # fmt: skip
         self.path = Path(run_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -37,22 +113,28 @@ class MetricsLogger:
             if filename != "metrics.jsonl":
                 folder = folder / Path(filename).stem.removeprefix("metrics.")
             self._writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
+        self._wandb = WandbRuns(run_dir, wandb, resume=resume_step is not None) if wandb else None
 
     def log(self, record: dict) -> None:
-        """``record`` must hold ``worker`` and ``step``; numeric fields also go to TensorBoard."""
+        """``record`` must hold ``worker`` and ``step``; numeric fields also go to TensorBoard and wandb."""
         with self._lock:
             self._file.write(json.dumps(record) + "\n")
+            worker, step = record["worker"], record["step"]
+            scalars = {key: value for key, value in record.items()
+                       if key not in ("worker", "step") and isinstance(value, (int, float))}  # fmt: skip
             if self._writer is not None:
-                worker, step = record["worker"], record["step"]
-                for key, value in record.items():
-                    if key not in ("worker", "step") and isinstance(value, (int, float)):
-                        self._writer.add_scalar(f"{key}/worker{worker}", value, step)
+                for key, value in scalars.items():
+                    self._writer.add_scalar(f"{key}/worker{worker}", value, step)
+            if self._wandb is not None:
+                self._wandb.log(worker, step, scalars)
 
     def close(self) -> None:
         with self._lock:
             self._file.close()
             if self._writer is not None:
                 self._writer.close()
+            if self._wandb is not None:
+                self._wandb.close()
 
 
 def metrics_files(run_dir: Path) -> list[Path]:

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from noloco.train import checkpoint
-from noloco.train.data import eval_batches, prepare_corpus
+from noloco.train.data import eval_batches, prepare_corpus, stream_summary
 from noloco.train.loop import WorkerResult, build_model
 from noloco.train.plots import plot_runs
 
@@ -31,15 +31,20 @@ class Progress:
 
     ``workers``: how many workers of this process report through :meth:`advance` (all of them on the
     local backend, this process's own on the others). A 200-step run of 4 workers shows 200 steps.
+    A swarm peer also shows its last round (:meth:`note`), what it waits for (:meth:`status`: joining,
+    finding partners) and its own lines above the bar (:meth:`write`).
     """
 
-    def __init__(self, total: int, initial: int, workers: int, enabled: bool, desc: str = "training"):
+    def __init__(self, total: int, initial: int, workers: int, enabled: bool, desc: str = "training",
+                 quiet_start: bool = False):  # fmt: skip
         from tqdm import tqdm
 
         self._lock = threading.Lock()
-        self._workers, self._initial = workers, initial
+        self._workers, self._initial, self._desc = workers, initial, desc
         self._steps: dict[int, int] = {}
         self._losses: dict[int, float] = {}
+        self._notes: dict[str, str] = {}
+        self._tty = enabled and sys.stderr.isatty()
         self._bar = tqdm(
             total=total,
             initial=initial,
@@ -49,6 +54,7 @@ class Progress:
             dynamic_ncols=True,
             desc=desc,
             mininterval=0.2 if sys.stderr.isatty() else 15.0,
+            delay=1e-6 if quiet_start else 0.0,  # no line at 0 steps (a peer prints its joining lines first)
         )
 
     def advance(self, rank: int, loss: float) -> None:
@@ -56,13 +62,51 @@ class Progress:
             self._steps[rank] = self._steps.get(rank, self._initial) + 1
             self._losses[rank] = loss
             done = min(self._steps.values()) if len(self._steps) >= self._workers else self._initial
-            finite = [x for x in self._losses.values() if x == x]
-            if finite:
-                self._bar.set_postfix(loss=f"{sum(finite) / len(finite):.3f}", refresh=False)
+            self._show(refresh=False)
             if done > self._bar.n:
                 self._bar.update(done - self._bar.n)
 
+    def _show(self, refresh: bool) -> None:
+        finite = [x for x in self._losses.values() if x == x]
+        loss = {"loss": f"{sum(finite) / len(finite):.3f}"} if finite else {}
+        self._bar.set_postfix({**loss, **self._notes}, refresh=refresh)
+
+    def note(self, **fields: str) -> None:
+        """Show ``fields`` beside the loss (a swarm peer's last round: ``round="3 with peer-1"``)."""
+        with self._lock:
+            self._notes.update(fields)
+            self._show(refresh=self._tty)
+
+    def status(self, text: str | None) -> None:
+        """What the worker waits for now, shown in place of the bar's description (None: back to it).
+
+        On a terminal the bar is redrawn at once; in a log (not a TTY) the next periodic line shows it.
+        """
+        with self._lock:
+            self._bar.set_description_str(text or self._desc, refresh=self._tty)
+
+    def write(self, line: str) -> None:
+        """Print ``line`` on stdout above the bar (redrawn below it on a terminal)."""
+        if self._tty:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            print(line)
+        sys.stdout.flush()
+
+    def start_at(self, step: int) -> None:
+        """The worker starts at ``step`` (a swarm peer that joined from a live peer's state)."""
+        with self._lock:
+            self._initial = step
+            self._steps.clear()
+            bar = self._bar
+            bar.initial = bar.n = bar.last_print_n = step
+            if not bar.disable:  # the rate counts from here
+                bar.start_t = bar.last_print_t = bar._time()
+            if self._tty:
+                bar.refresh()
+
     def close(self) -> None:
+        self._bar.delay = 0.0  # the last state is shown even if a quiet start never showed the bar
         self._bar.close()
 
 
@@ -222,7 +266,7 @@ def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list
         nonfinite_events_by_worker=[r.nonfinite_events for r in results],
         norm_rejections_by_worker=[r.norm_rejections for r in results],
         checkpoint_bytes_per_worker=checkpoint.bytes_per_worker(run_dir),
-        extra=dict(extra or {}),
+        extra={**stream_summary(cfg.steps, [r.stream for r in results]), **(extra or {})},
     )
 
 

@@ -39,7 +39,7 @@ from noloco.optim import OuterAlgorithm
 from noloco.train import checkpoint
 from noloco.train.backends.local import WorldBackend, check_vocab
 from noloco.train.loop import RunContext, WorkerResult, train_worker
-from noloco.train.metrics import MetricsLogger
+from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.run import Progress, default_run_name, finish, prepare, relative_spread, summarize, weight_sketch
 
 
@@ -266,7 +266,8 @@ def run_rank(
             replicas = Replicas(ddp_groups[worker], hook_groups[worker], worker * k, cfg.inner.grad_codec,
                                 cfg.inner.grad_error_feedback, cfg.comm.recv_timeout)  # fmt: skip
         metrics = MetricsLogger(folder, tensorboard=cfg.log.tensorboard, filename=f"metrics.rank{rank}.jsonl",
-                                resume_step=resume_step if resume_from else None)  # fmt: skip
+                                resume_step=resume_step if resume_from else None,
+                                wandb=wandb_options(cfg, folder.name))  # fmt: skip
         progress = Progress(cfg.steps, resume_step, 1, cfg.log.progress and not quiet and rank == 0)
         ctx = RunContext(cfg, corpus, folder, metrics, Path(resume_from) if resume_from else None, resume_step,
                          progress, stop_after)  # fmt: skip

@@ -27,6 +27,12 @@ served and refused, peak resident memory). The run key comes from
 ``peer.run_key`` or ``$NOLOCO_RUN_KEY``; it is removed from the config before anything is written.
 Failure modes: no key → error at start; a dead or silent partner costs at most ``comm.recv_timeout``
 (usually much less: a failed stream or confirmation), and the round is skipped.
+
+Progress: the same step bar as every backend (:class:`~noloco.train.run.Progress`), with the last round's
+partners or outcome and, while a round looks for partners, ``round r: finding partners``; each phase
+before it (DHT start, joining) prints a line. Ctrl-C: the peer stops at its next step, saves a checkpoint
+and exits 130 with the resume line (:class:`PeerInterrupted`), with no ``summary.json`` and without
+listing itself as finished in the registry (round -1 means "completed" to the other peers).
 """
 
 from __future__ import annotations
@@ -42,9 +48,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm.base import CommError
+from noloco.gossip.base import Group, GroupSource
 from noloco.optim import OuterAlgorithm, OuterState
 from noloco.swarm import (
     STATE_SERVICE,
+    PeerIdentity,
     PeerRegistry,
     RunRecordValidator,
     StateError,
@@ -59,11 +67,12 @@ from noloco.swarm import (
     start_peer_dht,
     step_bound,
 )
+from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.config import ConfigError
 from noloco.train.loop import RunContext, WorkerResult, build_model, train_worker
-from noloco.train.metrics import MetricsLogger
-from noloco.train.run import finish, load_corpus, summarize
+from noloco.train.metrics import MetricsLogger, wandb_options
+from noloco.train.run import Progress, finish, load_corpus, summarize
 
 
 def _peer_rank(peer_id: str) -> int:
@@ -79,6 +88,7 @@ class HivemindBackend(Backend):
 
     name = "hivemind"
     skip_failed_rounds = True
+    progress: Progress | None = None  # the peer's step bar (set by launch): rounds and waits are shown on it
 
     def __init__(self, cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, rank: int, say, validator=None):
         super().__init__(rank)
@@ -90,8 +100,11 @@ class HivemindBackend(Backend):
             dht, endpoint, name, group_size=group_size, window=cfg.peer.window, slack=cfg.peer.slack,
             confirm_timeout=cfg.peer.confirm_timeout, timeout=cfg.peer.matchmaking_timeout, seed=cfg.run.seed,
             expected=self._expected, front=self._front, others=self._others, alone_after=cfg.peer.live_timeout,
+            penalty_rounds=cfg.peer.penalty_rounds, strikes_before_penalty=cfg.peer.strikes_before_penalty,
+            max_penalty_rounds=cfg.peer.max_penalty_rounds,
         )  # fmt: skip
-        self.state = StateServer()
+        self.state = StateServer(interval=cfg.peer.state_interval, concurrency=cfg.peer.state_concurrency,
+                                 burst=cfg.peer.state_burst)  # fmt: skip
         self.state.register(endpoint, STATE_SERVICE)
         self.joined_from: dict = {}
         self._heartbeat = time.monotonic()
@@ -115,8 +128,8 @@ class HivemindBackend(Backend):
         return sum(1 for e in self._fresh() if e["round"] >= 0)
 
     # --- the Backend interface ------------------------------------------------------------------------
-    def groups(self) -> SwarmMatchmaking:
-        return self.matchmaking
+    def groups(self) -> GroupSource:
+        return self.matchmaking if self.progress is None else ShownRounds(self.matchmaking, self.progress)
 
     def publish(self, step: int, next_round: int | None = None) -> None:
         """List this peer as live (best effort: the DHT may be unreachable for a moment)."""
@@ -133,10 +146,15 @@ class HivemindBackend(Backend):
     def start(self, algo, model: torch.nn.Module) -> int:
         self._serve(algo)
         self.publish(0)  # listed (at step 0) before waiting, so peers waiting with peer.wait_for_peers see each other
+        if self.progress is not None:
+            self.progress.status("joining the swarm")
         start = join_swarm(self.cfg, self.endpoint, self.registry, algo, self.joined_from, self.say, self._implausible)
         self._serve(algo)
         self.matchmaking.next_round = start // self.cfg.outer.every
         self.publish(start)
+        if self.progress is not None:
+            self.progress.status(None)
+            self.progress.start_at(start)
         return start
 
     def after_step(self, step: int, algo) -> None:
@@ -145,6 +163,8 @@ class HivemindBackend(Backend):
             rounds = self.matchmaking.rounds
             if info.skipped and rounds and rounds[-1].outcome == "joined":  # formed, exchange failed
                 rounds[-1].outcome = f"exchange failed: {info.skipped}"
+            if rounds and self.progress is not None:
+                self.progress.note(round=round_note(rounds[-1]))
             self._serve(algo)
         # after every outer round, and as a heartbeat while a long round runs (others wait only for
         # peers that published within peer.live_timeout)
@@ -164,6 +184,57 @@ class HivemindBackend(Backend):
             self.state.update(state.step, state.slow, state.velocity)
 
 
+class PeerInterrupted(checkpoint.Interrupted):
+    """Ctrl-C on a swarm peer: its resume line also says that the run key is needed again (it is never saved)."""
+
+    def line(self) -> str:
+        line = super().line()
+        return line + " (and the run key: NOLOCO_RUN_KEY or peer.run_key)" if "resume=" in line else line
+
+
+class ShownRounds(GroupSource):
+    """The peer's matchmaking as its group source, showing on the step bar while a round looks for partners.
+
+    After Ctrl-C a round that has not begun is skipped at once (the peer stops and saves at this step;
+    it does not announce itself ready to peers it is leaving).
+    """
+
+    def __init__(self, matchmaking: SwarmMatchmaking, progress: Progress):
+        self.matchmaking, self.progress = matchmaking, progress
+        self.counter = matchmaking.counter
+
+    def form(self, round_index: int, timeout: float) -> Group | None:
+        if checkpoint.INTERRUPT.requested:
+            return None
+        wait = min(timeout, self.matchmaking.timeout)
+        self.progress.status(f"round {max(round_index, self.matchmaking.next_round)}: finding partners (≤ {wait:g} s)")
+        try:
+            return self.matchmaking.form(round_index, timeout)
+        finally:
+            self.progress.status(None)
+
+    def release(self, group: Group) -> None:
+        self.matchmaking.release(group)
+
+
+def round_note(record) -> str:
+    """One round on the step bar: ``3 with peer-1`` or ``3 alone (no partner)``."""
+    if record.outcome == "joined":
+        return f"{record.round} with {', '.join(record.partners)}"
+    outcome = record.outcome if len(record.outcome) <= 40 else record.outcome[:39] + "…"
+    return f"{record.round} alone ({outcome})"
+
+
+def _announce(cfg: DictConfig, corpus, say) -> int:
+    """Print what this peer runs (as every backend does); returns the model's parameter count."""
+    with torch.device("meta"):  # shapes only: nothing allocated
+        params = build_model(cfg, corpus.vocab_size).num_parameters()
+    say(f"noloco peer: {cfg.outer.algo} ({cfg.comm.codec}) · {params / 1e6:.2f}M params · {cfg.steps} steps · "
+        f"data {cfg.data.source}: {corpus.train.size:,} train / {corpus.val.size:,} held-out tokens · "
+        f"swarm {cfg.peer.run_id}")  # fmt: skip
+    return params
+
+
 def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | None = None, resume_step: int = 0,
            quiet: bool = False) -> dict:
     """Run one swarm peer until ``cfg.steps`` inner steps; returns (and writes) its summary.
@@ -172,43 +243,80 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
     continues from it (model, optimizer, slow weights, momentum, error feedback) instead of joining
     from a live peer, and matchmaking catches it up with the swarm's current round.
     """
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    progress: Progress | None = None
+
+    def say(*parts) -> None:  # a line for the user, above the step bar while it is shown
+        if quiet:
+            return
+        line = " ".join(map(str, parts))
+        if progress is not None:
+            progress.write(line)
+        else:
+            print(line, flush=True)
+
     cfg, key = _checked(cfg)
     started = time.perf_counter()
     corpus = load_corpus(cfg)
     torch.set_num_threads(cfg.threads or 1)
     peer = cfg.peer
-    validator = RunRecordValidator.create(key, peer.run_id, record_ttl_bound(cfg))
+    params = _announce(cfg, corpus, say)
+    identity = PeerIdentity.generate()  # this peer's libp2p id; it signs the DHT records under that id
+    validator = RunRecordValidator.create(key, peer.run_id, record_ttl_bound(cfg), identity)
+    say("noloco peer: starting its DHT node and p2p daemon (" + (f"joining through {len(peer.initial_peers)} "
+        "initial peer(s)" if peer.initial_peers else "a new swarm: no peer.initial_peers") + ")")  # fmt: skip
     dht = start_peer_dht(list(peer.initial_peers), list(peer.host_maddrs), list(peer.announce_maddrs),
-                         startup_timeout=cfg.comm.startup_timeout, record_validators=[validator])  # fmt: skip
+                         startup_timeout=cfg.comm.startup_timeout, record_validators=[validator],
+                         identity=identity)  # fmt: skip
     endpoint = None
     try:
         endpoint = SwarmEndpoint.from_dht(dht, peer.run_id, key, max_message_bytes=int(peer.max_message_mb * 2**20),
-                                          send_timeout=cfg.comm.recv_timeout)  # fmt: skip
+                                          send_timeout=cfg.comm.recv_timeout, identity=identity,
+                                          header_timeout=peer.header_timeout,
+                                          max_unauth_per_peer=peer.max_unauth_per_peer,
+                                          max_unauth_streams=peer.max_unauth_streams)  # fmt: skip
         rank = peer.rank if peer.rank is not None else _peer_rank(endpoint.peer_id)
         if resume_from is not None:  # the data stream (and checkpoint file) of the run being resumed
             rank = _checkpoint_rank(Path(resume_from), rank)
         name = str(peer.name or (rank if peer.rank is not None else endpoint.peer_id[-8:]))
-        peer_dir = _peer_folder(cfg, dht, endpoint, name, say)
+        folder = Path(run_dir) if resume_from is not None and run_dir is not None else None  # the one resumed
+        if folder is not None and not peer.name:
+            name = folder.name.removeprefix("peer-")
+        peer_dir = _peer_folder(cfg, dht, endpoint, name, say, folder)
         backend = HivemindBackend(cfg, dht, endpoint, name, rank, say, validator)
+        run_name = peer_dir.parent.name  # wandb: the group, and the peer's one run is <run>/peer-<name>
         metrics = MetricsLogger(peer_dir, tensorboard=cfg.log.tensorboard,
-                                resume_step=resume_step if resume_from else None)  # fmt: skip
+                                resume_step=resume_step if resume_from else None,
+                                wandb=wandb_options(cfg, run_name, f"{run_name}/{peer_dir.name}"))  # fmt: skip
         if resume_from is not None:
             say(f"noloco peer {name}: resuming from its own checkpoint at step {resume_step} ({resume_from})")
             backend.resume_at(resume_step)
-        ctx = RunContext(cfg, corpus, peer_dir, metrics, resume_from=resume_from, resume_step=resume_step)
+        progress = backend.progress = Progress(cfg.steps, resume_step, 1, cfg.log.progress and not quiet,
+                                               quiet_start=True)  # fmt: skip
+        ctx = RunContext(cfg, corpus, peer_dir, metrics, resume_from=resume_from, resume_step=resume_step,
+                         progress=progress)  # fmt: skip
         try:
             result = train_worker(ctx, backend)
         finally:
+            progress.close()
+            progress = None
             metrics.close()
+        stopped = checkpoint.INTERRUPT.solo.target
+        if stopped is not None and stopped < cfg.steps:
+            # Ctrl-C: saved at `stopped`, not finished: no summary, and not listed as finished (round -1), so no
+            # peer takes it for a completed one; its last entry ages out of the others' view like a dead peer's
+            complete = (checkpoint.step_dir(peer_dir, stopped) / checkpoint.COMPLETE).exists()
+            raise PeerInterrupted(stopped, peer_dir, complete)
         backend.publish(cfg.steps, -1)  # finished: round -1 takes this peer out of others' front and expected sets
-        summary = _summary(cfg, backend, result, corpus, peer_dir, time.perf_counter() - started, resume_step)
+        summary = _summary(cfg, backend, result, corpus, peer_dir, time.perf_counter() - started, resume_step,
+                           params)  # fmt: skip
         say(f"noloco peer {name}: done · held-out loss {summary['final_eval_loss']:.4f} · rounds joined "
             f"{summary['rounds_joined']}/{summary['rounds']} · {summary['bytes_sent'] / 1e6:.2f} MB sent · {peer_dir}")
         return summary
     finally:
         if endpoint is not None:
             endpoint.close()
+        if checkpoint.INTERRUPT.requested:  # a terminal's Ctrl-C also stopped p2pd: the node cannot say goodbye
+            dht.shutdown_timeout = min(dht.shutdown_timeout, 1.0)
         dht.shutdown()
 
 
@@ -244,12 +352,13 @@ def _checkpoint_rank(folder: Path, default: int) -> int:
     return ranks[0] if len(ranks) == 1 else default
 
 
-def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say) -> Path:
-    """``runs/<run>/peer-<name>/`` with its config and multiaddrs; prints how others join."""
+def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say, folder: Path | None = None) -> Path:
+    """``runs/<run>/peer-<name>/`` (or ``folder``: the one being resumed) with its config and multiaddrs;
+    prints how others join."""
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     say(f"noloco peer {name}: peer id {endpoint.peer_id}")
     say("noloco peer: others join with peer.initial_peers='[" + ",".join(f'"{m}"' for m in maddrs) + "]'")
-    folder = Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}"
+    folder = folder or Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (folder / "maddrs.json").write_text(json.dumps({"peer_id": endpoint.peer_id, "maddrs": maddrs}))
@@ -271,16 +380,33 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
     def plausible() -> list[dict]:
         return implausible_steps(registry.live(), steps, every, endpoint, seen, cfg.peer.live_timeout)
 
+    seed_start = f"starting from the initial weights of run.seed={cfg.run.seed}"
+    if cfg.peer.join != "auto":
+        say(f"noloco peer: peer.join={cfg.peer.join}: {seed_start}")
+    elif cfg.peer.wait_for_peers:
+        say(f"noloco peer: waiting for {cfg.peer.wait_for_peers} other live peer(s) (peer.wait_for_peers, up to "
+            f"{cfg.peer.join_timeout:g} s)")  # fmt: skip
     deadline = time.monotonic() + cfg.peer.join_timeout
+    shown = -1
     while True:
         live = plausible() if cfg.peer.join == "auto" else []
         if len(live) >= cfg.peer.wait_for_peers or time.monotonic() > deadline:
             break
+        if len(live) != shown and shown >= 0:
+            say(f"noloco peer: {len(live)} of {cfg.peer.wait_for_peers} other peer(s) live")
+        shown = len(live)
         time.sleep(0.5)
+    if cfg.peer.join == "auto" and len(live) < cfg.peer.wait_for_peers:
+        say(f"noloco peer: {len(live)} of {cfg.peer.wait_for_peers} other peer(s) live after "
+            f"{cfg.peer.join_timeout:g} s; going on")  # fmt: skip
     deadline = time.monotonic() + cfg.peer.join_timeout
     ahead = [e for e in live if e["step"] > 0 and e["round"] >= 0]  # round -1: the peer has finished
+    if cfg.peer.join == "auto" and not any(e["step"] > 0 for e in live):
+        say(f"noloco peer: no live peer has trained yet: {seed_start}")
     if ahead:  # download right after the most advanced peer's next round, so this peer starts in step with it
         first = ahead[0]
+        say(f"noloco peer: {first['name']} is furthest (step {first['step']}): downloading its state after its "
+            "next round")  # fmt: skip
         while time.monotonic() < deadline:
             fresh = [e for e in plausible() if e["peer"] == first["peer"]]
             if not fresh or fresh[0]["step"] > first["step"]:
@@ -315,6 +441,9 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
             say(f"noloco peer: joined from {entry['name']} at step {step} ({len(payload) / 1e6:.2f} MB state)")
             return step
         if not any(e["step"] > 0 for e in live) or time.monotonic() > deadline:
+            if any(e["step"] > 0 for e in live):
+                say(f"noloco peer: no live peer's state could be downloaded in {cfg.peer.join_timeout:g} s: "
+                    f"{seed_start}")  # fmt: skip
             return 0
         time.sleep(1.0)
         live = plausible()
@@ -329,7 +458,7 @@ def rejection_counts(backend: HivemindBackend) -> dict[str, int]:
 
 
 def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, corpus, peer_dir: Path,
-             seconds: float, resume_step: int) -> dict:
+             seconds: float, resume_step: int, params: int) -> dict:  # fmt: skip
     """The peer's :class:`~noloco.train.run.RunSummary` (a run of one worker) plus the swarm's own numbers."""
     rounds = backend.matchmaking.rounds
     with (peer_dir / "rounds.jsonl").open("w") as f:
@@ -360,7 +489,6 @@ def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, co
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "joined_from": backend.joined_from or None,
     }
-    params = build_model(cfg, corpus.vocab_size).num_parameters()
     start = backend.joined_from.get("step", resume_step)
     summary = summarize(cfg, peer_dir, corpus, params, [result], None, seconds, cfg.steps, start, extra)
     return finish(cfg, summary, quiet=True)

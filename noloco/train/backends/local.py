@@ -20,7 +20,7 @@ from noloco.comm.base import CommAborted, CommError, Transport
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.loop import RunContext, WorkerResult, train_worker
-from noloco.train.metrics import MetricsLogger
+from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.run import Progress, consensus_distance, default_run_name, finish, prepare, summarize
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ def launch(
         check_vocab(resume_from, corpus.vocab_size)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, resume_step=resume_step if resume_from else None)
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, resume_step=resume_step if resume_from else None,
+                            wandb=wandb_options(cfg, run_dir.name))  # fmt: skip
     progress = Progress(cfg.steps, resume_step, cfg.workers, cfg.log.progress and not quiet)
     ctx = RunContext(cfg, corpus, run_dir, metrics, resume_from, resume_step, progress, stop_after)
     ctx.stop = checkpoint.LocalStop()  # Ctrl-C: one stop step for every worker
