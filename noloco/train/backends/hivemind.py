@@ -15,8 +15,9 @@ first inner step, checks it (MAC, sizes, finite values, step on a round boundary
 that step; if no live peer answers it starts from the seed's initial weights.
 
 Hostile peers (docs/swarm.md, threat model): the DHT runs a
-:class:`~noloco.swarm.dht.RunRecordValidator` (records without the run key's MAC, or expiring too far
-ahead, are refused by every honest node); registry entries claiming a round or step beyond the
+:class:`~noloco.swarm.dht.RunRecordValidator` (records without the run key's MAC, not signed by the peer
+their subkey names (its Ed25519 identity, which is its peer id), or expiring too far ahead, are refused
+by every honest node); registry entries claiming a round or step beyond the
 schedule or far above the other live peers' median are ignored, and a joiner refuses a state past
 that bound; a joiner's state source is rate-limited per requester.
 
