@@ -1,5 +1,7 @@
 """Workers of one group start from the same weights, whatever each thread built (README, "As a library")."""
 
+import threading
+
 import pytest
 import torch
 
@@ -38,9 +40,12 @@ def test_check_mode_refuses_different_starting_weights_with_a_clear_error():
 
 
 def test_equal_starting_weights_pass_unchanged():
+    build = threading.Lock()  # the global generator is shared by the threads: seed and build in one go
+
     def worker(transport):
-        torch.manual_seed(7)
-        model = _model()
+        with build:
+            torch.manual_seed(7)
+            model = _model()
         expected = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
         NoLoCo(model, torch.optim.AdamW(model.parameters()), transport, every=5, same_start="check")
         return torch.equal(expected, torch.nn.utils.parameters_to_vector(model.parameters()))

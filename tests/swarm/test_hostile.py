@@ -195,10 +195,12 @@ def test_a_key_holder_that_confirms_and_then_sends_no_data_is_left_out_of_the_dr
     assert stats.get("groups", 0) >= 2 and stats.get("data_received", 0) >= 1, stats
     # a peer strikes the mute one for each round it waited in vain and, after two strikes in a row, leaves it
     # out; how many of those rounds each honest peer saw depends on timing (a peer that missed a draw sees
-    # fewer), so the strikes are counted over both peers and at least one of them must have penalized it
+    # fewer), so the strikes are counted over both peers. Left out is seen from both sides: a peer counts
+    # the draws it left the mute one out of, and the attacker the rounds it was ready and got no group
+    # (without the penalty, all three are always one group)
     rejected = [s["rejected_messages"] for s in (a, b)]
     assert sum(r.get("no_data", 0) for r in rejected) >= 3, rejected
-    assert max(r.get("penalized", 0) for r in rejected) >= 1, rejected
+    assert max(r.get("penalized", 0) for r in rejected) >= 1 or stats.get("no_group", 0) >= 1, (rejected, stats)
     for s in (a, b):
         # without the penalty every round with the mute peer fails (all three are one group); with it: its
         # first two rounds, one per expired penalty (4, then 8 rounds), and a round where views differed
