@@ -43,6 +43,13 @@ def _wait_ready(swarm, stats_path, timeout: float = 90) -> None:
                "the attacker did not start")  # fmt: skip
 
 
+def _outcome(swarm, names: tuple[str, ...], stats_path, timeout: float) -> tuple[dict, dict, dict]:
+    """Wait for ``names`` to exit 0; the attacker's stats and the summaries of honest peers a and b."""
+    for name in names:
+        assert swarm.finish(name, timeout=timeout) == 0, swarm.logs()
+    return swarm.stats(stats_path), swarm.summary("a"), swarm.summary("b")
+
+
 def test_keyless_streams_declaring_huge_payloads_and_stalling_cost_no_memory(swarm):
     """Attack 1: 16 concurrent streams, each declaring a 256 MiB payload, stalling in or after the header.
 
@@ -57,10 +64,7 @@ def test_keyless_streams_declaring_huge_payloads_and_stalling_cost_no_memory(swa
         for name in peak:
             peak[name] = max(peak[name], swarm.group_rss_mb(name))
         time.sleep(0.25)
-    for name in ("a", "b", "keyless"):
-        assert swarm.finish(name, timeout=120) == 0, swarm.logs()
-    stats = swarm.stats(stats_path)
-    a, b = swarm.summary("a"), swarm.summary("b")
+    stats, a, b = _outcome(swarm, ("a", "b", "keyless"), stats_path, 120)
     print(
         f"attack 1: attacker {stats}; peak group RSS a={peak['a']:.0f} MB b={peak['b']:.0f} MB; "
         f"peer RSS a={a['peak_rss_mb']} MB b={b['peak_rss_mb']} MB; a rejected {a['rejected_messages']}; "
@@ -85,10 +89,7 @@ def test_keyless_junk_in_the_dht_displaces_no_honest_record(swarm):
     _pair(swarm, steps, every)
     stats_path = swarm.attacker("junk", "dht-junk", "a", "--seconds", "20", "--count", "3000",
                                 "--rounds", str(steps // every + 2), "--pause", "0.3")  # fmt: skip
-    for name in ("a", "b", "junk"):
-        assert swarm.finish(name, timeout=150) == 0, swarm.logs()
-    stats = swarm.stats(stats_path)
-    a, b = swarm.summary("a"), swarm.summary("b")
+    stats, a, b = _outcome(swarm, ("a", "b", "junk"), stats_path, 150)
     print(
         f"attack 2: attacker {stats}; a rejected {a['rejected_messages']}; b rejected {b['rejected_messages']}; "
         f"rounds joined a={a['rounds_joined']}/{a['rounds']} b={b['rounds_joined']}/{b['rounds']}"
@@ -132,10 +133,7 @@ def test_a_key_holder_that_never_confirms_is_left_out_of_the_draws(swarm):
     _pair(swarm, steps, every)
     stats_path = swarm.attacker("silent", "silent", "a", "--seconds", "120", "--count", "100", "--pause", "0.2",
                                 "--every", str(every), key=swarm.key)  # fmt: skip
-    for name in ("a", "b"):
-        assert swarm.finish(name, timeout=200) == 0, swarm.logs()
-    stats = swarm.stats(stats_path)
-    a, b = swarm.summary("a"), swarm.summary("b")
+    stats, a, b = _outcome(swarm, ("a", "b"), stats_path, 200)
     print(
         f"attack 4: attacker {stats}; a {a['round_outcomes']}; a rejected {a['rejected_messages']}; "
         f"rounds joined a={a['rounds_joined']}/{a['rounds']} b={b['rounds_joined']}/{b['rounds']}"
@@ -155,10 +153,7 @@ def test_a_key_holder_flooding_state_downloads_gets_two_per_interval(swarm):
     _pair(swarm, steps, every, "peer.state_burst=1")
     stats_path = swarm.attacker("flood", "flood", "a", "--seconds", "20", "--count", "400", "--pause", "0.02",
                                 key=swarm.key)  # fmt: skip
-    for name in ("a", "b", "flood"):
-        assert swarm.finish(name, timeout=150) == 0, swarm.logs()
-    stats = swarm.stats(stats_path)
-    a, b = swarm.summary("a"), swarm.summary("b")
+    stats, a, b = _outcome(swarm, ("a", "b", "flood"), stats_path, 150)
     print(
         f"attack 5: attacker {stats}; a served {a['states_served']} throttled {a['states_throttled']}; "
         f"a rejected {a['rejected_messages']}; rounds joined a={a['rounds_joined']}/{a['rounds']}; "
@@ -182,10 +177,7 @@ def test_a_key_holder_that_confirms_and_then_sends_no_data_is_left_out_of_the_dr
     _pair(swarm, steps, every, "comm.recv_timeout=6")
     stats_path = swarm.attacker("mute", "mute", "a", "--seconds", "150", "--count", "100", "--hold", "6.5",
                                 "--every", str(every), key=swarm.key)  # fmt: skip
-    for name in ("a", "b"):
-        assert swarm.finish(name, timeout=300) == 0, swarm.logs()
-    stats = swarm.stats(stats_path)
-    a, b = swarm.summary("a"), swarm.summary("b")
+    stats, a, b = _outcome(swarm, ("a", "b"), stats_path, 300)
     print(
         f"attack 6: attacker {stats}; a {a['round_outcomes']}; a rejected {a['rejected_messages']}; "
         f"b rejected {b['rejected_messages']}; rounds joined a={a['rounds_joined']}/{a['rounds']} "
@@ -214,10 +206,7 @@ def test_a_key_holder_forging_other_peers_records_has_them_refused(swarm):
     _pair(swarm, steps, every)
     stats_path = swarm.attacker("forger", "forge", "a", "--seconds", "60", "--count", "3000", "--pause", "0.3",
                                 "--steps", str(steps), key=swarm.key)  # fmt: skip
-    for name in ("a", "b", "forger"):
-        assert swarm.finish(name, timeout=200) == 0, swarm.logs()
-    stats = swarm.stats(stats_path)
-    a, b = swarm.summary("a"), swarm.summary("b")
+    stats, a, b = _outcome(swarm, ("a", "b", "forger"), stats_path, 200)
     print(
         f"attack 7: attacker {stats}; a rejected {a['rejected_messages']}; b rejected {b['rejected_messages']}; "
         f"rounds joined a={a['rounds_joined']}/{a['rounds']} b={b['rounds_joined']}/{b['rounds']}"
