@@ -7,9 +7,11 @@ Examples::
     python train.py --config configs/experiments/diloco.yaml
     python train.py resume=runs/<run>/checkpoints/latest    # continue exactly where it stopped
 
-Exit status: 0 done; 2 a bad config, data or checkpoint (one ``error:`` line; a refused resume leaves
-the run folder as it was); 130 interrupted (Ctrl-C: every worker stops at one step and saves it, and
-the last line says how to resume; a second Ctrl-C quits at once, keeping the last complete checkpoint).
+Exit status: 0 done (also when a streamed dataset ran out and ended the run early, ``data.stream_end=stop``:
+``summary.json`` says so under ``stopped``); 2 a bad config, data or checkpoint (one ``error:`` line; a
+refused resume leaves the run folder as it was); 130 interrupted (Ctrl-C: every worker stops at one step
+and saves it, and the last line says how to resume; a second Ctrl-C quits at once, keeping the last
+complete checkpoint).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.utils import parameters_to_vector
 
-from noloco.train import backends, checkpoint
+from noloco.train import backends, checkpoint, stream_end
 from noloco.train.config import ConfigError, commented_yaml, load_config
 from noloco.train.data import DataError
 
@@ -44,6 +46,7 @@ def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
         ranks = range(cfg.workers)
     layouts: dict[int | None, checkpoint.Layout] = {}
     seed_digests: dict[int | None, str] = {}
+    stream_ends: dict[int, list[int]] = {}  # data.streaming: the steps each worker's shard ended at
 
     def check(state: dict, rank: int) -> None:
         where = f"{folder}/worker_{rank}"
@@ -54,6 +57,8 @@ def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
                 opt, _ = build_inner_optimizer(cfg, model)
             layouts[vocab] = checkpoint.Layout.of(model, opt, outer=cfg.outer.algo != "ddp")
         layouts[vocab].check(state, step, where)
+        if isinstance(state.get("sampler"), dict):
+            stream_ends[rank] = [int(s) for s in state["sampler"].get("ends", [])]
         reference = state["algorithm"].get("reference")
         if isinstance(reference, dict):  # φ₀ is rebuilt from run.seed: the seed's initial weights must match
             if vocab not in seed_digests:
@@ -65,6 +70,7 @@ def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
                                                  f"{cfg.run.seed} (was run.seed or the model changed?)")  # fmt: skip
 
     checkpoint.load_run(folder, step, ranks, check)
+    stream_end.check_resume(cfg, folder, step, stream_ends)  # a run that stopped as its stream ran out stays stopped
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -342,6 +342,9 @@ def _validate_sources(cfg: DictConfig) -> None:
     _require(isinstance(data.streaming, bool), f"data.streaming must be true or false, got {data.streaming!r}")
     _require(not data.streaming or data.source == "hf", "data.streaming=true needs data.source=hf")
     _require(isinstance(data.stream_sample, int) and data.stream_sample >= 1, "data.stream_sample must be >= 1")
+    from noloco.train.stream_end import MODES
+
+    _require(data.stream_end in MODES, f"data.stream_end={data.stream_end!r} is not one of {', '.join(MODES)}")
     _require(data.tokenizer is None or Path(str(data.tokenizer)).expanduser().exists(),
              f"data.tokenizer={data.tokenizer!r}: no such file or folder")  # fmt: skip
 

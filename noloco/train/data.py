@@ -650,10 +650,12 @@ def eval_batches(
     return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
 
 
-def stream_summary(steps: int, streams: list[dict | None]) -> dict:
+def stream_summary(steps: int, streams: list[dict | None], stopped: dict | None = None) -> dict:
     """``summary.json``'s keys for a streamed corpus (``data.streaming``), from each worker's
     ``StreamSampler.report()`` (None: not streamed): nothing for a corpus read ahead. A shard that ended before
-    ``steps`` was started again; ``stream_note`` says whose, at which steps, and that its text was repeated."""
+    ``steps`` was started again; ``stream_note`` says whose, at which steps, and that its text was repeated.
+    ``stopped`` (``data.stream_end=stop``, :func:`noloco.train.stream_end.stopped_record`): the run ended at the
+    end of that round instead, and ``stopped`` says why and where."""
     if not any(streams):
         return {}
     out = {
@@ -668,4 +670,10 @@ def stream_summary(steps: int, streams: list[dict | None]) -> dict:
         out["stream_note"] = (f"data.streaming: {len(ended)} of {len(streams)} workers' shards ended before "
                               f"steps={steps} and were started again ({where}): their documents were trained on "
                               "more than once")  # fmt: skip
+    if stopped is not None:
+        out["stopped"] = stopped
+        out["stream_note"] = (f"data.streaming: worker {stopped['worker']}'s shard ended at step "
+                              f"{stopped['exhausted_at_step']}, so the run stopped at the end of that round, step "
+                              f"{stopped['ended_at_step']} of steps={steps} (data.stream_end=stop)"
+                              + (f"; until then shards that ended were started again ({where})" if ended else ""))
     return out

@@ -539,6 +539,24 @@ class StreamingCorpus(TokenizedCorpus):
         return StreamSampler(self.stream, rank, world, seq_len, batch_size, self.tokenizer_path, self.eot_id,
                              self.held_out)  # fmt: skip
 
+    def check_shards(self, ranks, world: int) -> None:
+        """DataError naming the first of ``ranks`` whose shard (``rank % world``, as :class:`StreamSampler` cuts
+        it) holds no training document: it could neither train nor start over. Opens the stream once and reads
+        each shard up to its first training document (at start-up, before the run folder exists)."""
+        from datasets.distributed import split_dataset_by_node
+
+        opts = {**self.stream, "streaming": True}
+        ds, _ = open_dataset(opts, streaming=True)
+        name = check_text_field(ds, opts)
+        ds = ds.select_columns([name])
+        for rank in ranks:
+            shard = split_dataset_by_node(ds, rank=rank % world, world_size=world)
+            where = f"{_label(opts)} (worker {rank}'s shard)"
+            if not any(text_digest(_text(row[name], where, name)) not in self.held_out for row in shard):
+                raise DataError(f"{_label(opts)}: worker {rank}'s shard (of {world}) holds no training documents "
+                                "(an empty file, fewer rows than shards, or all of it held out): use fewer workers "
+                                "or more data")  # fmt: skip
+
 
 class StreamSampler:
     """Batches of one worker from its shard of a streamed dataset: consecutive windows of ``seq_len + 1``

@@ -40,6 +40,7 @@ from noloco.train.device import (
 )
 from noloco.train.metrics import MetricsLogger
 from noloco.train.model import LLaMA, model_config
+from noloco.train.stream_end import StreamEnd
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class WorkerResult:
     norm_rejections: int = 0  # partners' contributions the outer exchange's norm bound refused
     peak_memory_bytes: int = 0  # peak GPU memory allocated by this worker's process (CUDA only)
     stream: dict | None = None  # data.streaming: its shard and where it ended (StreamSampler.report)
+    stopped: dict | None = None  # data.stream_end=stop: why the run ended before steps (stream_end.stopped_record)
 
 
 def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
@@ -309,15 +311,17 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
     worker = build_worker(ctx, backend)
     algo = worker.algo
     log = StepLog(ctx, worker)
+    stream_end = StreamEnd.of(cfg, worker.sampler, backend, ctx.progress)  # None unless data.stream_end=stop
     if ctx.resume_from is None:  # the curve starts at the initial loss (a late joiner's: the live weights)
         worker.history.append((worker.start, worker.evaluate()))
         log.first(worker.history[-1][1])
     for step in range(worker.start + 1, cfg.steps + 1):
-        loss, lr, outer_round, outer_seconds = inner_step(cfg, worker, step)
+        loss, lr, outer_round, outer_seconds = inner_step(cfg, worker, step, stream_end)
         log.add(step, loss, lr, outer_round, outer_seconds)
-        evaluated = step % cfg.eval.every == 0 or step == cfg.steps
+        last = step == cfg.steps or (stream_end is not None and stream_end.stopped is not None)  # a stream ran out
+        evaluated = step % cfg.eval.every == 0 or last
         stop = ctx.should_stop(worker.rank, step)  # Ctrl-C: every worker stops and saves at one step
-        checkpointed = stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps
+        checkpointed = stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
         if evaluated:
             worker.history.append((step, worker.evaluate()))
             log.evaluated(worker.history[-1][1])
@@ -326,7 +330,7 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
         backend.after_step(step, algo)
         if checkpointed:
             save_checkpoint(ctx, backend, worker, step, log.wall())
-        if stop or (ctx.stop_after is not None and step >= ctx.stop_after):
+        if last or stop or (ctx.stop_after is not None and step >= ctx.stop_after):
             break
     log.flush()
     return WorkerResult(
@@ -340,6 +344,7 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
         norm_rejections=algo.norm_rejections.total,
         peak_memory_bytes=torch.cuda.max_memory_allocated(worker.device) if worker.device.type == "cuda" else 0,
         stream=worker.sampler.report() if hasattr(worker.sampler, "report") else None,
+        stopped=stream_end.stopped if stream_end is not None else None,
     )
 
 
@@ -411,11 +416,12 @@ class StepLog:
         self.pending.clear()
 
 
-def inner_step(cfg: DictConfig, worker: Worker, step: int):
+def inner_step(cfg: DictConfig, worker: Worker, step: int, stream_end: StreamEnd | None = None):
     """batch → loss → backward → sync → clip → algorithm step (outer step every H).
 
     Returns (loss tensor, lr, outer round info or None, seconds the outer step took or None). Nothing
-    here waits for the GPU except an outer step (its exchange needs the weights).
+    here waits for the GPU except an outer step (its exchange needs the weights). ``stream_end``
+    (``data.stream_end=stop``) may make this step the last one: its batch is drawn, so it knows.
     """
     if worker.device.type == "cpu":
         inputs, targets = worker.sampler.batch(worker.rank, step)
@@ -433,7 +439,8 @@ def inner_step(cfg: DictConfig, worker: Worker, step: int):
         synchronize(worker.device)  # outer_ms then times the outer step, not this worker's queued inner steps
     started = time.perf_counter()
     outer_round = worker.algo.step()
-    if step == cfg.steps:  # an exchange still in flight (outer.overlap) lands before the final evaluation
+    if step == cfg.steps or (stream_end is not None and stream_end.ends_here(step)):  # the last step:
+        # an exchange still in flight (outer.overlap) lands before the final evaluation
         outer_round = worker.algo.finish() or outer_round
     outer_seconds = None
     if outer_round is not None:

@@ -24,6 +24,7 @@ from noloco.train import checkpoint
 from noloco.train.data import eval_batches, prepare_corpus, stream_summary
 from noloco.train.loop import WorkerResult, build_model
 from noloco.train.plots import plot_runs
+from noloco.train.stream_end import describe
 
 
 class Progress:
@@ -105,6 +106,16 @@ class Progress:
             if self._tty:
                 bar.refresh()
 
+    def end_at(self, step: int, line: str | None = None) -> None:
+        """The run ends at ``step``, before its last step (a data stream ran out): the bar's total becomes
+        ``step``, so it ends full; ``line`` is printed above it (unless the bar is off)."""
+        with self._lock:
+            self._bar.total = step
+            if self._tty:
+                self._bar.refresh()
+        if line and not self._bar.disable:
+            self.write(line)
+
     def close(self) -> None:
         self._bar.delay = 0.0  # the last state is shown even if a quiet start never showed the bar
         self._bar.close()
@@ -174,10 +185,17 @@ def load_corpus(cfg: DictConfig):
                           **corpus_options(data))  # fmt: skip
 
 
-def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False):
-    """Create the run folder, load or build the tokenized corpus, set torch threads, announce the run."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False, check_shards: bool = True):
+    """Load or build the tokenized corpus, create the run folder, set torch threads, announce the run.
+
+    A streamed corpus (``data.streaming``) has every worker's shard checked first (``check_shards``: a
+    process whose launcher checked them already skips it): one with no training document is a DataError
+    before the run folder exists."""
     corpus = load_corpus(cfg)
+    if check_shards and hasattr(corpus, "check_shards"):
+        world = cfg.workers * cfg.inner.processes  # the shards the stream is cut into (as build_worker cuts it)
+        corpus.check_shards(range(world), world)
+    run_dir.mkdir(parents=True, exist_ok=True)
     if getattr(corpus, "tokenizer_path", None) and Path(corpus.tokenizer_path).is_file():
         shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")  # export and sample read it here
     # threads share the cores: local workers are threads of this process; torch workers are processes,
@@ -242,6 +260,9 @@ def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list
     )
     losses = [r.final_eval_loss for r in results]
     sent = [r.bytes_sent for r in results]
+    stopped = next((r.stopped for r in results if r.stopped), None)  # data.stream_end=stop: ended before steps
+    if stopped is not None:
+        steps_done = stopped["ended_at_step"]
     tokens = len(results) * (steps_done - resume_step) * cfg.data.batch_size * cfg.data.seq_len
     return RunSummary(
         algo=cfg.outer.algo,
@@ -266,7 +287,7 @@ def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list
         nonfinite_events_by_worker=[r.nonfinite_events for r in results],
         norm_rejections_by_worker=[r.norm_rejections for r in results],
         checkpoint_bytes_per_worker=checkpoint.bytes_per_worker(run_dir),
-        extra={**stream_summary(cfg.steps, [r.stream for r in results]), **(extra or {})},
+        extra={**stream_summary(cfg.steps, [r.stream for r in results], stopped), **(extra or {})},
     )
 
 
@@ -300,6 +321,8 @@ def format_summary(s: dict) -> str:
         + (f" · consensus distance {s['consensus_distance']:.2e}" if s["consensus_distance"] is not None else ""),
         f"wall {s['wall_seconds']:.1f} s · {s['tokens_per_second']:,.0f} tokens/s · results in {s['run_dir']}",
     ]
+    if s.get("stopped"):
+        lines.append(describe(s["stopped"]))
     if s.get("checkpoint_bytes_per_worker") is not None:
         lines.append(f"checkpoint {s['checkpoint_bytes_per_worker'] / 1e6:.2f} MB per worker "
                      f"({s['run_dir']}/checkpoints/latest)")  # fmt: skip

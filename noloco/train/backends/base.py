@@ -2,7 +2,7 @@
 
 A backend runs a run's workers (threads over the in-process fabric, processes over
 torch.distributed, peers of a hivemind swarm). :func:`~noloco.train.loop.train_worker` is the same
-loop on every backend; it talks to its worker's :class:`Backend` for the five things that differ:
+loop on every backend; it talks to its worker's :class:`Backend` for the six things that differ:
 
 - :meth:`Backend.groups`: what the outer algorithm exchanges over (a fixed world's transport, or a
   group source such as swarm matchmaking, where failed rounds are skipped);
@@ -10,7 +10,9 @@ loop on every backend; it talks to its worker's :class:`Backend` for the five th
   its replica in DDP with the quantized gradient hook);
 - :meth:`Backend.start`: the step to start from (a swarm peer may join from a live peer's state);
 - :meth:`Backend.after_step`: per-step bookkeeping (a swarm peer publishes its liveness);
-- :meth:`Backend.barrier`: whether a checkpoint step is complete once this worker saved.
+- :meth:`Backend.barrier`: whether a checkpoint step is complete once this worker saved;
+- :meth:`Backend.agree_stop`: whether the run ends at this round boundary because a worker's data stream
+  ran out (``data.stream_end=stop``; called only then, so other runs never pay for it).
 
 Adding a backend is one module here with a ``launch(cfg, run_dir, resume, quiet)`` function and a
 :class:`Backend` subclass, plus its line in :data:`noloco.train.backends.LAUNCHERS`.
@@ -55,6 +57,16 @@ class Backend(ABC):
     @abstractmethod
     def barrier(self, step: int) -> bool:
         """Wait until every worker of the run saved ``step``'s checkpoint; False when some never will."""
+
+    def agree_stop(self, step: int, exhausted_at: int | None) -> tuple[int, int] | None:
+        """At the round boundary ``step`` (``data.streaming`` with ``data.stream_end=stop``): does the run end here?
+
+        ``exhausted_at``: the step at which this worker's data stream ran out (None: it has not). Returns
+        ``(rank, exhausted_at)`` of the worker whose stream ran out first (the earliest step, then the lowest
+        rank), the same on every worker of the run, or None to train on. Default: a worker that is a run of its
+        own (a swarm peer) decides alone.
+        """
+        return None if exhausted_at is None else (self.rank, int(exhausted_at))
 
     def marks_complete(self) -> bool:
         """Whether this worker writes the checkpoint's COMPLETE marker (one per run folder)."""

@@ -66,7 +66,7 @@ def launch(
             quiet,
         )
     run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
-    corpus, _ = prepare(cfg, run_dir, quiet=True)  # build the data cache once, before the workers start
+    corpus, _ = prepare(cfg, run_dir, quiet=True)  # the data cache built and the stream's shards checked once
     if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
         check_vocab(Path(resume_from), corpus.vocab_size)
     import torch.multiprocessing as mp
@@ -157,7 +157,7 @@ def _spawned_rank(env: dict, stopped, *args) -> None:
     interrupt.announce = False  # the launcher tells the user
     interrupt.install(signal.SIGUSR1)
     try:
-        run_rank(*args)
+        run_rank(*args, shards_checked=True)  # (the launcher checked every rank's stream shard)
     except checkpoint.Interrupted as exc:
         stopped.send((exc.step, exc.complete))
         sys.exit(130)
@@ -229,6 +229,18 @@ class DistributedBackend(WorldBackend):
         dist.barrier()
         return True
 
+    def agree_stop(self, step: int, exhausted_at: int | None) -> tuple[int, int] | None:
+        """One process per worker: over the world's transport (:class:`WorldBackend`); several: every process
+        votes, in one all-reduce over the run's process group (gloo, whose timeout is ``comm.startup_timeout``),
+        since the processes of a worker stream parts of their own and must stop together."""
+        if self.replicas is None:
+            return super().agree_stop(step, exhausted_at)
+        votes = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+        votes[dist.get_rank()] = 0 if exhausted_at is None else exhausted_at + 1  # 0: not exhausted
+        dist.all_reduce(votes)
+        exhausted = [(v - 1, rank) for rank, v in enumerate(votes.tolist()) if v > 0]
+        return None if not exhausted else min(exhausted)[::-1]
+
 
 def run_rank(
     cfg_yaml: str,
@@ -237,8 +249,11 @@ def run_rank(
     resume_step: int,
     stop_after: int | None,
     quiet: bool,
+    shards_checked: bool = False,
 ) -> dict | None:
-    """One rank of a ``backend=torch`` run (environment as set by torchrun)."""
+    """One rank of a ``backend=torch`` run (environment as set by torchrun). Under torchrun every rank checks
+    every rank's stream shard (``data.streaming``), so all of them stop with the same error; a rank the local
+    launcher started does not (``shards_checked``: the launcher did)."""
     cfg = OmegaConf.create(cfg_yaml)
     started = time.perf_counter()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -254,7 +269,7 @@ def run_rank(
         name = [run_dir or str(Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))]
         dist.broadcast_object_list(name, src=0)
         folder = Path(name[0])
-        corpus, params = prepare(cfg, folder, quiet=quiet or rank != 0)
+        corpus, params = prepare(cfg, folder, quiet=quiet or rank != 0, check_shards=not shards_checked)
         if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
             check_vocab(Path(resume_from), corpus.vocab_size)
         if rank == 0:

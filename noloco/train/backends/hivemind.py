@@ -33,7 +33,9 @@ Progress: the same step bar as every backend (:class:`~noloco.train.run.Progress
 partners or outcome and, while a round looks for partners, ``round r: finding partners``; each phase
 before it (DHT start, joining) prints a line. Ctrl-C: the peer stops at its next step, saves a checkpoint
 and exits 130 with the resume line (:class:`PeerInterrupted`), with no ``summary.json`` and without
-listing itself as finished in the registry (round -1 means "completed" to the other peers).
+listing itself as finished in the registry (round -1 means "completed" to the other peers). A peer whose
+data stream runs out (``data.stream_end=stop``) is a run of its own: it ends alone at the end of that round
+(:meth:`Backend.agree_stop`'s default) and leaves the swarm as at the end of a run, summary and all.
 """
 
 from __future__ import annotations
@@ -278,6 +280,8 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
         rank = peer.rank if peer.rank is not None else _peer_rank(endpoint.peer_id)
         if resume_from is not None:  # the data stream (and checkpoint file) of the run being resumed
             rank = _checkpoint_rank(Path(resume_from), rank)
+        if hasattr(corpus, "check_shards"):  # data.streaming: this peer's shard has documents (before its folder)
+            corpus.check_shards([rank], cfg.workers * cfg.inner.processes)
         name = str(peer.name or (rank if peer.rank is not None else endpoint.peer_id[-8:]))
         folder = Path(run_dir) if resume_from is not None and run_dir is not None else None  # the one resumed
         if folder is not None and not peer.name:

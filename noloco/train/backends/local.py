@@ -12,9 +12,10 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from noloco.collectives import barrier
+from noloco.collectives import allreduce, barrier
 from noloco.comm import LocalFabric
 from noloco.comm.base import CommAborted, CommError, Transport
 from noloco.train import checkpoint
@@ -30,7 +31,8 @@ class WorldBackend(Backend):
     """A worker of a fixed world (every rank reachable through ``transport``): in-process or torch.distributed.
 
     The checkpoint barrier is a tiny all-reduce over the world (not counted as traffic); a worker that
-    is gone leaves that step's checkpoint incomplete instead of failing the run.
+    is gone leaves that step's checkpoint incomplete instead of failing the run. The stream-end agreement
+    (:meth:`agree_stop`) is one too: a worker whose peers cannot be reached decides alone.
     """
 
     name = "world"
@@ -51,6 +53,27 @@ class WorldBackend(Backend):
             logger.warning("worker %d: checkpoint of step %d left incomplete (%s)", self.rank, step, exc)
             return False
         return True
+
+    def agree_stop(self, step: int, exhausted_at: int | None) -> tuple[int, int] | None:
+        """Every worker's ``exhausted_at`` in one all-reduce (a sum of one-hot fp32 votes, exact for steps below
+        2^24; not counted as traffic), so every worker picks the same first one."""
+        transport = self.transport
+        if transport.world_size == 1:
+            return super().agree_stop(step, exhausted_at)
+        votes = torch.zeros(transport.world_size)
+        votes[transport.rank] = 0 if exhausted_at is None else exhausted_at + 1  # 0: not exhausted
+        before = transport.counter.state_dict()
+        try:
+            votes = allreduce(votes, transport, op="sum", timeout=self.barrier_timeout, tag=f"stream_end/{step}")
+        except CommAborted:
+            raise
+        except CommError as exc:  # a worker is gone: this one decides alone
+            logger.warning("worker %d: no stream-end agreement at step %d (%s); deciding alone", self.rank, step, exc)
+            return super().agree_stop(step, exhausted_at)
+        finally:
+            transport.counter.load_state_dict(before)
+        exhausted = [(int(v) - 1, rank) for rank, v in enumerate(votes.tolist()) if v > 0]
+        return None if not exhausted else min(exhausted)[::-1]
 
 
 class LocalBackend(WorldBackend):
