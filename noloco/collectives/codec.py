@@ -25,6 +25,7 @@ import torch
 from noloco.collectives.message import (
     as_uint8,
     check_message,
+    device_message,
     host_buffer,
     message_layout,
     message_view,
@@ -72,12 +73,23 @@ class Codec(ABC):
             ValueError: ``segment`` holds NaN/Inf and the codec cannot encode it.
         """
 
+    def encode_device(self, segment: torch.Tensor,
+                      with_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Like :meth:`encode_message` with no head room, but the body stays on ``segment``'s (CUDA) device.
+
+        For transports that hand GPU memory over (:class:`~noloco.comm.base.DeviceMessage`): the body is a
+        fresh 1-D uint8 tensor nobody else writes, its alignment padding zero, in the same bytes as on a wire.
+        """
+        buffer, value = self.encode_message(segment, 0, with_value)
+        return buffer.to(segment.device), value
+
     @abstractmethod
-    def decode(self, payload: Buffer, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def decode(self, payload: Buffer | torch.Tensor, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Return a 1-D float32 tensor of ``numel`` elements on ``device``; raise :class:`PayloadMismatch`.
 
         The length is checked first, then the body is copied to ``device`` (one transfer) and its values
-        are validated and decoded there (the fused kernels on CUDA). The result owns its memory.
+        are validated and decoded there (the fused kernels on CUDA). The result owns its memory. A uint8
+        tensor ``payload`` (a device message's body) is read where it lives.
         """
 
     def encode(self, segment: torch.Tensor) -> bytes:
@@ -129,12 +141,20 @@ class Fp32Codec(Codec):
         _ready(value.device)
         return buffer, (value if with_value else None)
 
-    def decode(self, payload: Buffer, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        size = len(memoryview(payload).cast("B"))
+    def encode_device(self, segment: torch.Tensor,
+                      with_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        value = segment.detach().to(dtype=torch.float32).reshape(-1)
+        body = value.clone().view(torch.uint8)  # the sender may change ``segment`` once the call returns
+        return body, (value if with_value else None)
+
+    def decode(self, payload: Buffer | torch.Tensor, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        size = payload.numel() if isinstance(payload, torch.Tensor) else len(memoryview(payload).cast("B"))
         if size != 4 * numel:
             raise PayloadMismatch(f"fp32 payload has {size} bytes, expected {4 * numel}")
         if numel == 0:
             return torch.empty(0, dtype=torch.float32, device=device)
+        if isinstance(payload, torch.Tensor) and payload.is_cuda:
+            return payload.view(torch.float32).to(device, copy=True)  # the result owns its memory
         values = as_uint8(payload).view(torch.float32)
         if torch.device(device).type == "cpu":
             return values.clone()  # may alias the sender's buffer: the caller owns the result
@@ -174,7 +194,13 @@ class QuantCodec(Codec):
         value = dequantize(packed).reshape(-1) if with_value else None
         return message_of(packed, head), value
 
-    def unpack(self, payload: Buffer, numel: int, spec: QuantSpec | None = None,
+    def encode_device(self, segment: torch.Tensor,
+                      with_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        packed = self.quantize(segment)
+        value = dequantize(packed).reshape(-1) if with_value else None
+        return device_message(packed), value
+
+    def unpack(self, payload: Buffer | torch.Tensor, numel: int, spec: QuantSpec | None = None,
                device: torch.device | str = "cpu") -> Packed:
         """Parse ``payload`` into a :class:`Packed` of ``numel`` elements in ``spec`` (default: ours) on ``device``."""
         spec = self.spec if spec is None else spec
@@ -187,7 +213,7 @@ class QuantCodec(Codec):
     def checks_finite(self) -> bool:
         return True  # validate_values bounds every scale, zero point and minimum; float payloads are scanned
 
-    def decode(self, payload: Buffer, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def decode(self, payload: Buffer | torch.Tensor, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
         packed = self.unpack(payload, numel, device=device)
         try:
             return dequantize(packed).reshape(-1)

@@ -26,7 +26,7 @@ from noloco.quant import Packed, PayloadError, QuantSpec
 from noloco.quant.wire import validate_values
 
 __all__ = ["ALIGN", "message_layout", "message_gaps", "zero_gaps", "pack_into", "unpack", "message_view",
-           "host_buffer", "as_uint8", "check_message"]
+           "device_message", "host_buffer", "as_uint8", "check_message"]
 
 #: every payload section starts at a multiple of this many bytes (Triton's pointer-divisibility unit)
 ALIGN = 16
@@ -125,6 +125,21 @@ def message_view(packed: Packed) -> torch.Tensor | None:
     return codes.as_strided((nbytes,), (1,), base)
 
 
+def device_message(packed: Packed) -> torch.Tensor:
+    """``packed``'s message as a 1-D uint8 tensor where it lives, its alignment padding zero (for device messages).
+
+    The kernels' own buffer when they laid the sections out as one message (:func:`message_view`), else one new
+    buffer (:func:`pack_into`). Raises ``ValueError`` if ``packed``'s deferred non-finite check fails.
+    """
+    view = message_view(packed)
+    if view is None:
+        view = torch.empty(message_layout(packed.spec, packed.numel)[1], dtype=torch.uint8, device=packed.codes.device)
+        pack_into(view, packed)
+    for start, end in message_gaps(packed.spec, packed.numel):
+        view[start:end].zero_()
+    return view
+
+
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """A fresh uint8 host tensor of ``nbytes`` for a message from/to ``device``: pinned when that is CUDA.
 
@@ -150,18 +165,21 @@ def as_uint8(payload: bytes | bytearray | memoryview | torch.Tensor) -> torch.Te
     return out if out.data_ptr() % ALIGN == 0 else out.clone()
 
 
-def check_message(payload: bytes | bytearray | memoryview, spec: QuantSpec, numel: int,
+def check_message(payload: bytes | bytearray | memoryview | torch.Tensor, spec: QuantSpec, numel: int,
                   device: torch.device | str = "cpu") -> Packed:  # fmt: skip
     """Parse and validate a received message of ``numel`` values in ``spec``; its sections on ``device``.
 
     The length must be exactly :func:`message_layout`'s and the alignment padding zero before anything is
-copied; on CUDA the message goes
-    to the device in one (non-blocking, from pinned memory) copy and is validated there.
+    copied; on CUDA the message goes to the device in one (non-blocking, from pinned memory) copy and is
+    validated there. A CUDA uint8 tensor ``payload`` (a device message's body) is checked where it lives, its
+    padding and values in one host read.
 
     Raises:
         PayloadError: wrong length, or values no encoder writes (:func:`~noloco.quant.wire.validate_values`).
     """
     _, nbytes = message_layout(spec, numel)
+    if isinstance(payload, torch.Tensor) and payload.is_cuda:
+        return _check_device_message(payload, spec, numel, nbytes, torch.device(device))
     if len(memoryview(payload).cast("B")) != nbytes:
         raise PayloadError(f"{spec} message of {len(memoryview(payload).cast('B'))} bytes; {numel} values need "
                            f"{nbytes}")  # fmt: skip
@@ -175,4 +193,22 @@ copied; on CUDA the message goes
     finally:
         if raw is not host:  # the copy must have landed before the host buffer may be reused
             torch.cuda.current_stream(raw.device).synchronize()
+    return packed
+
+
+def _check_device_message(body: torch.Tensor, spec: QuantSpec, numel: int, nbytes: int,
+                          device: torch.device) -> Packed:  # fmt: skip
+    """:func:`check_message` of a message body in GPU memory: length, then padding and values in one host read."""
+    body = body.reshape(-1)
+    if body.dtype != torch.uint8 or body.numel() != nbytes:
+        raise PayloadError(f"{spec} message of {body.numel()} {body.dtype} elements; {numel} values need "
+                           f"{nbytes} bytes")  # fmt: skip
+    if body.device != device:
+        body = body.to(device)
+    gaps = [body[start:end] for start, end in message_gaps(spec, numel)]
+    reason = f"{spec} message of {numel} values has non-zero alignment padding"
+    extra = ((torch.cat(gaps).any(), reason),) if gaps else ()
+    packed = unpack(body, spec, numel)
+    validate_values(spec, numel, {name: getattr(packed, name) for name, _, _, _ in message_layout(spec, numel)[0]},
+                    extra)  # fmt: skip
     return packed

@@ -49,7 +49,7 @@ from dataclasses import field as dataclass_field
 import torch
 
 from noloco.collectives.codec import Codec, PayloadMismatch
-from noloco.comm.base import CommError, CommTimeout, Transport
+from noloco.comm.base import CommError, CommTimeout, DeviceMessage, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +248,8 @@ class Exchange:
         Returns ``(message, decoded value or None)``; see :meth:`Codec.encode_message`. A message may go to
         several members (an owner's reduced segment), always with the same header.
         """
+        if self.transport.carries_device and value.is_cuda:  # simulated workers on GPUs: the body stays there
+            return codec.encode_device(value, with_value)
         return codec.encode_message(value, HEADER_BYTES, with_value)
 
     def send(self, dst: int, phase: int, segment: int, step: int, body: bytes | memoryview | torch.Tensor) -> None:
@@ -258,7 +260,9 @@ class Exchange:
         """
         tag = self.tag_of(phase, segment, step)
         header = self.info.header(phase, self.info.me, segment, step).pack()
-        if isinstance(body, torch.Tensor):
+        if isinstance(body, torch.Tensor) and body.is_cuda:
+            payload = DeviceMessage(header, body)
+        elif isinstance(body, torch.Tensor):
             room = body.numpy()
             if self._stamped.setdefault(id(body), (body, header))[1] != header:  # kept alive: ids stay unique
                 raise ValueError(f"{self.info.tag}: a message buffer already sent with another header")
@@ -269,15 +273,22 @@ class Exchange:
         self.transport.send(self.info.group[dst], tag, payload)
         self._owed.pop((dst, tag), None)
 
-    def recv(self, src: int, phase: int, segment: int, step: int = 0) -> memoryview:
+    def recv(self, src: int, phase: int, segment: int, step: int = 0,
+             device: torch.device | str = "cpu") -> memoryview | torch.Tensor:  # fmt: skip
         """Receive the body member ``src`` sends for ``(phase, segment, step)``, after checking its header.
 
-        The body is a view of the received buffer (no copy); decoding reads it, nothing writes it.
+        The body is a view of the received buffer (no copy); decoding reads it, nothing writes it. A
+        :class:`~noloco.comm.base.DeviceMessage`'s body comes as a uint8 tensor ready on ``device``'s current
+        stream (the device the caller decodes on).
         """
         tag = self.tag_of(phase, segment, step)
         payload = self.transport.recv(self.info.group[src], tag, self.timeout)
-        got = Header.unpack(payload)
-        body = memoryview(payload).cast("B")[HEADER_BYTES:]
+        if isinstance(payload, DeviceMessage):
+            got = Header.unpack(payload.head)
+            body = payload.body_on(device) if got.status == STATUS_OK else memoryview(b"")
+        else:
+            got = Header.unpack(payload)
+            body = memoryview(payload).cast("B")[HEADER_BYTES:]
         who = f"member {src} (rank {self.info.group[src]})"
         if got.status != STATUS_OK:
             reason = bytes(body[:2000]).decode("utf-8", errors="replace")

@@ -107,7 +107,7 @@ def two_phase_allreduce(
                 reduced += own
                 admitted += 1
                 continue
-            value = codec.decode(ex.recv(j, PHASE_REDUCE, me), numel, flat.device)
+            value = codec.decode(ex.recv(j, PHASE_REDUCE, me, device=flat.device), numel, flat.device)
             ex.check_finite(value, j, me, codec)
             if ex.bound is None or ex.admits(j, me, value, own_norms[me]):
                 reduced += value
@@ -129,7 +129,7 @@ def two_phase_allreduce(
             if k == me:
                 out[start:end] = decoded  # the value of the very bytes the others decode
                 continue
-            value = codec.decode(ex.recv(k, PHASE_GATHER, k), end - start, flat.device)
+            value = codec.decode(ex.recv(k, PHASE_GATHER, k, device=flat.device), end - start, flat.device)
             ex.check_finite(value, k, k, codec)
             if ex.bound is not None and not ex.admits(k, k, value, own_norms[k], n if op == "sum" else 1, True):
                 value = contributed[start:end]

@@ -5,7 +5,7 @@ here; the hivemind swarm's transport is in :mod:`noloco.swarm` (it needs libp2p,
 where a swarm runs).
 """
 
-from noloco.comm.base import ByteCounter, CommAborted, CommError, CommTimeout, Transport
+from noloco.comm.base import ByteCounter, CommAborted, CommError, CommTimeout, DeviceMessage, Transport
 from noloco.comm.local import LocalFabric, LocalTransport
 from noloco.comm.torchdist import TorchDistTransport
 
@@ -14,6 +14,7 @@ __all__ = [
     "CommAborted",
     "CommError",
     "CommTimeout",
+    "DeviceMessage",
     "LocalFabric",
     "LocalTransport",
     "TorchDistTransport",

@@ -16,6 +16,8 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
+import torch
+
 
 class CommError(RuntimeError):
     """A peer-to-peer transfer failed (peer gone, fabric aborted, malformed address)."""
@@ -65,6 +67,39 @@ class ByteCounter:
                 setattr(self, key, int(value))
 
 
+class DeviceMessage:
+    """A message whose body stays in GPU memory, for transports whose ranks share one process (``carries_device``).
+
+    ``head`` is the host header, ``body`` a 1-D uint8 CUDA tensor the sender gives up (nobody writes it after
+    sending). An event recorded on the sender's stream at construction marks when the body is complete;
+    :meth:`body_on` makes the receiver's stream wait for it and keeps the memory alive until the receiver's
+    queued work is done. Counted as ``len(head) + body.numel()`` bytes, what the same message costs on a wire.
+    """
+
+    __slots__ = ("head", "body", "_ready")
+
+    def __init__(self, head: bytes, body: torch.Tensor):
+        if body.dtype != torch.uint8 or body.dim() != 1 or body.device.type != "cuda":
+            raise TypeError(f"a device message body is a 1-D uint8 CUDA tensor, got {body.dtype} {body.device}")
+        self.head, self.body = bytes(head), body
+        self._ready = torch.cuda.Event()
+        self._ready.record(torch.cuda.current_stream(body.device))
+
+    def __len__(self) -> int:
+        return len(self.head) + self.body.numel()
+
+    def body_on(self, device: torch.device | str) -> torch.Tensor:
+        """The body, readable in order on the current stream of ``device`` (a copy when that is another device)."""
+        device = torch.device(device)
+        source = torch.cuda.current_stream(self.body.device)
+        source.wait_event(self._ready)
+        self.body.record_stream(source)
+        if device == self.body.device:
+            return self.body
+        with torch.cuda.stream(source):
+            return self.body.to(device)  # another GPU or the host: torch orders the copy after the source stream
+
+
 class Transport(ABC):
     """Point-to-point byte transport seen from one rank.
 
@@ -72,11 +107,14 @@ class Transport(ABC):
         rank: this rank's index in ``[0, world_size)``.
         world_size: number of ranks that can be addressed.
         counter: bytes and messages moved by this rank.
+        carries_device: whether :meth:`send` also takes a :class:`DeviceMessage` (handed over without leaving
+            the GPU; only transports whose ranks share one process) and :meth:`recv` may return one.
     """
 
     rank: int
     world_size: int
     counter: ByteCounter
+    carries_device: bool = False
 
     @abstractmethod
     def send(self, dst: int, tag: str, payload: bytes | memoryview) -> None:

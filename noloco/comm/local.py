@@ -4,7 +4,9 @@ Every rank gets a :class:`LocalTransport`; payloads are handed over through per-
 mailboxes without a copy, as a network transport hands over what it sent: a sender gives up a buffer
 when it sends it (bytes cannot change; the collectives never write into a message buffer after sending
 it, :mod:`noloco.collectives.message`), so simulated workers share no state that either can change, and
-every byte is counted exactly as a network transport would count it. :meth:`LocalFabric.run` runs one
+every byte is counted exactly as a network transport would count it. Simulated workers on GPUs hand over
+:class:`~noloco.comm.base.DeviceMessage` bodies that never leave the GPU (``device_messages``, default on),
+counted like the same bytes on a wire. :meth:`LocalFabric.run` runs one
 function per rank in its own thread and returns the results by rank; if any rank raises, the fabric is
 aborted so the others fail fast with :class:`~noloco.comm.base.CommAborted` (a
 :class:`~noloco.comm.base.CommError`) instead of waiting out their timeouts, and do not mistake the
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from noloco.comm.base import ByteCounter, CommAborted, CommError, CommTimeout, Transport
+from noloco.comm.base import ByteCounter, CommAborted, CommError, CommTimeout, DeviceMessage, Transport
 
 T = TypeVar("T")
 
@@ -26,10 +28,11 @@ T = TypeVar("T")
 class LocalFabric:
     """A set of ``world_size`` in-process transports joined by mailboxes."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, device_messages: bool = True):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.device_messages = bool(device_messages)
         self._mail: dict[tuple[int, int, str], bytes] = {}
         self._cond = threading.Condition()
         self._aborted: str | None = None
@@ -47,7 +50,7 @@ class LocalFabric:
         with self._cond:
             return len(self._mail)
 
-    def _deliver(self, src: int, dst: int, tag: str, payload: bytes | memoryview) -> None:
+    def _deliver(self, src: int, dst: int, tag: str, payload: bytes | memoryview | DeviceMessage) -> None:
         with self._cond:
             if self._aborted is not None:
                 raise CommAborted(f"fabric aborted: {self._aborted}")
@@ -114,15 +117,19 @@ class LocalTransport(Transport):
         self.rank = rank
         self.world_size = fabric.world_size
         self.counter = ByteCounter()
+        self.carries_device = fabric.device_messages
 
-    def send(self, dst: int, tag: str, payload: bytes | memoryview) -> None:
+    def send(self, dst: int, tag: str, payload: bytes | memoryview | DeviceMessage) -> None:
         self._check_peer(dst)
-        if not isinstance(payload, bytes):
+        if isinstance(payload, DeviceMessage):
+            if not self.carries_device:
+                raise CommError(f"rank {self.rank}: this fabric does not carry device messages")
+        elif not isinstance(payload, bytes):
             payload = memoryview(payload).cast("B")  # handed over as it is (see the module docstring)
         self.fabric._deliver(self.rank, dst, tag, payload)
         self.counter.count_sent(len(payload))
 
-    def recv(self, src: int, tag: str, timeout: float) -> bytes | memoryview:
+    def recv(self, src: int, tag: str, timeout: float) -> bytes | memoryview | DeviceMessage:
         self._check_peer(src)
         payload = self.fabric._take(src, self.rank, tag, timeout)
         self.counter.count_received(len(payload))

@@ -135,43 +135,58 @@ def from_bytes(data: bytes | bytearray | memoryview, *, max_numel: int | None = 
     return packed.to(device) if str(device) != "cpu" else packed
 
 
-def validate_values(spec: QuantSpec, numel: int, s: dict[str, torch.Tensor]) -> None:
+def validate_values(spec: QuantSpec, numel: int, s: dict[str, torch.Tensor],
+                    extra: tuple[tuple[torch.Tensor, str], ...] = ()) -> None:  # fmt: skip
     """Reject values a genuine encoder never writes and that could decode to non-finite numbers.
 
     ``s`` maps section names (``codes``, ``scales``, ``zero_points`` / ``mins``) to the tensors of one
-    payload of ``numel`` values in ``spec``, on any device (a few host reads of tiny results on CUDA).
-    Used by :func:`from_bytes` and by the collectives' message bodies. Raises :class:`PayloadError`.
+    payload of ``numel`` values in ``spec``, on any device; ``extra`` adds the caller's own checks as
+    ``(bad, reason)`` pairs (0-d bool tensors on the same device). Every check is computed where the payload
+    lives and read back in one host transfer (one wait on CUDA). Used by :func:`from_bytes` and by the
+    collectives' message bodies. Raises :class:`PayloadError` with the reason of the first failing check.
     """
+    checks = [*_value_checks(spec, numel, s), *extra]
+    if not checks:
+        return
+    bad = torch.stack([flag.reshape(()) for flag, _ in checks]).tolist()
+    for failed, (_, reason) in zip(bad, checks):
+        if failed:
+            raise PayloadError(reason)
+
+
+def _value_checks(spec: QuantSpec, numel: int, s: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, str]]:
+    """The checks of :func:`validate_values`: ``(bad, reason)`` with ``bad`` a 0-d bool tensor, not yet read."""
     n = spec.padded_numel(numel)
     codes = s["codes"]
+    checks: list[tuple[torch.Tensor, str]] = []
     if spec.kind == "float":
         vals = codes.view(FLOAT_DTYPES[spec.name])
-        if vals.numel() and not bool(torch.isfinite(vals).all()):
-            raise PayloadError("float payload holds NaN or Inf")
-        return
-    if spec.bits == 4 and n % 2 and int(codes[-1]) >> 4:
-        raise PayloadError("non-zero padding nibble")
+        if vals.numel():
+            checks.append((~torch.isfinite(vals).all(), "float payload holds NaN or Inf"))
+        return checks
+    if spec.bits == 4 and n % 2:
+        checks.append(((codes[-1] >> 4) != 0, "non-zero padding nibble"))
     if spec.kind == "int":
         bits = s["scales"].to(torch.int32)
         # positive, >= 2**-126 (bf16 0x0080), and s * L finite (s <= fp32 max / L)
         max_bits = max_scale_bits16(spec.levels)
-        if bits.numel() and bool(((bits < 0x0080) | (bits > max_bits)).any()):
-            raise PayloadError("scale out of range (non-positive, subnormal, too large, or non-finite)")
-        if "zero_points" in s and s["zero_points"].numel() and int(s["zero_points"].max()) > spec.levels:
-            raise PayloadError("zero point exceeds the code range")
+        if bits.numel():
+            checks.append((((bits < 0x0080) | (bits > max_bits)).any(),
+                           "scale out of range (non-positive, subnormal, too large, or non-finite)"))  # fmt: skip
+        if "zero_points" in s and s["zero_points"].numel():
+            checks.append((s["zero_points"].max() > spec.levels, "zero point exceeds the code range"))
         if "mins" in s and s["mins"].numel():
             mins = (s["mins"].to(torch.int32) << 16).view(torch.float32)
             top = mins.abs() + (bits << 16).view(torch.float32) * spec.levels
-            if not bool(torch.isfinite(top).all()):
-                raise PayloadError("naive minimum is not finite or its range overflows")
-        return
+            checks.append((~torch.isfinite(top).all(), "naive minimum is not finite or its range overflows"))
+        return checks
     p = element_params(spec.name)
-    if s["scales"].numel() and int(s["scales"].max()) > 254 - p["emax"]:
-        raise PayloadError("E8M0 scale out of range (NaN code or overflowing)")
-    if spec.bits == 8 and codes.numel() and bool(((codes & 0x7F) == 0x7F).any()):
-        raise PayloadError("E4M3 NaN code in payload")
+    if s["scales"].numel():
+        checks.append((s["scales"].max() > 254 - p["emax"], "E8M0 scale out of range (NaN code or overflowing)"))
+    if spec.bits == 8 and codes.numel():
+        checks.append((((codes & 0x7F) == 0x7F).any(), "E4M3 NaN code in payload"))
     if spec.bits == 6 and n % 4:
         tail = codes[-3:].to(torch.int32)
-        word = int(tail[0]) | int(tail[1]) << 8 | int(tail[2]) << 16
-        if word >> (6 * (n % 4)):
-            raise PayloadError("non-zero padding in the last 6-bit word")
+        word = tail[0] | tail[1] << 8 | tail[2] << 16
+        checks.append(((word >> (6 * (n % 4))) != 0, "non-zero padding in the last 6-bit word"))
+    return checks
