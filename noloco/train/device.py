@@ -62,21 +62,54 @@ def worker_device(name: str, index: int) -> torch.device:
 COMPILE_LOCK = threading.Lock()
 
 
-class CompiledForward:
-    """``torch.compile(module)`` that K worker threads of one process can share safely.
+#: compiled functions shared by the identical models of one process (see :class:`CompiledForward`)
+_SHARED_GRAPHS: dict[tuple, object] = {}
 
-    While torch.compile traces a graph it sets a process-wide flag, and a compiled module called from
-    another thread meanwhile fails ("using FX to symbolically trace a dynamo-optimized function"). With
-    K simulated workers (``backend=local``) each compiles its own model, at its first step, while
-    others already train. So every forward and backward of a compiled model runs under one lock: only
-    the host-side launch is serialized (the GIL serializes it anyway); the GPU work stays asynchronous.
+
+def _signature(module: torch.nn.Module) -> tuple:
+    """What makes two modules interchangeable for one compiled graph: class, names, shapes, dtypes, devices."""
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return (type(module), tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in tensors))
+
+
+def _shared_graph(module: torch.nn.Module):
+    """One ``torch.compile``'d functional call per model signature in this process; ``module`` the template."""
+    key = _signature(module)
+    with COMPILE_LOCK:
+        if key not in _SHARED_GRAPHS:
+            template = module
+
+            def run(tensors: dict, *args, **kwargs):
+                return torch.func.functional_call(template, tensors, args, kwargs, tie_weights=False)
+
+            _SHARED_GRAPHS[key] = torch.compile(run)
+        return _SHARED_GRAPHS[key]
+
+
+class CompiledForward:
+    """``torch.compile(module)`` that K worker threads of one process can share safely, compiled once.
+
+    K simulated workers (``backend=local``) hold K models of one structure. Compiling each would cost K
+    compilations, one after another (compilation holds the GIL), so the models share one compiled graph: a
+    functional call of the first model's code with each worker's own parameters and buffers as inputs
+    (``shared``; a model wrapped in DDP, whose hooks need the module itself, compiles alone). While
+    torch.compile traces it sets a process-wide flag, and a compiled module called from another thread
+    meanwhile fails ("using FX to symbolically trace a dynamo-optimized function"), so every forward and
+    backward of a compiled model runs under one lock: only the host-side launch is serialized (the GIL
+    serializes it anyway); the GPU work stays asynchronous.
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, shared: bool = True):
         self.module = module
-        self.compiled = torch.compile(module)
+        self.shared = shared and not isinstance(module, torch.nn.parallel.DistributedDataParallel)
+        self.compiled = _shared_graph(module) if self.shared else torch.compile(module)
 
     def __call__(self, *args, **kwargs):
+        if self.shared:  # this worker's own tensors, by name (tied weights appear once, under both names)
+            tensors = {**dict(self.module.named_parameters(remove_duplicate=False)),
+                       **dict(self.module.named_buffers(remove_duplicate=False))}  # fmt: skip
+            with COMPILE_LOCK:
+                return self.compiled(tensors, *args, **kwargs)
         with COMPILE_LOCK:
             return self.compiled(*args, **kwargs)
 

@@ -73,3 +73,19 @@ def test_local_workers_sharing_a_gpu_match_torch_processes_on_it(tiny_config):
     # the same kernels on the same GPU: cuBLAS is deterministic for a fixed shape and stream, so the
     # trajectories agree to float32 rounding of the reductions (bit-identical on every run seen)
     assert torch_run["final_eval_loss_per_worker"] == pytest.approx(local["final_eval_loss_per_worker"], abs=1e-5)
+
+
+def test_compiled_workers_sharing_a_gpu_compile_one_graph_and_train_like_eager(tiny_config):
+    import torch._dynamo
+
+    common = (*GPU, "steps=12", "outer.every=4", "workers=4", "precision=fp32", "eval.every=12")
+    eager = run(tiny_config(*common, "run.name=eager"), quiet=True)
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = run(tiny_config(*common, "compile=true", "run.name=compiled"), quiet=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    # one graph for training (and one for evaluation under no_grad), not one per worker
+    assert 1 <= graphs <= 3, graphs
+    # inductor fuses the fp32 math differently from eager: the trajectories agree to rounding
+    assert compiled["final_eval_loss_per_worker"] == pytest.approx(eager["final_eval_loss_per_worker"], abs=2e-3)
+
