@@ -54,3 +54,60 @@ def _model_params(cfg):
     from noloco.train.loop import build_model
 
     return list(build_model(cfg, cfg.data.vocab_size).parameters())
+
+
+def _replica_rank(rank: int, port: int, queue) -> None:
+    """One of two processes of one worker: the same DDP steps through the byte hook and the on-device hook."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.utils import parameters_to_vector
+
+    from noloco.train.backends.distributed import Replicas, _groups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        _, ddp, hook = _groups(2, 2)
+        results = {}
+        for path, hook_group in (("bytes", hook[0]), ("device", None)):  # None: what an NCCL worker does
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+            replicas = Replicas(ddp[0], hook_group, 0, "int8", True, 30.0)
+            wrapped = replicas.wrap(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                wrapped(torch.randn(16, 32, generator=gen)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            results[path] = (parameters_to_vector(model.parameters()).detach(), replicas.hook_state.on_device,
+                             replicas.hook_state.counter.bytes_sent)  # fmt: skip
+            replicas.close()
+        queue.put((rank, results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_worker_of_gpu_processes_reduces_its_gradients_on_the_ddp_group_itself():
+    """The NCCL layout of a worker (no hook groups: the hook's on-device all-reduce on the DDP group), run on
+    gloo: its replicas stay identical and match the byte hook's bit for bit (the same encodings)."""
+    import torch.multiprocessing as mp
+
+    from noloco.comm.torchdist import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_replica_rank, args=(rank, port, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    for path, on_device in (("bytes", False), ("device", True)):
+        (a, a_on, a_sent), (b, b_on, b_sent) = results[0][path], results[1][path]
+        assert a.equal(b) and a_on == b_on == on_device and a_sent > 0 and b_sent > 0
+    assert results[0]["device"][0].equal(results[0]["bytes"][0])

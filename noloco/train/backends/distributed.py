@@ -1,4 +1,4 @@
-"""The ``torch`` backend: one process per worker over torch.distributed (gloo on CPU).
+"""The ``torch`` backend: one process per worker over torch.distributed (gloo between workers).
 
 Two ways in:
 
@@ -11,7 +11,9 @@ A worker may itself be several processes (``inner.processes = k``, e.g. one per 
 ``w·k … w·k+k−1`` form worker ``w``. They train one replica by data parallelism — torch DDP whose
 gradient all-reduce goes through noloco's quantized two-phase hook (``inner.grad_codec``, int8 by
 default; docs/design.md §3.5) — and only the worker's first process takes part in the outer exchange, then
-broadcasts the new slow weights to the others.
+broadcasts the new slow weights to the others. On GPUs (``device=cuda``) a worker's processes form an NCCL
+group, and the hook reduces on it with the on-device all-reduce (encoded tensors, no host copies); on the
+CPU they form gloo groups and the hook's messages are bytes.
 
 Every rank runs the same :func:`~noloco.train.loop.train_worker` as the local backend, with a
 :class:`DistributedBackend` over a :class:`~noloco.comm.torchdist.TorchDistTransport` on its own gloo
@@ -38,6 +40,7 @@ from noloco.comm.torchdist import TorchDistTransport, free_port
 from noloco.optim import OuterAlgorithm
 from noloco.train import checkpoint
 from noloco.train.backends.local import WorldBackend, check_vocab
+from noloco.train.device import local_index, worker_device
 from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.run import Progress, default_run_name, finish, prepare, relative_spread, summarize, weight_sketch
@@ -169,14 +172,22 @@ class Replicas:
     """The processes of one worker: DDP with the quantized gradient hook, and the outer-step relay."""
 
     def __init__(self, ddp_group, hook_group, leader_rank: int, codec: str, error_feedback: bool, timeout: float):
-        """``timeout``: seconds the gradient hook waits for any one message (``comm.recv_timeout``)."""
+        """``timeout``: seconds the gradient hook waits for any one message (``comm.recv_timeout``).
+
+        ``hook_group`` None: the hook reduces on the DDP group itself with the on-device all-reduce
+        (:func:`~noloco.collectives.device.allreduce_device`: encoded tensors through the group's own
+        collectives, NCCL on GPUs); else a byte transport over that gloo group carries its messages.
+        """
         from noloco.collectives.ddp_hook import QuantizedHookState
 
         self.ddp_group, self.leader_rank = ddp_group, leader_rank
         self.leader = dist.get_rank() == leader_rank
-        self.hook_state = QuantizedHookState(
-            TorchDistTransport(hook_group, latency=0.0), codec=codec, error_feedback=error_feedback, timeout=timeout
-        )
+        if hook_group is None:
+            self.hook_state = QuantizedHookState(None, codec=codec, error_feedback=error_feedback, timeout=timeout,
+                                                 process_group=ddp_group, on_device=True)  # fmt: skip
+        else:
+            self.hook_state = QuantizedHookState(TorchDistTransport(hook_group, latency=0.0), codec=codec,
+                                                 error_feedback=error_feedback, timeout=timeout)  # fmt: skip
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
@@ -192,16 +203,25 @@ class Replicas:
         dist.broadcast(tensor, src=self.leader_rank, group=self.ddp_group)
 
     def close(self) -> None:
-        self.hook_state.transport.close()
+        if self.hook_state.transport is not None:
+            self.hook_state.transport.close()
 
 
-def _groups(world: int, k: int):
-    """(outer groups by local index, DDP groups by worker, hook groups by worker); collective calls."""
+def _groups(world: int, k: int, nccl: bool = False):
+    """(outer groups by local index, DDP groups by worker, hook groups by worker or None); collective calls.
+
+    The outer groups (the workers' leaders and their peers, a byte transport) are gloo. A worker's own
+    processes form its DDP group: NCCL when its processes run on GPUs (``nccl``), and then the quantized hook
+    reduces on that group directly (no hook groups); else gloo, with a second gloo group for the hook's byte
+    transport (its always-posted receives must not share a group with DDP's collectives).
+    """
     workers = world // k
     outer = [dist.new_group([w * k + local for w in range(workers)], backend="gloo") for local in range(k)]
     if k == 1:
         return outer, None, None
-    ddp = [dist.new_group(list(range(w * k, w * k + k)), backend="gloo") for w in range(workers)]
+    ddp = [dist.new_group(list(range(w * k, w * k + k)), backend="nccl" if nccl else "gloo") for w in range(workers)]
+    if nccl:
+        return outer, ddp, [None] * workers
     hook = [dist.new_group(list(range(w * k, w * k + k)), backend="gloo") for w in range(workers)]
     return outer, ddp, hook
 
@@ -274,7 +294,13 @@ def run_rank(
             check_vocab(Path(resume_from), corpus.vocab_size)
         if rank == 0:
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        outer_groups, ddp_groups, hook_groups = _groups(world, k)
+        device = worker_device(str(cfg.device), local_index(rank))
+        # NCCL needs a GPU of its own per process of a worker (placed round robin: cfg.device cuda or auto)
+        spread = str(cfg.device) in ("cuda", "auto") and torch.cuda.device_count() >= k
+        nccl = device.type == "cuda" and spread and dist.is_nccl_available()
+        if nccl:
+            torch.cuda.set_device(device)  # NCCL groups bind each process to its GPU
+        outer_groups, ddp_groups, hook_groups = _groups(world, k, nccl)
         # its ranks are the workers; NOLOCO_LINK_LATENCY (noloco-fleet --latency) applies to these links only
         transport = TorchDistTransport(outer_groups[local])
         if k > 1:
@@ -304,7 +330,7 @@ def run_rank(
         if ctx.stop.target is not None and ctx.stop.target < cfg.steps:  # (at the last step: complete)
             complete = (checkpoint.step_dir(folder, ctx.stop.target) / checkpoint.COMPLETE).exists()
             raise checkpoint.Interrupted(ctx.stop.target, folder, complete, quiet=rank != 0)
-        inner_bytes = replicas.hook_state.transport.counter.bytes_sent if replicas else 0
+        inner_bytes = replicas.hook_state.counter.bytes_sent if replicas else 0
         summary = _gather_summary(cfg, folder, corpus, params, result, transport, inner_bytes, k,
                                   time.perf_counter() - started, stop_after, resume_step, quiet)  # fmt: skip
         dist.barrier()
