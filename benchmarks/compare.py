@@ -43,7 +43,8 @@ from noloco.train.plots import eval_curves, plot_runs, reach
 
 TITLE = "Algorithm comparison on the default budget"
 # Outer-optimizer knobs an entry may vary; --from-runs names a run by those that differ from the defaults.
-KNOBS = ("outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every")
+KNOBS = ("outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every", "outer.overlap",
+         "outer.fragments")
 
 
 def parse_entry(entry: str) -> list[str]:
@@ -95,8 +96,15 @@ def entry_of_run(run_dir: Path) -> str:
     for key in KNOBS:
         value = OmegaConf.select(ran, key)
         if value is not None and value != OmegaConf.select(default, key):
-            entry += f"/{key}={value:g}"
+            entry += f"/{key}={_knob(value)}"
     return entry
+
+
+def _knob(value) -> str:
+    """A knob's value as a command line writes it: ``0.9``, ``4``, ``true``, ``provisional``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
 def figures(entries: int, per_figure: int = 10) -> list[list[int]]:

@@ -68,3 +68,21 @@ def test_figures_hold_at_most_ten_lines_split_evenly_and_repeat_the_first_entry(
         assert [i for c in chunks for i in c[1:]] == list(range(1, entries))  # each once, in order
         assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
         assert len(chunks) == -(-(entries - 1) // 9)  # the fewest figures
+
+
+def test_a_redrawn_run_is_named_by_its_overlap_rule_and_fragments(tmp_path):
+    from omegaconf import OmegaConf
+
+    from noloco.train.config import load_config
+
+    for overrides, entry in [
+        ([], "noloco/int4"),
+        (["outer.overlap=true"], "noloco/int4/outer.overlap=true"),
+        (["outer.overlap=delayed", "outer.fragments=4"], "noloco/int4/outer.overlap=delayed/outer.fragments=4"),
+        (["outer.momentum=0.2", "outer.overlap=eager"], "noloco/int4/outer.momentum=0.2/outer.overlap=eager"),
+    ]:
+        run_dir = tmp_path / "-".join(overrides or ["plain"])
+        run_dir.mkdir()
+        (run_dir / "summary.json").write_text('{"algo": "noloco", "codec": "int4", "slow_codec": null}')
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(load_config(overrides)))
+        assert compare.entry_of_run(run_dir) == entry

@@ -55,6 +55,7 @@ from noloco.optim.base import OuterRule
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.fragments import split_fragments
 from noloco.optim.noloco import NoLoCoRule
+from noloco.optim.overlap import InFlight, OverlappedRounds, in_flight_state, overlap_rule
 
 logger = logging.getLogger(__name__)
 
@@ -133,38 +134,7 @@ class _RoundResult:
     guarded: bool = False
 
 
-@dataclass
-class _InFlight:
-    """An overlapped round's exchange: its snapshot of the fast weights (of its fragment ``part``; None: of
-    all parameters), and its future or result."""
-
-    round: int
-    snapshot: torch.Tensor
-    future: object | None = None
-    result: _RoundResult | None = None
-    part: slice | None = None
-
-
-def _in_flight_state(pending: _InFlight | None) -> dict | None:
-    if pending is None:
-        return None
-    result = pending.result
-    info = result.info
-    means = result.means
-    state = {
-        "round": pending.round,
-        "snapshot": pending.snapshot.clone(),
-        "info": {"round": info.round, "group": list(info.group), "skipped": info.skipped, "rejected": info.rejected},
-        "mean_delta": None if means is None else means[0].clone(),
-        "mean_slow": None if means is None or means[1] is None else means[1].clone(),
-        "guarded": result.guarded,
-    }
-    if pending.part is not None:  # a fragment's exchange: its tensors are of the slice [start, stop) of φ
-        state["part"] = [pending.part.start, pending.part.stop]
-    return state
-
-
-def _in_flight_from(state: dict | None, like: torch.Tensor, split) -> _InFlight | None:
+def _in_flight_from(state: dict | None, like: torch.Tensor, split) -> InFlight | None:
     """The exchange in flight of a checkpoint; ``split(round)``: the (slice, fragment) this run's round exchanges."""
     if state is None:
         return None
@@ -174,14 +144,19 @@ def _in_flight_from(state: dict | None, like: torch.Tensor, split) -> _InFlight 
         raise ValueError(f"checkpoint's in-flight exchange is of the slice {stored} of the parameters, this "
                          f"run's round {state['round']} exchanges {part} (was outer.fragments changed?)")  # fmt: skip
     shape = like.shape if part is None else torch.Size([part.stop - part.start])
-    for key in ("snapshot", "mean_delta", "mean_slow"):
-        tensor = state[key]
+    for key in ("snapshot", "mean_delta", "mean_slow", "slow"):
+        tensor = state.get(key)
         if tensor is not None and (tensor.shape != shape or not torch.isfinite(tensor).all()):
             raise ValueError(f"checkpoint's in-flight exchange has a bad {key}")
+    share = state.get("share")
+    if (share is None) != (state.get("slow") is None) or not (share is None or 0 < share <= 1):
+        raise ValueError("checkpoint's in-flight exchange has a bad share")
     to = lambda t: None if t is None else t.to(like.device, torch.float32).clone()  # noqa: E731
     means = None if state["mean_delta"] is None else (to(state["mean_delta"]), to(state["mean_slow"]))
     result = _RoundResult(OuterRoundInfo(**state["info"], fragment=fragment), means, bool(state["guarded"]))
-    return _InFlight(int(state["round"]), to(state["snapshot"]), None, result, part)
+    rule = state.get("rule", "delayed")  # checkpoints from before the eager and provisional rules: delayed
+    return InFlight(int(state["round"]), to(state["snapshot"]), None, result, part, to(state.get("slow")),
+                    None if share is None else float(share), str(rule))  # fmt: skip
 
 
 @dataclass
@@ -279,14 +254,24 @@ def _write_part(values: torch.Tensor, part: slice, tensors: list[torch.Tensor]) 
 
 @torch.no_grad()
 def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy consecutive slices of the 1-D ``flat`` into ``tensors`` in place (no storage sharing)."""
-    offset = 0
-    for tensor in tensors:
-        n = tensor.numel()
-        tensor.copy_(flat[offset : offset + n].view_as(tensor))
-        offset += n
-    if offset != flat.numel():
-        raise ValueError(f"flat vector has {flat.numel()} elements, tensors hold {offset}")
+    """Copy consecutive slices of the 1-D ``flat`` into ``tensors`` in place (no storage sharing).
+
+    One multi-tensor copy where torch has it (on a GPU a few kernels instead of one memcpy per tensor).
+    """
+    total = sum(t.numel() for t in tensors)
+    if total != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} elements, tensors hold {total}")
+    pieces = [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    if hasattr(torch, "_foreach_copy_") and all(t.device == flat.device for t in tensors):
+        torch._foreach_copy_(tensors, pieces)
+        return
+    for tensor, piece in zip(tensors, pieces):
+        tensor.copy_(piece)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds no NaN/Inf: one reduction pass (its max magnitude), no temporary of ``x``'s size."""
+    return not x.numel() or bool(torch.isfinite(torch.linalg.vector_norm(x, float("inf"))))
 
 
 class Algorithm:
@@ -422,6 +407,11 @@ class OuterAlgorithm(Algorithm):
     exchange then carries about 1/k of the bytes (Streaming DiLoCo's fragments, docs/design.md §3.1).
     Rounds are numbered by exchange (every ``every/k`` steps), and NoLoCo draws a group for each.
 
+    ``overlap`` (default False): each exchange runs in the background while the next round trains, and the rule
+    it names says what is applied at each round boundary: ``"provisional"`` (also True), ``"eager"`` or
+    ``"delayed"`` (:mod:`noloco.optim.overlap`, docs/design.md §3.1). In a worker of several processes the
+    leader relays what it applied to the others.
+
     ``max_norm_ratio``: the norm bound every reduction of the outer step runs with (None: none); what
     it refuses is counted in :attr:`norm_rejections` (kept in the checkpoint) and in the round's
     :class:`OuterRoundInfo`. "Own" means, per segment: for the pseudo-gradient, this worker's own
@@ -447,8 +437,9 @@ class OuterAlgorithm(Algorithm):
         group_timeout: float | None = None,
         algorithm: str | None = None,
         same_start: str = "broadcast",
-        overlap: bool = False,
+        overlap: bool | str = False,
         fragments: int = 1,
+        offload: bool = False,
     ):
         super().__init__(
             model,
@@ -485,11 +476,16 @@ class OuterAlgorithm(Algorithm):
         if max_norm_ratio is not None:
             NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
-        # overlap: round r's exchange runs in the background during round r + 1 (see _overlapped_round)
-        self.overlap = bool(overlap)
-        self._in_flight: _InFlight | None = None
-        self._exchanger = None
-        self._side_stream = None  # CUDA: the stream overlapped exchanges run on (_exchange_after)
+        # overlap: round r's exchange runs in the background during round r + 1, under the rule it names
+        # (noloco.optim.overlap: "provisional", "eager", "delayed"; True: the default, provisional); False: None
+        self.overlap = overlap_rule(overlap)
+        self._overlapped = None if self.overlap is None else OverlappedRounds(self, self.overlap)
+        # offload: between outer steps the outer state lives in pinned host memory (a no-op on the CPU)
+        self.offload = bool(offload) and self.slow.is_cuda
+        if self.offload and self._overlapped is not None:
+            raise ValueError("outer.offload does not run with outer.overlap (the exchange in flight needs the state)")
+        if self.offload:
+            self._move_outer_state(torch.device("cpu"))
 
     @property
     def counter(self) -> ByteCounter:
@@ -498,8 +494,8 @@ class OuterAlgorithm(Algorithm):
     def _after_inner_step(self) -> OuterRoundInfo | None:
         if self.inner_step % self.period:
             return None
-        if self.overlap:
-            return self._overlapped_round(self.inner_step // self.period - 1)
+        if self._overlapped is not None:
+            return self._overlapped.round(self.inner_step // self.period - 1)
         return self.outer_step(self.inner_step // self.period - 1)
 
     # --- fragments (outer.fragments; docs/design.md §3.1, "Streamed fragments") ------------------------------
@@ -530,80 +526,14 @@ class OuterAlgorithm(Algorithm):
             _write_part(values, part, self.params)
 
     # --- overlapped exchange (outer.overlap; docs/design.md §3.1, "Overlapped outer steps") -----------------
-    @torch.no_grad()
-    def _overlapped_round(self, round_index: int) -> OuterRoundInfo | None:
-        """End of round r with ``overlap``: apply round r − 1's exchange, then start round r's in the background.
-
-        The rule, exactly (φ slow weights, θ fast weights, s_r the snapshot sent for round r):
-        at the end of round r, wait for round r − 1's group means, set φ ← rule(φ, means_{r−1}) and
-        θ ← φ + (θ − s_{r−1}) (the local progress made while the exchange ran is kept on top of the new
-        slow weights), then send s_r = θ. So every pseudo-gradient θ − φ a worker sends is exactly the
-        progress of one round, and the update lands one round late: a one-round-delayed outer step
-        (Streaming DiLoCo's overlap with τ = H and mixing factor 1, arXiv 2501.18512). Applying at the
-        round boundary, not when the bytes arrive, keeps runs deterministic and resumable.
-        """
-        info = self._merge_in_flight()
-        part = self._part_of(round_index)
-        snapshot = self._read_fast(part).clone()
-        if self._exchanger is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="noloco-exchange")
-        caller = torch.cuda.current_stream(snapshot.device) if snapshot.is_cuda else None
-        future = self._exchanger.submit(self._exchange_after, caller, round_index, snapshot)
-        self._in_flight = _InFlight(round_index, snapshot, future, part=part)
-        return info
-
-    def _exchange_after(self, caller, round_index: int, snapshot: torch.Tensor) -> _RoundResult:
-        """:meth:`_exchange_round` in the exchange thread; on CUDA on a side stream that first waits for the
-        training stream's work up to the snapshot (``caller``), its results complete when this returns."""
-        if caller is None:
-            return self._exchange_round(round_index, snapshot)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(caller.device)
-        side = self._side_stream
-        side.wait_stream(caller)
-        with torch.cuda.device(caller.device), torch.cuda.stream(side):
-            result = self._exchange_round(round_index, snapshot)
-        side.synchronize()
-        return result
-
-    @torch.no_grad()
-    def _merge_in_flight(self) -> OuterRoundInfo | None:
-        """Wait for the exchange in flight (if any) and apply it (the rule of :meth:`_overlapped_round`)."""
-        pending, self._in_flight = self._in_flight, None
-        if pending is None:
-            return None
-        result = pending.result if pending.result is not None else pending.future.result()
-        if result.guarded:
-            self.inner_opt.state.clear()
-        if result.means is None:
-            return result.info
-        for mean in result.means:  # made on the exchange's side stream, read on this one: keep them until read
-            if isinstance(mean, torch.Tensor) and mean.is_cuda:
-                mean.record_stream(torch.cuda.current_stream(mean.device))
-        part = pending.part
-        self.rule.step(self.slow, *result.means, part)
-        slow = self.slow if part is None else self.slow[part]
-        if result.guarded:  # the fast weights went non-finite: restart from φ
-            self._write_fast(slow, part)
-        else:
-            progress = self._read_fast(part) - pending.snapshot
-            self._write_fast(slow + progress, part)
-        return result.info
-
     def finish(self) -> OuterRoundInfo | None:
         """At the end of training: apply the exchange still in flight, so the final weights include it."""
-        info = self._merge_in_flight()
-        if self._exchanger is not None:
-            self._exchanger.shutdown(wait=True)
-            self._exchanger = None
-        return info
+        return None if self._overlapped is None else self._overlapped.finish()
 
-    def _settle_in_flight(self) -> None:
-        """Wait for the exchange in flight to arrive (not applied): a checkpoint then stores its result."""
-        if self._in_flight is not None and self._in_flight.result is None:
-            self._in_flight.result = self._in_flight.future.result()
+    def _replica_round(self, round_index: int) -> _RoundResult:
+        """What a process of a worker that is not its leader has of an overlapped round: no exchange, no means (the
+        leader's φ arrives by broadcast)."""
+        return _RoundResult(OuterRoundInfo(round_index, [], fragment=self._split_of(round_index)[1]), None)
 
     @torch.no_grad()
     def outer_step(self, round_index: int) -> OuterRoundInfo:
@@ -612,6 +542,15 @@ class OuterAlgorithm(Algorithm):
         In a worker made of several processes (``self.replicas``), only the leader exchanges; it
         then broadcasts φ to the other processes of its worker, so they stay bit-identical.
         """
+        if self.offload:  # the state comes to the GPU for the step and goes back to pinned host memory after it
+            self._move_outer_state(self.params[0].device)
+            try:
+                return self._replicated_outer_step(round_index)
+            finally:
+                self._move_outer_state(torch.device("cpu"))
+        return self._replicated_outer_step(round_index)
+
+    def _replicated_outer_step(self, round_index: int) -> OuterRoundInfo:
         if self.replicas is None:
             return self._outer_step(round_index)
         info = self._outer_step(round_index) if self.replicas.leader else OuterRoundInfo(round_index, [])
@@ -619,6 +558,35 @@ class OuterAlgorithm(Algorithm):
         part = self._part_of(round_index)
         self._write_fast(self.slow if part is None else self.slow[part], part)
         return info
+
+    # --- outer.offload ---------------------------------------------------------------------------------------
+    def _outer_tensors(self):
+        """(holder, attribute) of every tensor of the outer state: φ, φ_0, the momentum, the residuals."""
+        yield self, "slow"
+        yield self, "reference"
+        yield self.rule, "velocity"
+        for pair in self._feedbacks:
+            for feedback in pair:
+                if feedback is not None:
+                    yield feedback, "contribution"
+                    yield feedback, "result"
+
+    @torch.no_grad()
+    def _move_outer_state(self, device: torch.device) -> None:
+        """Move the outer state to ``device``: the GPU (asynchronous copies), or pinned host memory (waits)."""
+        for holder, name in self._outer_tensors():
+            tensor = getattr(holder, name, None)
+            if tensor is None or (tensor.device == device and (device.type != "cpu" or tensor.is_pinned())):
+                continue
+            if device.type == "cpu":
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=tensor.is_cuda)
+                tensor = host
+            else:
+                tensor = tensor.to(device, non_blocking=True)
+            setattr(holder, name, tensor)
+        if device.type == "cpu":  # the copies must have landed before the host reads them (a checkpoint)
+            torch.cuda.current_stream(self.params[0].device).synchronize()
 
     def _outer_step(self, round_index: int) -> OuterRoundInfo:
         part = self._part_of(round_index)
@@ -630,18 +598,20 @@ class OuterAlgorithm(Algorithm):
             self._write_fast(self.slow if part is None else self.slow[part], part)
         return result.info
 
-    def _exchange_round(self, round_index: int, fast: torch.Tensor) -> _RoundResult:
+    def _exchange_round(self, round_index: int, fast: torch.Tensor, slow: torch.Tensor | None = None) -> _RoundResult:
         """Form the round's group and reduce ``fast`` (this worker's fast weights of the round's fragment, flat
-        fp32) over it.
+        fp32) over it, measured against ``slow`` (its slow weights of that fragment; None: φ as it is now).
 
         Changes nothing but the exchange's own state (error feedback, counters), so it can run in the
-        background while training goes on (``overlap``); the caller applies the means.
+        background while training goes on (``overlap``; the eager rule changes φ meanwhile, so it passes the
+        φ it sent against); the caller applies the means.
         """
         rank = getattr(self.transport, "rank", None)
         link = faults.fire("outer.exchange", self.inner_step, rank)
         part, fragment = self._split_of(round_index)
-        slow = self.slow if part is None else self.slow[part]
-        guarded = not bool(torch.isfinite(fast).all())
+        if slow is None:
+            slow = self.slow if part is None else self.slow[part]
+        guarded = not all_finite(fast)
         if guarded:  # contribute a zero pseudo-gradient; partners are not poisoned, this worker restarts from φ
             self.nonfinite_events += 1
             fast = slow.clone()
@@ -655,7 +625,7 @@ class OuterAlgorithm(Algorithm):
         try:
             transport = faults.exchange_transport(group.transport, link, self.inner_step, rank)
             means = self._exchange(group if transport is group.transport else replace(group, transport=transport),
-                                   fast, guarded, part)  # fmt: skip
+                                   fast, guarded, part, slow)  # fmt: skip
         except CommAborted:
             raise
         except (CommError, ValueError) as exc:
@@ -670,17 +640,18 @@ class OuterAlgorithm(Algorithm):
                               rejected=self.norm_rejections.total - rejected_before, fragment=fragment)  # fmt: skip
         return _RoundResult(info, means, guarded)
 
-    def _exchange(self, group, fast: torch.Tensor, guarded: bool,
-                  part: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def _exchange(self, group, fast: torch.Tensor, guarded: bool, part: slice | None = None,
+                  slow: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Group means of the pseudo-gradient and (if the rule needs it) the slow weights, of ``part``.
 
         ``fast``: what this worker contributes (its fast weights; its slow weights when they went
-        non-finite, ``guarded``), of the fragment ``part`` of the flat vector (None: all of it). Each
-        fragment reduces with its own error-feedback state.
+        non-finite, ``guarded``), of the fragment ``part`` of the flat vector (None: all of it); ``slow``: its
+        slow weights there (None: φ's). Each fragment reduces with its own error-feedback state.
         """
         tag = f"outer/r{group.round}"
         feedback, slow_feedback = self._feedbacks[0 if part is None else self.fragments.index(part)]
-        slow = self.slow if part is None else self.slow[part]
+        if slow is None:
+            slow = self.slow if part is None else self.slow[part]
         reference = self.reference if part is None else self.reference[part]
 
         def reduce(x: torch.Tensor, what: str, codec: Codec, feedback, reference=None) -> torch.Tensor:
@@ -700,8 +671,8 @@ class OuterAlgorithm(Algorithm):
             )
 
         if self._fused_exchange():  # θ − φ_0 like the slow term: the codec and the norm bound see training updates
-            mean_fast = reference + reduce(fast - reference, "fast", self.codec, feedback)
-            return mean_fast - slow, slow.clone()
+            # mean_Δ = mean_θ − φ and mean_φ = φ itself (the rule skips the pull term for an alias of φ)
+            return reduce(fast - reference, "fast", self.codec, feedback).add_(reference).sub_(slow), slow
         # Scales of the norm bound (see the class docstring): the pseudo-gradient is bounded by this worker's
         # own; the slow-weight term φ − φ_0 by the hypotenuse of its own and the pseudo-gradient's, because a
         # worker that skipped its rounds legitimately has φ = φ_0 while its partners moved by about one Δ.
@@ -741,18 +712,23 @@ class OuterAlgorithm(Algorithm):
         tensors = [state.slow] if state.velocity is None else [state.slow, state.velocity]
         if not all(torch.isfinite(t).all() for t in tensors):
             raise ValueError("joined state holds non-finite values")
-        if state.step < 0 or state.step % self.every:
+        if state.step < 0 or state.step % self.period:
             raise ValueError(f"joined state is at step {state.step}, not on an outer-round boundary "
-                             f"(every={self.every})")  # fmt: skip
+                             f"(every={self.every}, fragments={len(self.fragments)}: a multiple of {self.period})")
         self.inner_step = int(state.step)
         self.slow = state.slow.to(self.slow.device, torch.float32).clone()
         if "velocity" in self.rule.state_dict():
             self.rule.velocity = None if state.velocity is None else state.velocity.to(self.slow).clone()
+        if self.offload:
+            self._move_outer_state(torch.device("cpu"))
         copy_flat_into(self.slow, self.params)
 
     def state_dict(self) -> dict:
-        self._settle_in_flight()  # an exchange in flight is finished first; its result is part of the state
-        return {
+        partners = None
+        if self._overlapped is not None:  # an exchange in flight is finished first; its result is part of the state
+            self._overlapped.settle()
+            partners = self._overlapped.partners_state()
+        state = {
             "inner_step": self.inner_step,
             "slow": self.slow.clone(),
             "rule": self.rule.state_dict(),
@@ -761,8 +737,11 @@ class OuterAlgorithm(Algorithm):
             "feedback": _fragments_ef_state([pair[0] for pair in self._feedbacks], self.fragments),
             "slow_feedback": _fragments_ef_state([pair[1] for pair in self._feedbacks], self.fragments),
             "norm_rejections": self.norm_rejections.state_dict(),
-            "in_flight": _in_flight_state(self._in_flight),
+            "in_flight": None if self._overlapped is None else in_flight_state(self._overlapped.in_flight),
         }
+        if partners is not None:  # the eager overlap's partners' shares not applied yet (several fragments)
+            state["partners"] = partners
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])
@@ -782,7 +761,13 @@ class OuterAlgorithm(Algorithm):
         _fragments_ef_load([pair[1] for pair in self._feedbacks], self.fragments, state.get("slow_feedback"))
         if "norm_rejections" in state:
             self.norm_rejections.load_state_dict(state["norm_rejections"])
-        self._in_flight = _in_flight_from(state.get("in_flight"), self.slow, self._split_of)
+        if self.offload:
+            self._move_outer_state(torch.device("cpu"))
+        pending, partners = _in_flight_from(state.get("in_flight"), self.slow, self._split_of), state.get("partners")
+        if self._overlapped is not None:
+            self._overlapped.load(pending, partners)
+        elif pending is not None or partners is not None:
+            raise ValueError("checkpoint holds an overlapped exchange, this run does not overlap (outer.overlap)")
 
 
 def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:

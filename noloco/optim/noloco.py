@@ -38,7 +38,8 @@ class NoLoCoRule(OuterRule):
         self.velocity = _lazy_buffer(self.velocity, slow)
         velocity, slow = _part(self.velocity, part), _part(slow, part)
         velocity.mul_(self.momentum).add_(mean_delta, alpha=self.lr)
-        velocity.add_(mean_slow - slow, alpha=self.pull)
+        if not _aliases(mean_slow, slow):  # an alias of φ: the group mean of φ is this worker's own, no pull
+            velocity.add_(mean_slow - slow, alpha=self.pull)
         slow.add_(velocity)
 
     def state_dict(self) -> dict:
@@ -47,3 +48,8 @@ class NoLoCoRule(OuterRule):
     def load_state_dict(self, state: dict) -> None:
         velocity = state["velocity"]
         self.velocity = None if velocity is None else velocity.detach().float().clone()
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (e.g. ``slow`` and a view of it)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

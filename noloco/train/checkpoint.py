@@ -542,35 +542,59 @@ class Layout:
                 if key in entry:
                     _tensor(entry[key], f"{where}/{key}", self.opt_shapes[index])
 
+    def _slice_size(self, part, where: str) -> tuple[int]:
+        """The size of a stored slice ``[start, stop)`` of φ (a fragment's exchange, outer.fragments)."""
+        if not (isinstance(part, list) and len(part) == 2 and all(_is_int(b) for b in part)
+                and 0 <= part[0] < part[1] <= self.numel):  # fmt: skip
+            raise _Malformed(f"{where}: not a slice of the {self.numel} parameters")
+        return (part[1] - part[0],)
+
+    def _check_in_flight(self, pending) -> None:
+        where = "algorithm/in_flight"
+        _keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"},
+              {"part", "slow", "share", "rule"})  # fmt: skip
+        if not isinstance(pending.get("rule", "delayed"), str):
+            raise _Malformed(f"{where}/rule: not the name of an overlap rule")
+        size = self._slice_size(pending["part"], f"{where}/part") if "part" in pending else (self.numel,)
+        _tensor(pending["snapshot"], f"{where}/snapshot", size)
+        for key in ("mean_delta", "mean_slow", "slow"):  # slow and share: the eager rule's
+            if pending.get(key) is not None:
+                _tensor(pending[key], f"{where}/{key}", size)
+        share = pending.get("share")
+        if (share is None) != (pending.get("slow") is None) or not (
+            share is None or (isinstance(share, float) and 0 < share <= 1)
+        ):
+            raise _Malformed(f"{where}/share: not a share of a group mean (with the slow weights sent)")
+        info = pending["info"]
+        _keys(info, f"{where}/info", {"round", "group", "skipped", "rejected"})
+        if not (_is_int(pending["round"]) and _is_int(info["round"]) and isinstance(info["group"], list)
+                and all(_is_int(g) for g in info["group"]) and _is_int(info["rejected"])
+                and (info["skipped"] is None or isinstance(info["skipped"], str))
+                and isinstance(pending["guarded"], bool)):  # fmt: skip
+            raise _Malformed(f"{where}: not an outer round's exchange")
+
+    def _check_partners(self, partners) -> None:
+        if not isinstance(partners, list):
+            raise _Malformed("algorithm/partners: not a list")
+        for index, entry in enumerate(partners):
+            where = f"algorithm/partners/{index}"
+            _keys(entry, where, {"part", "delta", "slow"})
+            size = self._slice_size(entry["part"], f"{where}/part")
+            _tensor(entry["delta"], f"{where}/delta", size)
+            if entry["slow"] is not None:
+                _tensor(entry["slow"], f"{where}/slow", size)
+
     def _check_algorithm(self, algo, step: int) -> None:
         n = (self.numel,)
         if not self.outer:
             _keys(algo, "algorithm", {"inner_step", "feedback"})
         else:
             _keys(algo, "algorithm", {"inner_step", "slow", "rule", "reference", "feedback"},
-                  {"slow_feedback", "nonfinite_events", "norm_rejections", "in_flight"})  # fmt: skip
-            pending = algo.get("in_flight")
-            if pending is not None:  # an overlapped round's exchange, finished before the save
-                where = "algorithm/in_flight"
-                _keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"}, {"part"})
-                size = n
-                if "part" in pending:  # one fragment's exchange (outer.fragments): the slice [start, stop) of φ
-                    part = pending["part"]
-                    if not (isinstance(part, list) and len(part) == 2 and all(_is_int(b) for b in part)
-                            and 0 <= part[0] < part[1] <= self.numel):  # fmt: skip
-                        raise _Malformed(f"{where}/part: not a slice of the {self.numel} parameters")
-                    size = (part[1] - part[0],)
-                _tensor(pending["snapshot"], f"{where}/snapshot", size)
-                for key in ("mean_delta", "mean_slow"):
-                    if pending[key] is not None:
-                        _tensor(pending[key], f"{where}/{key}", size)
-                info = pending["info"]
-                _keys(info, f"{where}/info", {"round", "group", "skipped", "rejected"})
-                if not (_is_int(pending["round"]) and _is_int(info["round"]) and isinstance(info["group"], list)
-                        and all(_is_int(g) for g in info["group"]) and _is_int(info["rejected"])
-                        and (info["skipped"] is None or isinstance(info["skipped"], str))
-                        and isinstance(pending["guarded"], bool)):  # fmt: skip
-                    raise _Malformed(f"{where}: not an outer round's exchange")
+                  {"slow_feedback", "nonfinite_events", "norm_rejections", "in_flight", "partners"})  # fmt: skip
+            if algo.get("in_flight") is not None:  # an overlapped round's exchange, finished before the save
+                self._check_in_flight(algo["in_flight"])
+            if algo.get("partners") is not None:  # the eager overlap's partners' shares not applied yet
+                self._check_partners(algo["partners"])
             if isinstance(algo["slow"], dict):  # φ = φ₀
                 _keys(algo["slow"], "algorithm/slow", {REBUILT})
                 if algo["slow"][REBUILT] != "reference":

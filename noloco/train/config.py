@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from noloco.collectives import REDUCTIONS, known_codecs
+from noloco.optim.overlap import OVERLAP_RULES
 
 ALGOS = ("noloco", "diloco", "avg", "ddp")
 BACKENDS = ("local", "torch", "hivemind")
@@ -264,16 +265,17 @@ def validate(cfg: DictConfig) -> None:
     _require(inner.lr > 0 and 0 <= inner.min_lr <= inner.lr, "inner.lr must be > 0 and 0 <= inner.min_lr <= inner.lr")
     _require(inner.warmup >= 0 and inner.grad_clip >= 0, "inner.warmup and inner.grad_clip must be >= 0")
     _require(isinstance(inner.processes, int) and inner.processes >= 1, "inner.processes must be an integer >= 1")
-    _require(not (outer.overlap and inner.processes > 1),
-             "outer.overlap does not run with inner.processes > 1 yet (a worker of several processes)")  # fmt: skip
+    _require(isinstance(outer.overlap, bool) or outer.overlap in OVERLAP_RULES,
+             f"outer.overlap={outer.overlap!r} is not one of false, true, {', '.join(OVERLAP_RULES)}")  # fmt: skip
     _require(not (outer.overlap and outer.algo == "ddp"), "outer.overlap is for the outer algorithms, not ddp")
     fragments = outer.fragments
     _require(isinstance(fragments, int) and not isinstance(fragments, bool) and fragments >= 1,
              f"outer.fragments must be an integer >= 1, got {fragments!r}")  # fmt: skip
     _require(outer.every % fragments == 0, f"outer.fragments={fragments} does not divide outer.every={outer.every}")
     _require(fragments == 1 or outer.algo != "ddp", "outer.fragments is for the outer algorithms, not ddp")
-    _require(fragments == 1 or cfg.backend != "hivemind",
-             "outer.fragments > 1 does not run on backend=hivemind yet (its matchmaking counts rounds of outer.every)")
+    _require(isinstance(outer.offload, bool), f"outer.offload must be true or false, got {outer.offload!r}")
+    _require(not (outer.offload and outer.overlap), "outer.offload does not run with outer.overlap (the exchange "
+             "in flight needs the outer state on the GPU)")  # fmt: skip
     _require(
         inner.processes == 1 or cfg.backend == "torch",
         f"inner.processes={inner.processes} needs backend=torch (a process per device of a worker)",

@@ -113,6 +113,7 @@ def build_algorithm(
     common["group_timeout"] = comm.group_timeout
     common["overlap"] = outer.overlap
     common["fragments"] = outer.fragments
+    common["offload"] = outer.offload
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
     own = {  # each outer algorithm's own knobs
@@ -383,10 +384,14 @@ class StepLog:
                               "eval_loss": eval_loss})  # fmt: skip
 
     def add(self, step: int, loss: torch.Tensor, lr: float, outer_round, outer_seconds: float | None) -> None:
-        record = step_record(self.worker, step, lr, outer_round, self.tokens_per_step, self.wall())
-        if outer_seconds is not None:
-            record["outer_ms"] = round(1e3 * outer_seconds, 3)
-        self.pending.append((record, loss))
+        """One step's line; ``outer_round`` may be a list (the last step of an overlapped run: the round merged
+        there and the one that landed at the end), then one line per round, the step's loss on each."""
+        rounds = outer_round if isinstance(outer_round, list) else [outer_round]
+        for info in rounds:
+            record = step_record(self.worker, step, lr, info, self.tokens_per_step, self.wall())
+            if outer_seconds is not None:
+                record["outer_ms"] = round(1e3 * outer_seconds, 3)
+            self.pending.append((record, loss))
 
     def evaluated(self, eval_loss: float) -> None:
         self.pending[-1][0]["eval_loss"] = eval_loss
@@ -407,11 +412,13 @@ class StepLog:
             last["gpu_peak_memory_gb"] = round(torch.cuda.max_memory_allocated(self.worker.device) / 2**30, 3)
         if algo.nonfinite_events:
             last["nonfinite_events"] = algo.nonfinite_events
+        advanced = None
         for (record, _), loss in zip(self.pending, losses):
             record["loss"] = loss
             self.ctx.metrics.log(record)
-            if self.ctx.progress is not None:
+            if self.ctx.progress is not None and record["step"] != advanced:  # one tick per step, not per line
                 self.ctx.progress.advance(self.worker.rank, loss)
+                advanced = record["step"]
         self.window = (now, last["step"])
         self.pending.clear()
 
@@ -440,8 +447,10 @@ def inner_step(cfg: DictConfig, worker: Worker, step: int, stream_end: StreamEnd
     started = time.perf_counter()
     outer_round = worker.algo.step()
     if step == cfg.steps or (stream_end is not None and stream_end.ends_here(step)):  # the last step:
-        # an exchange still in flight (outer.overlap) lands before the final evaluation
-        outer_round = worker.algo.finish() or outer_round
+        # an exchange still in flight (outer.overlap) lands before the final evaluation; both rounds are logged
+        final = worker.algo.finish()
+        if final is not None:
+            outer_round = final if outer_round is None else [outer_round, final]
     outer_seconds = None
     if outer_round is not None:
         synchronize(worker.device)
@@ -486,11 +495,13 @@ def save_checkpoint(ctx: RunContext, backend: Backend, worker: Worker, step: int
 
 
 def _equals_flat(params: list[torch.Tensor], flat: torch.Tensor) -> bool:
-    """Whether ``params`` hold exactly the consecutive slices of ``flat`` (θ = φ after an outer step)."""
+    """Whether ``params`` hold exactly the consecutive slices of ``flat`` (θ = φ after an outer step); ``flat``
+    may live elsewhere (``outer.offload``: pinned host memory)."""
     offset = 0
     for p in params:
         n = p.numel()
-        if p.dtype != flat.dtype or not torch.equal(p.detach().reshape(-1), flat[offset : offset + n]):
+        piece = flat[offset : offset + n].to(p.device, non_blocking=True)
+        if p.dtype != flat.dtype or not torch.equal(p.detach().reshape(-1), piece):
             return False
         offset += n
     return offset == flat.numel()

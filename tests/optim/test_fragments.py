@@ -109,20 +109,27 @@ def _train(cls, transport, start, targets, k, overlap, **kw):
     return model.flat().detach().double(), algo.slow.double()
 
 
-def _reference(name: str, start, targets, k: int, overlap: bool):
+def _reference(name: str, start, targets, k: int, overlap: bool | str):
     """The fragment rule of docs/design.md §3.1 in float64, all workers in lockstep.
 
     Exchange q (q = 0, 1, ...) ends step (q + 1)·H/k and carries fragment (q + 1) mod k; NoLoCo draws its
-    groups for exchange q. Blocking: the update is applied at once. Overlap: it is applied at the next
-    exchange (or after the last step), keeping the fragment's progress made meanwhile.
+    groups for exchange q. Blocking: the update is applied at once. Delayed: it is applied at the next
+    exchange (or after the last step), keeping the fragment's progress made meanwhile. Eager: each exchange
+    applies at once its own share w = 1/n of its means and its partners' share of the fragment's last means
+    that arrived (the means less w of its own); after the last step each fragment's partners' share left is
+    applied with no progress of its own, the fragment's θ − φ kept on top. Provisional: θ starts from the step
+    the rule would take with this worker's own Δ as the mean (no pull, the momentum not kept); at the next
+    exchange φ takes the real step and θ the difference between the two.
     """
     period = EVERY // k
     parts = [slice(j * N // k, (j + 1) * N // k) for j in range(k)]
+    share = 1 / (2 if name == "noloco" else WORKERS)
     start = start.float().double()
     theta = [start.clone() for _ in range(WORKERS)]
     slow = [start.clone() for _ in range(WORKERS)]
     velocity = [torch.zeros(N, dtype=torch.float64) for _ in range(WORKERS)]
-    pending = None  # (part, snapshots, means per worker)
+    pending = None  # (part, snapshots, means per worker, slow weights sent against)
+    partners = [{} for _ in range(WORKERS)]  # eager: fragment -> (partners' Δ-share, partners' φ-share)
 
     def means(q: int, part: slice, fast: list[torch.Tensor]):
         groups = random_groups(WORKERS, 2, 3, q) if name == "noloco" else [list(range(WORKERS))]
@@ -145,11 +152,33 @@ def _reference(name: str, start, targets, k: int, overlap: bool):
         else:
             slow[i][part] = slow[i][part] + mean_delta
 
+    def provisional(part: slice, i: int, own_delta) -> torch.Tensor:  # the rule's step with own Δ, on copies
+        if name == "noloco":
+            return slow[i][part] + MU * velocity[i][part] + BETA * own_delta
+        if name == "diloco":
+            return slow[i][part] - BETA * (-own_delta + MU * (MU * velocity[i][part] - own_delta))
+        return slow[i][part] + own_delta
+
     def merge():
-        part, snapshots, result = pending
+        part, snapshots, result, sent_slow = pending
         for i in range(WORKERS):
+            if overlap == "provisional":
+                start = provisional(part, i, snapshots[i] - slow[i][part])
+                apply(part, i, *result[i])
+                theta[i][part] = theta[i][part] + (slow[i][part] - start)
+                continue
+            if overlap == "eager":  # the partners' share: the means less this worker's own w
+                mean_delta, mean_slow = result[i]
+                own_delta = snapshots[i] - sent_slow[i]
+                partners[i][part.start] = (mean_delta - share * own_delta, mean_slow - share * sent_slow[i])
+                continue
             apply(part, i, *result[i])
             theta[i][part] = slow[i][part] + (theta[i][part] - snapshots[i])
+
+    def eager(part: slice, i: int, own_delta):
+        zero = torch.zeros(part.stop - part.start, dtype=torch.float64)
+        others = partners[i].pop(part.start, (zero, (1 - share) * slow[i][part]))
+        apply(part, i, others[0] + share * own_delta, others[1] + share * slow[i][part])
 
     for step in range(1, STEPS + 1):
         theta = [w - LR * (w - t) for w, t in zip(theta, targets)]
@@ -161,7 +190,14 @@ def _reference(name: str, start, targets, k: int, overlap: bool):
             if pending is not None:
                 merge()
             snapshots = [w[part].clone() for w in theta]
-            pending = (part, snapshots, means(q, part, snapshots))
+            pending = (part, snapshots, means(q, part, snapshots), [w[part].clone() for w in slow])
+            if overlap == "eager":
+                for i in range(WORKERS):
+                    eager(part, i, snapshots[i] - slow[i][part])
+                    theta[i][part] = slow[i][part].clone()
+            elif overlap == "provisional":
+                for i in range(WORKERS):
+                    theta[i][part] = provisional(part, i, snapshots[i] - slow[i][part])
         else:
             result = means(q, part, [w[part] for w in theta])
             for i in range(WORKERS):
@@ -169,10 +205,16 @@ def _reference(name: str, start, targets, k: int, overlap: bool):
                 theta[i][part] = slow[i][part].clone()
     if pending is not None:
         merge()
+    for part in parts if overlap == "eager" else []:
+        for i in range(WORKERS):
+            if part.start in partners[i]:
+                progress = theta[i][part] - slow[i][part]
+                eager(part, i, torch.zeros(part.stop - part.start, dtype=torch.float64))
+                theta[i][part] = slow[i][part] + progress
     return list(zip(theta, slow))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+@pytest.mark.parametrize("overlap", [False, "delayed", "eager", "provisional"])
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("cls", [NoLoCo, DiLoCo, PeriodicAveraging])
 def test_each_fragment_follows_the_rule_of_its_float64_reference(cls, k, overlap):
@@ -311,10 +353,11 @@ def test_error_feedback_of_a_fragment_changes_only_at_its_own_positions():
             assert not where[outside].any() and where[part].any()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+@pytest.mark.parametrize("overlap", [False, "delayed", "eager", "provisional"])
 @pytest.mark.parametrize("cls", [NoLoCo, DiLoCo])
 def test_a_state_saved_between_fragments_resumes_exactly(cls, overlap):
-    # k = 2, H = 4: exchanges end steps 2, 4, 6, ...; saved after step 6 (with overlap, fragment 1's is in flight)
+    # k = 2, H = 4: exchanges end steps 2, 4, 6, ...; saved after step 6 (with overlap, fragment 1's is in flight;
+    # eager: fragment 0's partners' share of step 4's exchange is held, applied at step 8)
     start, targets = torch.randn(N, dtype=torch.float64), torch.randn(WORKERS, N, dtype=torch.float64)
     codec = dict(codec="int4", slow_codec="int8")
 
@@ -325,6 +368,8 @@ def test_a_state_saved_between_fragments_resumes_exactly(cls, overlap):
             algo.step()
             if step == stop_at:
                 saved = copy.deepcopy((model.state_dict(), opt.state_dict(), algo.state_dict()))
+                if overlap == "eager":  # fragment 0's partners' share (its exchange of step 4) is held
+                    assert [entry["part"] for entry in saved[2]["partners"]] == [[0, 12]]
                 model, opt, algo = _build(cls, transport, start * 0, 2, overlap, **codec)  # a fresh worker
                 model.load_state_dict(saved[0])
                 opt.load_state_dict(saved[1])

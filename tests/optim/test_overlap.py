@@ -1,7 +1,9 @@
-"""Overlapped outer steps (``overlap=True``): the one-round-delayed rule, its speed, and failures in flight."""
+"""Overlapped outer steps (``overlap=``): the eager and the one-round-delayed rules against their float64
+references, exact resume with an exchange in flight, speed, and failures in flight."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -23,7 +25,7 @@ def _train(transport: Transport, overlap: bool, wrap=None, step_seconds: float =
         model.weight.copy_(START.float())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     transport = wrap(transport) if wrap else transport
-    options = dict(lr=BETA, pull=BETA, group_size=2) if cls is NoLoCo else {}
+    options = dict(lr=BETA, pull=kw.pop("pull", BETA), group_size=2) if cls is NoLoCo else {}
     algo = cls(model, opt, transport, every=EVERY, momentum=MU, overlap=overlap, timeout=2.0, **options, **kw)
     for step in range(1, STEPS + 1):
         loss = 0.5 * (model.weight.double().reshape(-1) - TARGETS[transport.rank]).pow(2).sum()
@@ -62,16 +64,184 @@ def _reference() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(theta, slow))
 
 
+def _eager_reference(pull: float = BETA) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The eager rule of docs/design.md §3.1 in float64 for NoLoCo, both workers in one group (w = ½, γ = ``pull``).
+
+    At the end of round r, with Δ_r = θ − φ and φ_r the φ it is measured against, and the means of round r − 1
+    just arrived: Δ̃ = ½·Δ_r + (mean_Δ,r−1 − ½·Δ_r−1), φ̃ = ½·φ_r + (mean_φ,r−1 − ½·φ_r−1);
+    m ← μ·m + β·Δ̃ + γ·(φ̃ − φ); φ ← φ + m; θ ← φ. Round 0 has no partners' share yet: Δ̃ = ½·Δ_0, φ̃ = φ_0.
+    After the last round, the partners' share of its means is applied the same way with no progress of its own.
+    """
+    theta = [START.clone(), START.clone()]
+    slow = [START.clone(), START.clone()]
+    momentum = [torch.zeros(4, dtype=torch.float64) for _ in range(2)]
+    sent = None  # what each worker sent for the round in flight: (Δ_i, φ_i); its means are the means of those
+
+    def apply(i: int, delta: torch.Tensor, mean_slow: torch.Tensor) -> None:
+        momentum[i] = MU * momentum[i] + BETA * delta + pull * (mean_slow - slow[i])
+        slow[i] = slow[i] + momentum[i]
+
+    def partners(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # the arrived means less worker i's own half
+        mean_delta = (sent[0][0] + sent[1][0]) / 2
+        mean_slow = (sent[0][1] + sent[1][1]) / 2
+        return mean_delta - sent[i][0] / 2, mean_slow - sent[i][1] / 2
+
+    for step in range(1, STEPS + 1):
+        theta = [w - LR * (w - t) for w, t in zip(theta, TARGETS)]
+        if step % EVERY == 0:
+            now = [(theta[i] - slow[i], slow[i].clone()) for i in range(2)]
+            for i in range(2):
+                others = partners(i) if sent is not None else (torch.zeros(4, dtype=torch.float64), now[i][1] / 2)
+                apply(i, others[0] + now[i][0] / 2, others[1] + now[i][1] / 2)
+                theta[i] = slow[i].clone()
+            sent = now
+    for i in range(2):  # finish(): the last round's partners' share, no progress of its own (θ = φ here)
+        others = partners(i)
+        apply(i, others[0], others[1] + slow[i] / 2)
+        theta[i] = slow[i].clone()
+    return list(zip(theta, slow))
+
+
+def _provisional_reference(pull: float = BETA) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The provisional rule of docs/design.md §3.1 in float64 for NoLoCo, both workers in one group (γ = ``pull``).
+
+    At the end of round r: φ takes round r − 1's real step, m ← μ·m + β·mean_Δ + γ·(mean_φ − φ), φ ← φ + m, and θ
+    the difference between it and the provisional step L of round r − 1 (θ ← θ + (φ − L)); then θ ← L_r, the step
+    with this worker's own Δ_r as the group mean: L_r = φ + μ·m + β·Δ_r (no pull, m not kept). After the last
+    round, finish() applies the last real step the same way.
+    """
+    theta = [START.clone(), START.clone()]
+    slow = [START.clone(), START.clone()]
+    momentum = [torch.zeros(4, dtype=torch.float64) for _ in range(2)]
+    pending = None  # (what each worker sent: Δ_i, its provisional start L_i), of the round in flight
+
+    def merge():
+        mean_delta = (pending[0][0] + pending[1][0]) / 2
+        mean_slow = (slow[0] + slow[1]) / 2
+        for i in range(2):
+            momentum[i] = MU * momentum[i] + BETA * mean_delta + pull * (mean_slow - slow[i])
+            slow[i] = slow[i] + momentum[i]
+            theta[i] = theta[i] + (slow[i] - pending[i][1])
+
+    for step in range(1, STEPS + 1):
+        theta = [w - LR * (w - t) for w, t in zip(theta, TARGETS)]
+        if step % EVERY == 0:
+            if pending is not None:
+                merge()
+            deltas = [theta[i] - slow[i] for i in range(2)]
+            pending = [(deltas[i], slow[i] + MU * momentum[i] + BETA * deltas[i]) for i in range(2)]
+            theta = [start.clone() for _, start in pending]
+    merge()
+    return list(zip(theta, slow))
+
+
+@pytest.mark.parametrize("pull", [BETA, 0.4], ids=["fused", "two-vector"])
+def test_provisional_noloco_follows_its_float64_reference(pull):
+    results = LocalFabric(2).run(lambda t: _train(t, overlap="provisional", codec="fp32", pull=pull))
+    for (theta, slow), (ref_theta, ref_slow) in zip(results, _provisional_reference(pull)):
+        assert torch.allclose(theta, ref_theta, atol=1e-5) and torch.allclose(slow, ref_slow, atol=1e-5)
+
+
+def test_provisional_diloco_keeps_one_slow_weights_on_every_worker():
+    results = LocalFabric(2).run(lambda t: _train(t, overlap="provisional", cls=DiLoCo, codec="int4"))
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("pull", [BETA, 0.4], ids=["fused", "two-vector"])
+def test_eager_noloco_follows_its_float64_reference(pull):
+    # β = γ (one codec): the fused exchange of θ − φ_0, whose means are (mean_θ − φ_i, φ_i); γ ≠ β: mean_Δ and mean_φ
+    results = LocalFabric(2).run(lambda t: _train(t, overlap="eager", codec="fp32", pull=pull))
+    for (theta, slow), (ref_theta, ref_slow) in zip(results, _eager_reference(pull)):
+        assert torch.allclose(theta, ref_theta, atol=1e-5) and torch.allclose(slow, ref_slow, atol=1e-5)
+
+
+def test_overlap_true_is_the_provisional_rule():
+    eager = LocalFabric(2).run(lambda t: _train(t, overlap="provisional", codec="fp32"))
+    default = LocalFabric(2).run(lambda t: _train(t, overlap=True, codec="fp32"))
+    for (theta, slow), (ref_theta, ref_slow) in zip(default, eager):
+        assert torch.equal(theta, ref_theta) and torch.equal(slow, ref_slow)
+
+
+def test_an_unknown_overlap_rule_is_refused():
+    with pytest.raises(ValueError, match="overlap='streaming' is not one of false, true, provisional, eager, delayed"):
+        LocalFabric(1).run(lambda t: _train(t, overlap="streaming"))
+
+
+@pytest.mark.parametrize("cls", [NoLoCo, DiLoCo])
+@pytest.mark.parametrize("rule", ["provisional", "eager", "delayed"])
+def test_a_state_saved_with_an_exchange_in_flight_resumes_exactly(rule, cls):
+    """Saved after step 7 (round 1's exchange left at step 6 and lands at step 9): a fresh worker that loads the
+    model, optimizer and algorithm states ends bit-identical to the uninterrupted one (int4, error feedback)."""
+
+    def worker(transport, stop_at=None):
+        def build(start):
+            model = torch.nn.Linear(4, 1, bias=False)
+            with torch.no_grad():
+                model.weight.copy_(start.float())
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            options = dict(lr=BETA, pull=BETA, group_size=2) if cls is NoLoCo else {}
+            return model, opt, cls(model, opt, transport, every=EVERY, momentum=MU, overlap=rule, codec="int4",
+                                   timeout=5.0, **options)  # fmt: skip
+
+        model, opt, algo = build(START)
+        for step in range(1, STEPS + 1):
+            loss = 0.5 * (model.weight.double().reshape(-1) - TARGETS[transport.rank]).pow(2).sum()
+            loss.backward()
+            algo.step()
+            if step == stop_at:
+                saved = copy.deepcopy((model.state_dict(), opt.state_dict(), algo.state_dict()))
+                assert saved[2]["in_flight"] is not None and saved[2]["in_flight"]["round"] == 1
+                model, opt, algo = build(START * 0)
+                model.load_state_dict(saved[0])
+                opt.load_state_dict(saved[1])
+                algo.load_state_dict(saved[2])
+        algo.finish()
+        return model.weight.detach().clone(), algo.slow.clone()
+
+    full = LocalFabric(2).run(worker)
+    resumed = LocalFabric(2).run(lambda t: worker(t, stop_at=7))
+    for (theta, slow), (ref_theta, ref_slow) in zip(resumed, full):
+        assert torch.equal(theta, ref_theta) and torch.equal(slow, ref_slow)
+
+
+def test_a_checkpoint_of_one_rule_is_refused_by_the_other():
+    def worker(transport):
+        model = torch.nn.Linear(4, 1, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        algo = NoLoCo(model, opt, transport, every=1, overlap="eager", codec="fp32", group_size=2)
+        model.weight.grad = torch.ones_like(model.weight)
+        algo.step()
+        state = algo.state_dict()
+        other = NoLoCo(model, opt, transport, every=1, overlap="delayed", codec="fp32", group_size=2)
+        with pytest.raises(ValueError, match="is of the eager overlap rule, this run's is delayed"):
+            other.load_state_dict(state)
+        other = NoLoCo(model, opt, transport, every=1, overlap="provisional", codec="fp32", group_size=2)
+        with pytest.raises(ValueError, match="is of the eager overlap rule, this run's is provisional"):
+            other.load_state_dict(state)
+        blocking = NoLoCo(model, opt, transport, every=1, codec="fp32", group_size=2)
+        with pytest.raises(ValueError, match="this run does not overlap"):
+            blocking.load_state_dict(state)
+        algo.finish()
+
+    LocalFabric(2).run(worker)
+
+
 def test_overlapped_noloco_follows_the_one_round_delayed_rule_of_its_float64_reference():
-    results = LocalFabric(2).run(lambda t: _train(t, overlap=True, codec="fp32"))
+    results = LocalFabric(2).run(lambda t: _train(t, overlap="delayed", codec="fp32"))
     for (theta, slow), (ref_theta, ref_slow) in zip(results, _reference()):
         assert torch.allclose(theta, ref_theta, atol=1e-5) and torch.allclose(slow, ref_slow, atol=1e-5)
 
 
-def test_overlap_changes_the_trajectory_from_the_blocking_one():
+def test_provisional_is_the_blocking_trajectory_when_inner_training_is_linear_and_the_group_is_everyone():
+    # SGD on ½‖w − t_i‖² makes Δ_i affine in the start, with Δ_i − mean_Δ the same from any start; the provisional
+    # starts then average to the blocking start, so the group means (and φ) are the blocking ones, a round late
     blocking = LocalFabric(2).run(lambda t: _train(t, overlap=False, codec="fp32"))
-    overlapped = LocalFabric(2).run(lambda t: _train(t, overlap=True, codec="fp32"))
-    assert not torch.allclose(blocking[0][1], overlapped[0][1])
+    provisional = LocalFabric(2).run(lambda t: _train(t, overlap="provisional", codec="fp32"))
+    for (theta, slow), (ref_theta, ref_slow) in zip(provisional, blocking):
+        assert torch.allclose(theta, ref_theta, atol=1e-5) and torch.allclose(slow, ref_slow, atol=1e-5)
+    for rule in ("delayed", "eager"):  # the other rules change the trajectory
+        overlapped = LocalFabric(2).run(lambda t, rule=rule: _train(t, overlap=rule, codec="fp32"))
+        assert not torch.allclose(blocking[0][1], overlapped[0][1], atol=1e-3)
 
 
 class SlowLink(Transport):

@@ -118,9 +118,9 @@ class Scaled(NoLoCo):
 
     scale = 1e30
 
-    def _exchange(self, group, fast, guarded, part=None):
-        slow = self.slow if part is None else self.slow[part]
-        return super()._exchange(group, slow + self.scale * (fast - slow), guarded, part)
+    def _exchange(self, group, fast, guarded, part=None, slow=None):
+        against = (self.slow if part is None else self.slow[part]) if slow is None else slow
+        return super()._exchange(group, against + self.scale * (fast - against), guarded, part, slow)
 
 
 def _train(world: int, rounds: int, every: int = 3, attacker: int | None = None, **kw):

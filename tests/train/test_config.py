@@ -99,3 +99,11 @@ def test_a_run_shorter_than_one_round_warns_that_it_has_no_exchange(capsys):
     assert "no outer exchange" in capsys.readouterr().err
     load_config(["steps=40", "outer.every=20"])
     assert "no outer exchange" not in capsys.readouterr().err
+
+
+def test_outer_offload_is_a_flag_and_does_not_run_with_overlap():
+    assert load_config(["outer.offload=true"]).outer.offload is True
+    with pytest.raises(ConfigError, match="outer.offload must be true or false"):
+        load_config(["outer.offload=sometimes"])
+    with pytest.raises(ConfigError, match="outer.offload does not run with outer.overlap"):
+        load_config(["outer.offload=true", "outer.overlap=true"])

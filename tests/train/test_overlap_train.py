@@ -1,7 +1,9 @@
-"""``outer.overlap=true`` from train.py: a run lowers its loss, and a checkpoint taken with an exchange in flight
-resumes exactly."""
+"""``outer.overlap`` from train.py: a run lowers its loss, a checkpoint taken with an exchange in flight resumes
+exactly, the torch backend matches the local one, and workers of several processes keep one replica."""
 
 import json
+
+import pytest
 
 from noloco.train.backends.local import launch as run
 from noloco.train.cli import main
@@ -12,9 +14,10 @@ def _losses(run_dir):
     return {(r["worker"], r["step"]): (r.get("loss"), r.get("eval_loss")) for r in read_metrics(run_dir)}
 
 
-def test_resume_with_an_exchange_in_flight_reproduces_the_uninterrupted_run(tiny_config, tmp_path):
+@pytest.mark.parametrize("rule", ["provisional", "eager", "delayed"])
+def test_resume_with_an_exchange_in_flight_reproduces_the_uninterrupted_run(tiny_config, tmp_path, rule):
     # outer.every=4: round 0's exchange leaves at step 4 and lands at step 8; the checkpoint at step 6 holds it
-    common = ("steps=16", "outer.every=4", "checkpoint.every=6", "outer.overlap=true", "comm.codec=int4")
+    common = ("steps=16", "outer.every=4", "checkpoint.every=6", f"outer.overlap={rule}", "comm.codec=int4")
     full = run(tiny_config(*common, "run.name=full"), quiet=True)
     run(tiny_config(*common, "run.name=killed"), quiet=True, stop_after=6)
     killed = tmp_path / "killed"
@@ -35,3 +38,25 @@ def test_overlap_on_the_torch_backend_matches_the_local_backend(tiny_config, tmp
     torch_run = run_distributed(tiny_config(*common, "backend=torch", "run.name=torch"), quiet=True)
     assert _losses(tmp_path / "local") == _losses(tmp_path / "torch")
     assert local["final_eval_loss_per_worker"] == torch_run["final_eval_loss_per_worker"]
+
+
+@pytest.mark.parametrize("rule", ["provisional", "eager", "delayed"])
+def test_workers_of_two_processes_overlap_and_keep_one_replica(tiny_config, tmp_path, rule):
+    """2 workers × 2 processes: the leaders exchange in the background, and after each outer step every process
+    of a worker holds the leader's φ and the same θ (fragments=2: one fragment's φ is relayed at a time)."""
+    from noloco.train.backends.distributed import launch as run_distributed
+
+    common = ("steps=12", "outer.every=4", "outer.fragments=2", "workers=2", "inner.processes=2", "backend=torch",
+              "threads=1", "log.tensorboard=false", f"outer.overlap={rule}", "eval.every=2")  # fmt: skip
+    summary = run_distributed(tiny_config(*common, "run.name=multi"), quiet=True)
+    per_process = summary["final_eval_loss_per_process"]
+    assert per_process[0] == per_process[1] and per_process[2] == per_process[3]  # one replica per worker
+    assert per_process[0] != per_process[2]  # two workers, not one
+    evals = {}  # process rank -> step -> held-out loss of its weights
+    for r in read_metrics(tmp_path / "multi"):
+        if r.get("eval_loss") is not None:
+            evals.setdefault(r["worker"], {})[r["step"]] = r["eval_loss"]
+    assert len(evals[0]) >= 6 and evals[0] == evals[1] and evals[2] == evals[3]  # at every exchange, not only the last
+    first = [r["eval_loss"] for r in read_metrics(tmp_path / "multi") if r["step"] == 0]
+    assert summary["final_eval_loss"] < min(first) - 0.3
+    assert summary["bytes_sent_by_worker"][0] > 0  # the leaders did the outer exchange
