@@ -73,15 +73,37 @@ def start_dht(poll: float = 1.0, **kwargs):
     children on a normal exit, but a peer killed with SIGKILL (a crash, the OOM killer) left both
     running forever; here a thread in the DHT process notices the parent is gone within ``poll``
     seconds, terminates p2pd and exits.
+
+    ``get``, ``store`` and ``run_coroutine`` may be called from several threads (with ``outer.overlap`` the
+    exchange thread matches while the training thread publishes liveness): hivemind writes each request to one
+    pipe without a lock, so a request of one thread could interleave with another's; here the writes take
+    turns (the waits for the results do not).
     """
     import hivemind
 
     parent = os.getpid()
 
     class _DHT(hivemind.DHT):
+        _requests = threading.RLock()  # one request written to the DHT process's pipe at a time
+
         def run(self) -> None:  # runs in the forked DHT process
             threading.Thread(target=_exit_with_parent, args=(parent, poll), daemon=True).start()
             super().run()
+
+        def get(self, key, latest: bool = False, return_future: bool = False, **options):
+            with self._requests:
+                future = super().get(key, latest=latest, return_future=True, **options)
+            return future if return_future else future.result()
+
+        def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **options):
+            with self._requests:
+                future = super().store(key, value, expiration_time, subkey=subkey, return_future=True, **options)
+            return future if return_future else future.result()
+
+        def run_coroutine(self, coro, return_future: bool = False):
+            with self._requests:
+                future = super().run_coroutine(coro, return_future=True)
+            return future if return_future else future.result()
 
     return _DHT(**kwargs)
 

@@ -52,6 +52,14 @@ docs/swarm.md):
    struck it a round apart let it back in together and their draws stay alike. Strikes and exclusions
    are counted (``no_confirm``, ``no_data``, ``penalized``).
 
+6. *Rounds and their cycle*: a swarm round is one outer exchange of the algorithm (every ``outer.every /
+   outer.fragments`` inner steps). With ``cycle = outer.fragments`` > 1 round ``r`` exchanges fragment
+   ``(r + 1) mod cycle``, so a peer that catches up with the swarm skips whole cycles only: its swarm round
+   stays congruent to its own round modulo ``cycle`` and every member of a group exchanges the same fragment.
+   A peer is in one round at a time: :meth:`SwarmMatchmaking.form` skips a round (``busy``) while a group of
+   an earlier round is still open (the overlapped exchange never does that: it sends round ``r + 1`` only
+   after round ``r``'s exchange has landed and its group was released).
+
 :class:`PeerRegistry` is the list of live peers (name, inner step) that late joiners read to find a
 peer to download the current slow weights from. :func:`implausible_rounds` drops entries listing a
 round or step the schedule does not have (a key holder listing step 10**9); :func:`implausible_steps`
@@ -174,7 +182,8 @@ def implausible_rounds(entries: list[dict], steps: int, every: int, endpoint: Sw
     """Registry entries whose listed swarm round the schedule allows; the others are counted and dropped.
 
     A listed round must be -1 (finished) or within ``0..ceil(steps / every)`` (and the step within
-    ``0..steps``): a key holder listing round 10**9 would otherwise drag every peer's matchmaking there.
+    ``0..steps``), ``every`` being the inner steps per swarm round (``outer.every / outer.fragments``): a key
+    holder listing round 10**9 would otherwise drag every peer's matchmaking there.
     No bound relative to the other peers: a lone honest peer ahead of peers that fell behind (or that
     resumed) must still be followed, and nothing in the registry tells it from a liar; a liar within the
     schedule can only move the swarm's round label forward, which the honest peers then share.
@@ -274,7 +283,8 @@ class _Mismatch(RuntimeError):
 
 @dataclass
 class RoundRecord:
-    """What matchmaking did for one round (for the per-peer summary)."""
+    """What matchmaking did for one round (for the per-peer summary). ``round`` is the swarm round; ``fragment``
+    is set by the training side (``outer.fragments`` > 1: the fragment its exchange carried)."""
 
     round: int
     ready: int = 0
@@ -284,13 +294,17 @@ class RoundRecord:
     exchange_seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    fragment: int | None = None
 
 
 class SwarmMatchmaking(GroupSource):
     """A :class:`~noloco.gossip.base.GroupSource` for an open swarm (see the module docstring).
 
     Args:
-        dht: a running ``hivemind.DHT`` (its ``get``/``store`` are called from the training thread only).
+        dht: a running ``hivemind.DHT``. :meth:`form` and :meth:`release` run on the thread that runs the outer
+            exchange (the training thread, or with ``outer.overlap`` the exchange's own), one round at a time;
+            :class:`PeerRegistry` publishes from the training thread meanwhile (the DHT of
+            :func:`~noloco.swarm.dht.start_dht` takes such calls from several threads).
         endpoint: this peer's :class:`SwarmEndpoint` (same run id and key).
         name: human-readable peer name used in logs and metrics.
         group_size: target group size (>= 2), or ``None`` for one group of all ready peers.
@@ -313,6 +327,9 @@ class SwarmMatchmaking(GroupSource):
             counted).
         strikes_before_penalty: strikes of one kind in a row before the first penalty.
         max_penalty_rounds: the longest penalty.
+        cycle: swarm rounds come in cycles of this many (``outer.fragments``: round ``r`` exchanges fragment
+            ``(r + 1) mod cycle``); a peer catching up skips whole cycles, so that its swarm round is congruent
+            to its own round modulo ``cycle`` (see :meth:`form`).
     """
 
     def __init__(
@@ -334,11 +351,14 @@ class SwarmMatchmaking(GroupSource):
         penalty_rounds: int = PENALTY_ROUNDS,
         strikes_before_penalty: int = STRIKES_BEFORE_PENALTY,
         max_penalty_rounds: int = MAX_PENALTY_ROUNDS,
+        cycle: int = 1,
     ):
         if group_size is not None and group_size < 2:
             raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
         if penalty_rounds < 0 or strikes_before_penalty < 1 or max_penalty_rounds < 1:
             raise ValueError("penalty_rounds must be >= 0, strikes_before_penalty and max_penalty_rounds >= 1")
+        if isinstance(cycle, bool) or not isinstance(cycle, int) or cycle < 1:
+            raise ValueError(f"cycle must be an integer >= 1, got {cycle!r}")
         self.dht, self.endpoint, self.name = dht, endpoint, name
         self.key: RunKey = endpoint.key
         self.run_id, self.peer_id = endpoint.run_id, endpoint.peer_id
@@ -348,8 +368,11 @@ class SwarmMatchmaking(GroupSource):
         self.alone_after = float(alone_after)
         self._others_seen = time.monotonic()  # when another live peer was last listed
         self.next_round = 0
+        self.matching: int | None = None  # the swarm round form() is in now (None: none)
+        self.cycle = cycle
         self.counter: ByteCounter = endpoint.counter
         self.rounds: list[RoundRecord] = []
+        self._by_own: dict[int, RoundRecord] = {}  # this peer's own round index -> its record (record_of)
         self._open: dict[str, tuple[RoundRecord, float, dict[str, int]]] = {}
         self._bad_entries: set[tuple[str, float]] = set()
         self.penalty_rounds, self.strikes_before_penalty = int(penalty_rounds), int(strikes_before_penalty)
@@ -454,28 +477,63 @@ class SwarmMatchmaking(GroupSource):
         return [Announcement(peer, float(value["t"]), str(value["name"])) for peer, value in entries]
 
     # ------------------------------------------------------------------ GroupSource
+    def target(self, round_index: int, ahead: int) -> int:
+        """The swarm round this peer's round ``round_index`` matches in, given the round ``ahead`` it should
+        catch up with: the first round at or after both that is congruent to ``round_index`` modulo
+        :attr:`cycle` (with fragments, the next round of the swarm that exchanges the same fragment)."""
+        behind = max(0, int(ahead) - int(round_index))
+        return int(round_index) + -(-behind // self.cycle) * self.cycle
+
+    @property
+    def listed_round(self) -> int:
+        """The swarm round this peer lists in the registry: the one it is matching in now, else the next one.
+
+        With ``outer.overlap`` the training thread publishes while the exchange thread matches; listing the
+        next round then would make a peer that reads it as the ``front`` skip the round this peer waits in.
+        """
+        matching = self.matching
+        return self.next_round if matching is None else matching
+
+    def record_of(self, round_index: int) -> RoundRecord | None:
+        """The record of this peer's own round ``round_index`` (its swarm round may be later), if it formed one."""
+        return self._by_own.get(int(round_index))
+
     def form(self, round_index: int, timeout: float) -> Group | None:
         """The group of this peer's outer round ``round_index``.
 
         Groups form in *swarm rounds*: normally the local round, but a peer that has fallen behind
         matches in the round the most advanced live peers do next (``front``), so it rejoins them
-        instead of waiting in rounds nobody else is in. ``Group.round`` is the swarm round.
+        instead of waiting in rounds nobody else is in; with a :attr:`cycle` > 1, in the first such round
+        that is congruent to its own modulo the cycle (:meth:`target`). ``Group.round`` is the swarm round.
         """
         started = time.monotonic()
-        target = max(round_index, self.next_round)
+        ahead = self.next_round
         if self.front is not None:
             try:
-                target = max(target, self.front())
+                ahead = max(ahead, self.front())
             except Exception:  # noqa: BLE001 - the registry is a hint
                 pass
+        target = self.target(round_index, ahead)
         record = RoundRecord(target)
         self.rounds.append(record)
+        self._by_own[int(round_index)] = record
+        for old in [r for r in self._by_own if r < round_index - 8]:  # the training side reads the latest only
+            del self._by_own[old]
+        self.matching = target  # listed while it matches (set before next_round: a reader never sees target + 1)
         self.next_round = target + 1
+        if self._open:  # a group of an earlier round is still exchanging: never in two rounds at once
+            busy = ", ".join(str(r.round) for r, _, _ in self._open.values())
+            logger.warning("swarm: round %d skipped: round %s is still exchanging", target, busy)
+            record.outcome = f"busy: round {busy} still exchanging"
+            self.matching = None
+            return None
         try:
             group = self._form(target, record, started + timeout)
         except Exception as exc:  # noqa: BLE001 - the DHT or a peer failed: skip the round, keep training
             logger.warning("swarm: matchmaking for round %d failed: %s: %s", round_index, type(exc).__name__, exc)
             record.outcome, group = f"error: {type(exc).__name__}", None
+        finally:
+            self.matching = None
         record.matchmaking_seconds = time.monotonic() - started
         if group is not None:
             self._open[group.transport.group_id] = (record, time.monotonic(), self.counter.state_dict())

@@ -61,7 +61,11 @@ def _inflate(blob: bytes, numel: int) -> torch.Tensor:
 
 
 def decode_state(payload: bytes, numel: int, every: int) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """Inverse of :func:`encode_state`, validated against the model size ``numel`` and ``outer.every``."""
+    """Inverse of :func:`encode_state`, validated against the model size ``numel`` and the round length ``every``.
+
+    ``every``: inner steps per outer round, i.e. between two exchanges (``outer.every / outer.fragments``); the
+    state's step must be a multiple of it (a peer serves its state after each exchange).
+    """
     if len(payload) < STATE_HEADER.size + 8:
         raise StateError("peer state is truncated")
     step, count, has_velocity = STATE_HEADER.unpack_from(payload)

@@ -8,11 +8,19 @@ source with ``skip_failed_rounds=True``, then runs the same worker loop as every
 (:func:`~noloco.train.loop.train_worker`) with a :class:`HivemindBackend`. ``outer.algo=diloco``
 averages with all peers ready in the same window instead of pairs.
 
+Rounds: a swarm round is one outer exchange, every ``outer.every / outer.fragments`` inner steps
+(:func:`exchange_period`), numbered as the outer algorithm numbers them (the exchange ending step s is round
+s / period − 1), so the registry's rounds, their plausibility bound, a resumed peer's next round and a joiner's
+start all count the same rounds. With ``outer.fragments=k`` round r exchanges fragment (r + 1) mod k, and a
+peer catching up with the swarm skips whole cycles of k rounds (``SwarmMatchmaking(cycle=k)``), so the members
+of a group always exchange the same fragment. ``outer.overlap`` runs matchmaking and the exchange on the
+algorithm's exchange thread while the next round trains; one round at a time, as when blocking.
+
 Late join: every peer serves its current state (inner step, slow weights, outer momentum) to
 authenticated requests, zlib-compressed (lossless), and lists itself in the DHT after each outer
 round. A new peer (``peer.join=auto``) downloads the state of the most advanced live peer before its
-first inner step, checks it (MAC, sizes, finite values, step on a round boundary) and starts from
-that step; if no live peer answers it starts from the seed's initial weights.
+first inner step, checks it (MAC, sizes, finite values, step on a round boundary: a multiple of the exchange
+period) and starts from that step; if no live peer answers it starts from the seed's initial weights.
 
 Hostile peers (docs/swarm.md, threat model): the DHT runs a
 :class:`~noloco.swarm.dht.RunRecordValidator` (records without the run key's MAC, not signed by the peer
@@ -78,6 +86,11 @@ from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.run import Progress, finish, load_corpus, summarize
 
 
+def exchange_period(cfg: DictConfig) -> int:
+    """Inner steps per swarm round: between two outer exchanges, ``outer.every / outer.fragments``."""
+    return int(cfg.outer.every) // int(cfg.outer.fragments)
+
+
 def _peer_rank(peer_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
 
@@ -104,7 +117,7 @@ class HivemindBackend(Backend):
             confirm_timeout=cfg.peer.confirm_timeout, timeout=cfg.peer.matchmaking_timeout, seed=cfg.run.seed,
             expected=self._expected, front=self._front, others=self._others, alone_after=cfg.peer.live_timeout,
             penalty_rounds=cfg.peer.penalty_rounds, strikes_before_penalty=cfg.peer.strikes_before_penalty,
-            max_penalty_rounds=cfg.peer.max_penalty_rounds,
+            max_penalty_rounds=cfg.peer.max_penalty_rounds, cycle=int(cfg.outer.fragments),
         )  # fmt: skip
         self.state = StateServer(interval=cfg.peer.state_interval, concurrency=cfg.peer.state_concurrency,
                                  burst=cfg.peer.state_burst)  # fmt: skip
@@ -112,13 +125,14 @@ class HivemindBackend(Backend):
         self.joined_from: dict = {}
         self._heartbeat = time.monotonic()
         self._implausible: set = set()  # registry claims already counted as implausible
+        self.period = exchange_period(cfg)  # inner steps per swarm round
 
     # --- what matchmaking asks of the registry -------------------------------------------------------
     def _fresh(self) -> list[dict]:
         """Live peers that published recently, without those listing a round the swarm cannot be in."""
         now = time.time()
         fresh = [e for e in self.registry.live() if now - e["t"] <= self.cfg.peer.live_timeout]
-        return implausible_rounds(fresh, self.cfg.steps, self.cfg.outer.every, self.endpoint, self._implausible)
+        return implausible_rounds(fresh, self.cfg.steps, self.period, self.endpoint, self._implausible)
 
     def _expected(self, round_index: int) -> set[str]:
         """Peers that published recently and will match next in this round or the one before."""
@@ -137,13 +151,13 @@ class HivemindBackend(Backend):
     def publish(self, step: int, next_round: int | None = None) -> None:
         """List this peer as live (best effort: the DHT may be unreachable for a moment)."""
         try:
-            self.registry.publish(step, self.matchmaking.next_round if next_round is None else next_round)
+            self.registry.publish(step, self.matchmaking.listed_round if next_round is None else next_round)
         except Exception as exc:  # noqa: BLE001 - the DHT is best effort; training goes on
             self.say(f"noloco peer {self.peer_name}: could not publish liveness: {exc}")
 
     def resume_at(self, step: int) -> None:
         """A peer resuming its own checkpoint: matchmaking catches up with the swarm's round from there."""
-        self.matchmaking.next_round = step // self.cfg.outer.every
+        self.matchmaking.next_round = step // self.period  # the round whose exchange ends next
         self.publish(step)
 
     def start(self, algo, model: torch.nn.Module) -> int:
@@ -153,7 +167,7 @@ class HivemindBackend(Backend):
             self.progress.status("joining the swarm")
         start = join_swarm(self.cfg, self.endpoint, self.registry, algo, self.joined_from, self.say, self._implausible)
         self._serve(algo)
-        self.matchmaking.next_round = start // self.cfg.outer.every
+        self.matchmaking.next_round = start // self.period
         self.publish(start)
         if self.progress is not None:
             self.progress.status(None)
@@ -163,11 +177,14 @@ class HivemindBackend(Backend):
     def after_step(self, step: int, algo) -> None:
         info = algo.last_round
         if info is not None:
-            rounds = self.matchmaking.rounds
-            if info.skipped and rounds and rounds[-1].outcome == "joined":  # formed, exchange failed
-                rounds[-1].outcome = f"exchange failed: {info.skipped}"
-            if rounds and self.progress is not None:
-                self.progress.note(round=round_note(rounds[-1]))
+            # the record of the round that landed (with outer.overlap the next one may be matching meanwhile)
+            record = self.matchmaking.record_of(info.round)
+            if record is not None:
+                if info.skipped and record.outcome == "joined":  # formed, exchange failed
+                    record.outcome = f"exchange failed: {info.skipped}"
+                record.fragment = info.fragment
+                if self.progress is not None:
+                    self.progress.note(round=round_note(record))
             self._serve(algo)
         # after every outer round, and as a heartbeat while a long round runs (others wait only for
         # peers that published within peer.live_timeout)
@@ -205,12 +222,14 @@ class ShownRounds(GroupSource):
     def __init__(self, matchmaking: SwarmMatchmaking, progress: Progress):
         self.matchmaking, self.progress = matchmaking, progress
         self.counter = matchmaking.counter
+        self.group_size = matchmaking.group_size  # the eager overlap's share w = 1/ñ before a group has arrived
 
     def form(self, round_index: int, timeout: float) -> Group | None:
         if checkpoint.INTERRUPT.requested:
             return None
         wait = min(timeout, self.matchmaking.timeout)
-        self.progress.status(f"round {max(round_index, self.matchmaking.next_round)}: finding partners (≤ {wait:g} s)")
+        shown = self.matchmaking.target(round_index, self.matchmaking.next_round)  # before the registry's front
+        self.progress.status(f"round {shown}: finding partners (≤ {wait:g} s)")
         try:
             return self.matchmaking.form(round_index, timeout)
         finally:
@@ -377,10 +396,13 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
     Only peers whose listed step is plausible are tried (at most ``steps``, and not far above the median
     listed step of the live peers that have trained: :func:`~noloco.swarm.matchmaking.step_bound`; a key
     holder claiming to be far ahead is ignored), and a downloaded state more than one round past that
-    bound is refused; both are counted as ``implausible_step`` rejections.
+    bound is refused; both are counted as ``implausible_step`` rejections. A state is at a round boundary: a
+    multiple of the exchange period (``outer.every / outer.fragments``; the source serves its state after each
+    exchange). The tolerance above the median stays in units of ``outer.every`` (a full cycle, in which every
+    parameter is exchanged once), the same with or without fragments.
     """
     seen = set() if seen is None else seen
-    steps, every = cfg.steps, cfg.outer.every
+    steps, every, period = cfg.steps, cfg.outer.every, exchange_period(cfg)
 
     def plausible() -> list[dict]:
         return implausible_steps(registry.live(), steps, every, endpoint, seen, cfg.peer.live_timeout)
@@ -421,7 +443,7 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
     deadline = time.monotonic() + cfg.peer.join_timeout
     while True:  # try every live peer, most advanced first, until one answers or join_timeout passes
         # a state may be one round past its listing (the source finished a round since it published)
-        bound = min(steps, step_bound(live, steps, every, cfg.peer.live_timeout) + every)
+        bound = min(steps, step_bound(live, steps, every, cfg.peer.live_timeout) + period)
         for entry in live:
             if entry["step"] <= 0:
                 continue
@@ -429,7 +451,7 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
                 payload = endpoint.request(
                     entry["peer"], STATE_SERVICE, b"", cfg.peer.join_timeout, 16 * algo.slow.numel() + 4096
                 )
-                step, slow, velocity = decode_state(payload, algo.slow.numel(), every)
+                step, slow, velocity = decode_state(payload, algo.slow.numel(), period)
                 if step > bound:
                     endpoint.count_rejection("implausible_step", f"state at step {step} > bound {bound}",
                                              entry["peer"])  # fmt: skip
@@ -468,7 +490,8 @@ def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, co
     rounds = backend.matchmaking.rounds
     with (peer_dir / "rounds.jsonl").open("w") as f:
         for record in rounds:
-            f.write(json.dumps(record.__dict__) + "\n")
+            line = {k: v for k, v in record.__dict__.items() if k != "fragment" or v is not None}
+            f.write(json.dumps(line) + "\n")
     joined = [r for r in rounds if r.outcome == "joined"]
     slow = result.slow_weights
     extra = {
