@@ -77,20 +77,23 @@ def plain_loop(preset: str, compiled: bool, steps: int, run_dir: Path) -> dict:
                 torch.cuda.max_memory_allocated(), 1)  # fmt: skip
 
 
-def noloco_run(preset: str, workers: int, compiled: bool, steps: int, every: int, run_dir: Path) -> dict:
+def noloco_run(preset: str, workers: int, compiled: bool, steps: int, every: int, run_dir: Path,
+               offload: bool = False) -> dict:  # fmt: skip
     """``train.py`` itself: NoLoCo int4, ``workers`` threads on the GPU; steady-state rate from metrics.jsonl."""
     from noloco.train.backends.local import launch
 
-    name = f"noloco-{preset}-k{workers}-{'c' if compiled else 'e'}"
+    name = f"noloco-{preset}-k{workers}-{'c' if compiled else 'e'}{'-offload' if offload else ''}"
     cfg = _cfg(preset, [f"workers={workers}", f"steps={steps}", f"outer.every={every}", f"eval.every={steps}",
-                        "eval.batches=2", f"compile={str(compiled).lower()}", f"run.name={name}"], run_dir)  # fmt: skip
+                        "eval.batches=2", f"compile={str(compiled).lower()}", f"run.name={name}",
+                        f"outer.offload={str(offload).lower()}"], run_dir)  # fmt: skip
     torch.cuda.reset_peak_memory_stats()
     summary = launch(cfg, quiet=True)
     shutil.rmtree(Path(summary["run_dir"]) / "checkpoints", ignore_errors=True)  # 32 B/param/worker: disks fill
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     rate, outer = steady_rate(records, steps, cfg.data.batch_size * cfg.data.seq_len)
     model = build_model(cfg, summary_vocab(cfg))
-    row = _row(f"noloco K={workers} ({'compiled' if compiled else 'eager'})", model, cfg, rate,
+    label = f"noloco K={workers} ({'compiled' if compiled else 'eager'}{', outer.offload' if offload else ''})"
+    row = _row(label, model, cfg, rate,
                sum(outer) / len(outer) if outer else None, torch.cuda.max_memory_allocated(), workers)  # fmt: skip
     row["final_eval_loss"] = summary["final_eval_loss"]
     row["bytes_sent_per_worker"] = summary["bytes_sent_per_worker"]
@@ -115,46 +118,60 @@ def steady_rate(records: list[dict], steps: int, tokens_per_step: int) -> tuple[
     return rate, outer
 
 
-def outer_step_alone(preset: str, repeats: int = 6) -> dict:
+def outer_step_alone(preset: str, repeats: int = 6, device_messages: bool = True) -> dict:
     """NoLoCo's outer step (int4, fused exchange, error feedback, norm bound) of two workers sharing the GPU.
 
     Each worker holds the preset's parameters on the GPU on a stream of its own (as ``train.py`` does) and
-    runs the library's ``NoLoCo`` with ``every=1``: one call of ``step()`` is its AdamW step and an outer
-    step (encode, exchange over the in-process fabric, decode, update of φ, momentum and the model). The
-    GPU is idle otherwise; the first call (allocations) is left out.
+    runs the library's ``NoLoCo``; between outer steps its weights move by a random step (no AdamW, no
+    training), and one call of ``outer_step`` is timed: encode, exchange over the in-process fabric, decode,
+    update of φ, momentum and the model. ``device_messages``: the fabric hands message bodies over in GPU
+    memory (the default for simulated workers), else each goes through pinned host memory as on a byte
+    transport. The GPU is idle otherwise; the first call (allocations) is left out.
     """
+    import threading
+
     from noloco.comm import LocalFabric
     from noloco.optim import NoLoCo
 
     cfg = _cfg(preset, [], Path("/tmp"))
     vocab = summary_vocab(cfg)
     times: dict[int, list[float]] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}
+    together = threading.Barrier(2)
 
     def worker(transport) -> None:
         device = torch.device("cuda")
         stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), torch.no_grad():
             torch.manual_seed(cfg.run.seed)
             model = build_model(cfg, vocab).to(device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             algo = NoLoCo(model, opt, transport, every=1, codec="int4", max_norm_ratio=10.0)
+            gen = torch.Generator(device).manual_seed(transport.rank)
             spent = []
-            for _ in range(repeats + 1):
+            for r in range(repeats + 1):
                 for p in model.parameters():
-                    p.grad = torch.randn_like(p) * 1e-3
+                    p.add_(torch.randn(p.shape, device=device, generator=gen), alpha=1e-3)
                 stream.synchronize()
+                together.wait()  # both workers start each round together, as in training
                 started = time.perf_counter()
-                algo.step()
+                algo.outer_step(r)
                 stream.synchronize()
-                spent.append(1e3 * (time.perf_counter() - started))
+                ended = time.perf_counter()
+                spent.append(1e3 * (ended - started))
+                spans.setdefault(r, []).append((started, ended))
             times[transport.rank] = spent[1:]
 
-    LocalFabric(2).run(worker)
+    LocalFabric(2, device_messages=device_messages).run(worker)
     every = [t for ms in times.values() for t in ms]
+    # the GPU's time per worker: both workers' outer steps share it, so a round's span over the two
+    rounds = [1e3 * (max(e for _, e in m) - min(b for b, _ in m)) / 2 for r, m in spans.items() if r > 0]
     model = build_model(cfg, vocab)
-    return {"preset": preset, "label": "outer step alone, 2 workers (ms: AdamW + outer step)",
-            "params": sum(p.numel() for p in model.parameters()), "outer_ms_mean": sum(every) / len(every),
-            "outer_ms_min": min(every), "outer_ms_max": max(every)}  # fmt: skip
+    where = "GPU memory" if device_messages else "pinned host memory"
+    return {"preset": preset, "label": f"outer step alone, 2 workers, messages in {where}",
+            "device_messages": device_messages, "params": sum(p.numel() for p in model.parameters()),
+            "outer_ms_mean": sum(every) / len(every), "outer_ms_min": min(every), "outer_ms_max": max(every),
+            "gpu_ms_per_worker": sum(rounds) / len(rounds)}
 
 
 def summary_vocab(cfg) -> int:
@@ -193,16 +210,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=50, help="H, inner steps between outer steps")
     parser.add_argument("--outer-only", action="store_true", help="only time the outer step alone")
     parser.add_argument("--no-plain", action="store_true", help="leave out the plain loops (rows of an earlier run)")
+    parser.add_argument("--offload", action="store_true", help="add a K=1 row with outer.offload=true per preset")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="folder of the training runs (default <out>/runs; their checkpoints are deleted)")
     common.add_out(parser, "gpu_train")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_train needs a CUDA GPU")
-    run_dir = common.out_dir(args.out) / "runs"
+    run_dir = args.runs or common.out_dir(args.out) / "runs"
     rows, alone = [], []
     for preset in args.presets.split(","):
-        alone.append(outer_step_alone(preset))
-        print(f"{preset}: outer step alone {alone[-1]['outer_ms_mean']:.1f} ms per worker "
-              f"(min {alone[-1]['outer_ms_min']:.1f}, max {alone[-1]['outer_ms_max']:.1f})", flush=True)
+        for device_messages in (True, False):
+            alone.append(outer_step_alone(preset, device_messages=device_messages))
+            a = alone[-1]
+            print(f"{preset}: {a['label']}: {a['outer_ms_mean']:.1f} ms per call (min {a['outer_ms_min']:.1f}, max "
+                  f"{a['outer_ms_max']:.1f}); GPU time per worker {a['gpu_ms_per_worker']:.1f} ms", flush=True)
         if args.outer_only:
             continue
         ks = [1] if preset != "125m" else [int(k) for k in args.workers.split(",")]
@@ -211,14 +233,16 @@ def main(argv: list[str] | None = None) -> None:
             if not args.no_plain:
                 rows.append(plain_loop(preset, compiled, args.plain_steps, run_dir))
                 print("\n".join(table(rows[-1:])[2:]), flush=True)
-            for k in ks:
-                rows.append(noloco_run(preset, k, compiled, args.steps, args.every, run_dir))
+            for k, offload in [(k, False) for k in ks] + ([(1, True)] if args.offload else []):
+                rows.append(noloco_run(preset, k, compiled, args.steps, args.every, run_dir, offload))
                 print("\n".join(table(rows[-1:])[2:]), flush=True)
                 torch.cuda.empty_cache()
     machine, command = common.machine(), common.command("gpu_train", argv)
-    outer_lines = ["| model | outer step alone, ms per worker (mean) | min | max |", "|---|---|---|---|"]
-    outer_lines += [f"| {a['preset']} ({a['params'] / 1e6:.0f}M) | {a['outer_ms_mean']:.1f} | "
-                    f"{a['outer_ms_min']:.1f} | {a['outer_ms_max']:.1f} |" for a in alone]  # fmt: skip
+    outer_lines = ["| model | messages in | outer step alone, ms per call (mean) | min | max | GPU ms per worker |",
+                   "|---|---|---|---|---|---|"]
+    outer_lines += [f"| {a['preset']} ({a['params'] / 1e6:.0f}M) | {'GPU' if a['device_messages'] else 'pinned host'} "
+                    f"| {a['outer_ms_mean']:.1f} | {a['outer_ms_min']:.1f} | {a['outer_ms_max']:.1f} | "
+                    f"{a['gpu_ms_per_worker']:.1f} |" for a in alone]  # fmt: skip
     lines = ["# Training throughput on one GPU", "", f"Machine: {machine}  ", f"Command: `{command}`", "",
              *(table(rows) if rows else []), "", *outer_lines]  # fmt: skip
     print("\n".join(lines[5:]))

@@ -89,3 +89,28 @@ def test_compiled_workers_sharing_a_gpu_compile_one_graph_and_train_like_eager(t
     # inductor fuses the fp32 math differently from eager: the trajectories agree to rounding
     assert compiled["final_eval_loss_per_worker"] == pytest.approx(eager["final_eval_loss_per_worker"], abs=2e-3)
 
+
+def test_offloaded_outer_state_trains_bit_identically_and_lives_in_pinned_host_memory(tiny_config):
+    import torch
+
+    from noloco.comm import LocalFabric
+    from noloco.optim import NoLoCo
+
+    common = (*GPU, "steps=12", "outer.every=4", "workers=2", "precision=fp32")
+    kept = run(tiny_config(*common, "run.name=kept"), quiet=True)
+    offloaded = run(tiny_config(*common, "outer.offload=true", "run.name=offloaded"), quiet=True)
+    # the same math on the same device; only where the state waits between outer steps differs
+    assert offloaded["final_eval_loss_per_worker"] == kept["final_eval_loss_per_worker"]
+
+    def worker(transport):
+        model = torch.nn.Linear(64, 64).cuda()
+        with torch.no_grad():  # the same start on both (threads share torch's global generator)
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        algo = NoLoCo(model, torch.optim.AdamW(model.parameters()), transport, every=1, codec="int4", offload=True)
+        model(torch.randn(8, 64, device="cuda")).square().mean().backward()
+        algo.step()  # an AdamW step and an outer step
+        tensors = [algo.slow, algo.reference, algo.rule.velocity, algo.feedback.contribution]
+        return all(t.device.type == "cpu" and t.is_pinned() for t in tensors), model.weight.is_cuda
+
+    assert LocalFabric(2).run(worker) == [(True, True), (True, True)]
