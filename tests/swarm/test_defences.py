@@ -103,8 +103,9 @@ def test_keyless_streams_are_capped_cut_at_the_header_deadline_and_never_allocat
         held = [asyncio.ensure_future(hold(stall, 8)) for _ in range(2)]
         await asyncio.sleep(0.5)  # the two stalled streams hold this peer's two unauthenticated slots
         over = await asyncio.gather(*(hold(stall, 8) for _ in range(3)))
+        cut = await asyncio.gather(*held)  # the slots free up when the stalled streams are cut
         forged = await hold(_stalling_frame(attacker, target, (1 << 28) - 1, whole_header=True), 8)
-        return await asyncio.gather(*held), over, forged
+        return cut, over, forged
 
     before = dict(target.rejection_counts())
     held, over, forged = attacker._loop.call(attack(), 30)
