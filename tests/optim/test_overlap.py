@@ -135,23 +135,18 @@ def _provisional_reference(pull: float = BETA) -> list[tuple[torch.Tensor, torch
     return list(zip(theta, slow))
 
 
-@pytest.mark.parametrize("pull", [BETA, 0.4], ids=["fused", "two-vector"])
-def test_provisional_noloco_follows_its_float64_reference(pull):
-    results = LocalFabric(2).run(lambda t: _train(t, overlap="provisional", codec="fp32", pull=pull))
-    for (theta, slow), (ref_theta, ref_slow) in zip(results, _provisional_reference(pull)):
-        assert torch.allclose(theta, ref_theta, atol=1e-5) and torch.allclose(slow, ref_slow, atol=1e-5)
-
-
 def test_provisional_diloco_keeps_one_slow_weights_on_every_worker():
     results = LocalFabric(2).run(lambda t: _train(t, overlap="provisional", cls=DiLoCo, codec="int4"))
     assert torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("rule,reference", [("provisional", _provisional_reference), ("eager", _eager_reference)],
+                         ids=["provisional", "eager"])  # fmt: skip
 @pytest.mark.parametrize("pull", [BETA, 0.4], ids=["fused", "two-vector"])
-def test_eager_noloco_follows_its_float64_reference(pull):
+def test_noloco_overlap_rules_follow_their_float64_references(rule, reference, pull):
     # β = γ (one codec): the fused exchange of θ − φ_0, whose means are (mean_θ − φ_i, φ_i); γ ≠ β: mean_Δ and mean_φ
-    results = LocalFabric(2).run(lambda t: _train(t, overlap="eager", codec="fp32", pull=pull))
-    for (theta, slow), (ref_theta, ref_slow) in zip(results, _eager_reference(pull)):
+    results = LocalFabric(2).run(lambda t: _train(t, overlap=rule, codec="fp32", pull=pull))
+    for (theta, slow), (ref_theta, ref_slow) in zip(results, reference(pull)):
         assert torch.allclose(theta, ref_theta, atol=1e-5) and torch.allclose(slow, ref_slow, atol=1e-5)
 
 
