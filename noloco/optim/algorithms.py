@@ -51,7 +51,7 @@ from noloco.collectives import Codec, NormBound, NormRejections, ReductionErrorF
 from noloco.comm import faults
 from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
-from noloco.optim.base import OuterRule
+from noloco.optim.base import OuterRule, all_finite
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.fragments import split_fragments
 from noloco.optim.noloco import NoLoCoRule
@@ -268,10 +268,6 @@ def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for tensor, piece in zip(tensors, pieces):
         tensor.copy_(piece)
 
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether ``x`` holds no NaN/Inf: one reduction pass (its max magnitude), no temporary of ``x``'s size."""
-    return not x.numel() or bool(torch.isfinite(torch.linalg.vector_norm(x, float("inf"))))
 
 
 class Algorithm:

@@ -53,3 +53,8 @@ def _lazy_buffer(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tenso
 def _part(tensor: torch.Tensor, part: slice | None) -> torch.Tensor:
     """``tensor[part]`` as a view (in-place updates reach ``tensor``); the tensor itself for None."""
     return tensor if part is None else tensor[part]
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds no NaN/Inf: one reduction pass (its max magnitude), no temporary of ``x``'s size."""
+    return not x.numel() or bool(torch.isfinite(torch.linalg.vector_norm(x, float("inf"))))

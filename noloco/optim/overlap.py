@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from noloco.optim.base import all_finite
+
 #: the rules ``overlap=`` (``outer.overlap``) names; ``True`` means :data:`DEFAULT_RULE`
 OVERLAP_RULES = ("provisional", "eager", "delayed")
 DEFAULT_RULE = "provisional"
@@ -230,8 +232,7 @@ class OverlappedRounds:
         part = algo._part_of(round_index)
         snapshot = algo._read_fast(part).clone()
         slow = self._slow(part)
-        # non-finite? one reduction pass (its max magnitude), no temporary of the snapshot's size
-        guarded = bool(snapshot.numel()) and not bool(torch.isfinite(torch.linalg.vector_norm(snapshot, float("inf"))))
+        guarded = not all_finite(snapshot)
         pending = InFlight(round_index, slow.clone() if guarded else snapshot, part=part, rule=self.rule)
         if self.rule == "eager":
             pending.slow, pending.share = slow.clone(), 1.0 / self._group_size()
