@@ -103,13 +103,15 @@ class CompiledForward:
         self.module = module
         self.shared = shared and not isinstance(module, torch.nn.parallel.DistributedDataParallel)
         self.compiled = _shared_graph(module) if self.shared else torch.compile(module)
+        # this worker's own tensors, by name (tied weights under both names), gathered once: training and
+        # checkpoint loads write into them in place, so the dict stays valid and no step walks the module
+        self.tensors = {**dict(module.named_parameters(remove_duplicate=False)),
+                        **dict(module.named_buffers(remove_duplicate=False))} if self.shared else None  # fmt: skip
 
     def __call__(self, *args, **kwargs):
-        if self.shared:  # this worker's own tensors, by name (tied weights appear once, under both names)
-            tensors = {**dict(self.module.named_parameters(remove_duplicate=False)),
-                       **dict(self.module.named_buffers(remove_duplicate=False))}  # fmt: skip
+        if self.shared:
             with COMPILE_LOCK:
-                return self.compiled(tensors, *args, **kwargs)
+                return self.compiled(self.tensors, *args, **kwargs)
         with COMPILE_LOCK:
             return self.compiled(*args, **kwargs)
 
