@@ -18,6 +18,7 @@ is set.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 
@@ -72,12 +73,28 @@ def _signature(module: torch.nn.Module) -> tuple:
     return (type(module), tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in tensors))
 
 
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``'s structure with every parameter and buffer on the meta device: no memory, and no worker's tensors.
+
+    The shared graph's template must own none of the tensors a worker passes in: a worker whose tensors are the
+    template's own makes dynamo guard on that identity (``tensors[name] is template._buffers[name]``), and the
+    next worker then compiles a second graph.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        is_parameter = isinstance(t, torch.nn.Parameter)
+        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if is_parameter else meta
+    return copy.deepcopy(module, memo)
+
+
 def _shared_graph(module: torch.nn.Module):
-    """One ``torch.compile``'d functional call per model signature in this process; ``module`` the template."""
+    """One ``torch.compile``'d functional call per model signature in this process; a meta copy of ``module`` is
+    the template."""
     key = _signature(module)
     with COMPILE_LOCK:
         if key not in _SHARED_GRAPHS:
-            template = module
+            template = _meta_copy(module)
 
             def run(tensors: dict, *args, **kwargs):
                 return torch.func.functional_call(template, tensors, args, kwargs, tie_weights=False)
