@@ -45,6 +45,26 @@ def _leftovers(prefix: str) -> list[str]:
     return left
 
 
+def _pids_inside(prefix: str) -> dict[str, list[int]]:
+    """The processes inside each namespace of this prefix."""
+    names = [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
+    return {ns: [int(pid) for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                                    text=True).stdout.split()] for ns in names}  # fmt: skip
+
+
+def _hosts_running(prefix: str) -> int:
+    """Namespaces of this prefix with a process inside."""
+    return sum(bool(pids) for pids in _pids_inside(prefix).values())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(") ", 1)[-1][:1] != "Z"  # a zombie has exited
+
+
 RECEIVER = """
 import socket, sys, time
 server = socket.socket(); server.bind((sys.argv[1], 5001)); server.listen(1)
@@ -126,14 +146,16 @@ def test_sigterm_to_the_launcher_stops_workers_and_removes_the_namespaces():
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and sum(f"netns exec {prefix}-" in line for line in _leftovers(prefix)) < 2:
+        deadline = time.monotonic() + 60  # until both hosts' commands run (`ip netns exec` has exec'd into them)
+        while time.monotonic() < deadline and _hosts_running(prefix) < 2:
             time.sleep(0.2)
-        assert any(ns.startswith(prefix) for ns in list_namespaces()), "the fleet never came up"
+        assert _hosts_running(prefix) == 2, "the fleet's two commands never started"
+        inside = [pid for pids in _pids_inside(prefix).values() for pid in pids]
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=60)[0]
         assert proc.returncode == 128 + signal.SIGTERM, output
         assert _leftovers(prefix) == []
+        assert not [pid for pid in inside if _alive(pid)], "a host's command outlived the launcher"
     finally:
         if proc.poll() is None:
             proc.kill()
