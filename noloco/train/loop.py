@@ -61,6 +61,7 @@ class WorkerResult:
     peak_memory_bytes: int = 0  # peak GPU memory allocated by this worker's process (CUDA only)
     stream: dict | None = None  # data.streaming: its shard and where it ended (StreamSampler.report)
     stopped: dict | None = None  # data.stream_end=stop: why the run ended before steps (stream_end.stopped_record)
+    timing: dict = field(default_factory=dict)  # StepLog.timing: loop and outer-step seconds, MFU
 
 
 def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
@@ -112,6 +113,7 @@ def build_algorithm(
     common["max_norm_ratio"] = comm.max_norm_ratio
     common["group_timeout"] = comm.group_timeout
     common["overlap"] = outer.overlap
+    common["overlap_steps"] = outer.overlap_steps
     common["fragments"] = outer.fragments
     common["offload"] = outer.offload
     if skip_failed_rounds:
@@ -316,6 +318,7 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
     if ctx.resume_from is None:  # the curve starts at the initial loss (a late joiner's: the live weights)
         worker.history.append((worker.start, worker.evaluate()))
         log.first(worker.history[-1][1])
+    step = worker.start
     for step in range(worker.start + 1, cfg.steps + 1):
         loss, lr, outer_round, outer_seconds = inner_step(cfg, worker, step, stream_end)
         log.add(step, loss, lr, outer_round, outer_seconds)
@@ -346,6 +349,7 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
         peak_memory_bytes=torch.cuda.max_memory_allocated(worker.device) if worker.device.type == "cuda" else 0,
         stream=worker.sampler.report() if hasattr(worker.sampler, "report") else None,
         stopped=stream_end.stopped if stream_end is not None else None,
+        timing=log.timing(step),
     )
 
 
@@ -373,6 +377,7 @@ class StepLog:
         self.flops = None if mcfg is None else flops_per_token(
             sum(p.numel() for p in model.parameters()), embedding, mcfg.n_layers, mcfg.dim, cfg.data.seq_len)
         self.peak = peak_tflops(worker.device, cfg.log.peak_tflops)
+        self.outer_seconds, self.outer_steps = 0.0, 0  # the loop's time inside outer steps (blocked, not training)
 
     def wall(self) -> float:
         return self.worker.wall_offset + time.perf_counter() - self.started
@@ -392,6 +397,23 @@ class StepLog:
             if outer_seconds is not None:
                 record["outer_ms"] = round(1e3 * outer_seconds, 3)
             self.pending.append((record, loss))
+        if outer_seconds is not None:
+            self.outer_seconds += outer_seconds
+            self.outer_steps += 1
+
+    def timing(self, last_step: int) -> dict:
+        """This worker's run in numbers for ``summary.json``: ``loop_seconds`` (its training loop, start-up
+        excluded), ``outer_seconds`` and ``outer_steps`` (time the loop spent inside outer steps, which includes
+        waiting for an overlapped exchange), ``outer_ms_mean``, ``tokens_per_second`` over the loop and, where the
+        device's peak is known, ``mfu`` (docs/design.md §8)."""
+        loop = time.perf_counter() - self.started
+        rate = (last_step - self.worker.start) * self.tokens_per_step / max(loop, 1e-9)
+        out = {"loop_seconds": round(loop, 3), "outer_seconds": round(self.outer_seconds, 3),
+               "outer_steps": self.outer_steps, "tokens_per_second": round(rate, 1),
+               "outer_ms_mean": round(1e3 * self.outer_seconds / self.outer_steps, 3) if self.outer_steps else None}
+        if self.flops is not None and self.peak is not None:
+            out["mfu"] = round(rate * self.flops / (self.peak * 1e12), 4)
+        return out
 
     def evaluated(self, eval_loss: float) -> None:
         self.pending[-1][0]["eval_loss"] = eval_loss
@@ -442,7 +464,8 @@ def inner_step(cfg: DictConfig, worker: Worker, step: int, stream_end: StreamEnd
         torch.nn.utils.clip_grad_norm_(worker.model.parameters(), cfg.inner.grad_clip)
     lr = worker.schedule.get_last_lr()[0]
     every = getattr(worker.algo, "period", 0)  # inner steps between exchanges: outer.every / outer.fragments
-    if every and (worker.algo.inner_step + 1) % every == 0:
+    boundary = bool(every) and (worker.algo.inner_step + 1) % every == 0
+    if boundary:
         synchronize(worker.device)  # outer_ms then times the outer step, not this worker's queued inner steps
     started = time.perf_counter()
     outer_round = worker.algo.step()
@@ -452,7 +475,7 @@ def inner_step(cfg: DictConfig, worker: Worker, step: int, stream_end: StreamEnd
         if final is not None:
             outer_round = final if outer_round is None else [outer_round, final]
     outer_seconds = None
-    if outer_round is not None:
+    if outer_round is not None or boundary:  # an overlapped first round returns nothing yet, and still costs time
         synchronize(worker.device)
         outer_seconds = time.perf_counter() - started
     worker.schedule.step()

@@ -287,8 +287,23 @@ def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list
         nonfinite_events_by_worker=[r.nonfinite_events for r in results],
         norm_rejections_by_worker=[r.norm_rejections for r in results],
         checkpoint_bytes_per_worker=checkpoint.bytes_per_worker(run_dir),
-        extra={**stream_summary(cfg.steps, [r.stream for r in results], stopped), **(extra or {})},
+        extra={**stream_summary(cfg.steps, [r.stream for r in results], stopped), **timing_summary(results),
+               **(extra or {})},
     )
+
+
+def timing_summary(results: list[WorkerResult]) -> dict:
+    """Per worker, in worker order: the training loop's seconds, the seconds and mean milliseconds of its outer
+    steps (the loop blocked in them: the whole exchange when blocking, the wait and merge when overlapped),
+    MFU where the device's peak is known, and on CUDA the peak GPU memory (GB, 2**30 bytes)."""
+    timings = [r.timing or {} for r in results]
+    out = {f"{key}_by_worker": [t.get(key) for t in timings]
+           for key in ("loop_seconds", "outer_seconds", "outer_ms_mean")}
+    if any("mfu" in t for t in timings):
+        out["mfu_by_worker"] = [t.get("mfu") for t in timings]
+    if any(r.peak_memory_bytes for r in results):
+        out["gpu_peak_memory_gb_by_worker"] = [round(r.peak_memory_bytes / 2**30, 3) for r in results]
+    return out
 
 
 def finish(cfg: DictConfig, summary: RunSummary, quiet: bool = False) -> dict:
