@@ -55,7 +55,7 @@ from noloco.optim.base import OuterRule, all_finite
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.fragments import split_fragments
 from noloco.optim.noloco import NoLoCoRule
-from noloco.optim.overlap import InFlight, OverlappedRounds, in_flight_state, overlap_rule
+from noloco.optim.overlap import InFlight, OverlappedRounds, check_overlap_steps, in_flight_state, overlap_rule
 
 logger = logging.getLogger(__name__)
 
@@ -406,7 +406,10 @@ class OuterAlgorithm(Algorithm):
     ``overlap`` (default False): each exchange runs in the background while the next round trains, and the rule
     it names says what is applied at each round boundary: ``"provisional"`` (also True), ``"eager"`` or
     ``"delayed"`` (:mod:`noloco.optim.overlap`, docs/design.md §3.1). In a worker of several processes the
-    leader relays what it applied to the others.
+    leader relays what it applied to the others. ``overlap_steps`` (τ; default None: the whole round,
+    ``every / fragments`` steps): the provisional and delayed rules apply an exchange τ inner steps after it
+    was sent, waiting for it there if it has not arrived: a smaller τ hides less of the exchange and delays
+    its means less.
 
     ``max_norm_ratio``: the norm bound every reduction of the outer step runs with (None: none); what
     it refuses is counted in :attr:`norm_rejections` (kept in the checkpoint) and in the round's
@@ -436,6 +439,7 @@ class OuterAlgorithm(Algorithm):
         overlap: bool | str = False,
         fragments: int = 1,
         offload: bool = False,
+        overlap_steps: int | None = None,
     ):
         super().__init__(
             model,
@@ -476,6 +480,8 @@ class OuterAlgorithm(Algorithm):
         # (noloco.optim.overlap: "provisional", "eager", "delayed"; True: the default, provisional); False: None
         self.overlap = overlap_rule(overlap)
         self._overlapped = None if self.overlap is None else OverlappedRounds(self, self.overlap)
+        # inner steps an exchange may take: it lands (is waited for and applied) that many steps after it was sent
+        self.overlap_steps = check_overlap_steps(overlap_steps, self.overlap, self.period)
         # offload: between outer steps the outer state lives in pinned host memory (a no-op on the CPU)
         self.offload = bool(offload) and self.slow.is_cuda
         if self.offload and self._overlapped is not None:
@@ -488,7 +494,10 @@ class OuterAlgorithm(Algorithm):
         return self.groups.counter
 
     def _after_inner_step(self) -> OuterRoundInfo | None:
-        if self.inner_step % self.period:
+        phase = self.inner_step % self.period
+        if self._overlapped is not None and phase == self.overlap_steps:  # (never when it is a whole round)
+            return self._overlapped.land()
+        if phase:
             return None
         if self._overlapped is not None:
             return self._overlapped.round(self.inner_step // self.period - 1)
@@ -780,7 +789,7 @@ class NoLoCo(OuterAlgorithm):
     ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking). ``exchange``
     takes the keyword arguments of :class:`OuterAlgorithm` that shape the exchange: ``codec``,
     ``slow_codec``, ``error_feedback``, ``reduction``, ``timeout``, ``group_timeout``,
-    ``skip_failed_rounds``, ``max_norm_ratio``, ``overlap``, ``fragments``.
+    ``skip_failed_rounds``, ``max_norm_ratio``, ``overlap``, ``overlap_steps``, ``fragments``.
     """
 
     name = "noloco"

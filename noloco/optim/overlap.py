@@ -29,11 +29,14 @@ exactly, and its partners' shares taken from round r − 1's means, which have j
 mixing factor of 1: round r − 1's means are applied at the end of round r, and the progress made meanwhile
 is kept on top: ``φ ← R(φ, means_r−1);  θ ← φ + (θ − s_r−1)``, then ``s_r = θ`` is sent.
 
-All apply at the round boundary, not when the bytes arrive, so a run is deterministic and a resumed run
-exact: a checkpoint finishes the exchange in flight first and stores its result (eager: also what this
-worker sent against, and the partners' shares not applied yet). With fragments each rule runs per fragment,
-one exchange in flight. In a worker of several processes only the leader exchanges; at every round boundary
-it broadcasts φ (and whatever else its processes need to update θ alike) to the other processes.
+All apply at a fixed step, not when the bytes arrive, so a run is deterministic and a resumed run exact: by
+default at the round boundary (the delay τ is the whole round), and for ``provisional`` and ``delayed`` after
+τ = ``overlap_steps`` inner steps if that is set (:meth:`OverlappedRounds.land`; the worker waits there for an
+exchange that has not arrived). A checkpoint finishes the exchange in flight first and stores its result
+(eager: also what this worker sent against, and the partners' shares not applied yet). With fragments each
+rule runs per fragment, one exchange in flight. In a worker of several processes only the leader exchanges;
+wherever an exchange is applied it broadcasts φ (and whatever else its processes need to update θ alike) to
+the other processes.
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ from noloco.optim.base import all_finite
 #: the rules ``overlap=`` (``outer.overlap``) names; ``True`` means :data:`DEFAULT_RULE`
 OVERLAP_RULES = ("provisional", "eager", "delayed")
 DEFAULT_RULE = "provisional"
+
+
+def check_overlap_steps(steps: int | None, rule: str | None, period: int) -> int | None:
+    """τ, the inner steps after its send at which an exchange lands, as the algorithm uses it: None when it is
+    the whole round (the default, ``steps`` None or ``period``, or no overlap), else an integer in [1, period).
+    ValueError for anything else, and for τ with the eager rule, whose outer step is taken at the send."""
+    if steps is None or rule is None:
+        if steps is not None:
+            raise ValueError("outer.overlap_steps needs outer.overlap")
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= period:
+        raise ValueError(f"outer.overlap_steps must be an integer in [1, {period}] (the inner steps between two "
+                         f"exchanges), got {steps!r}")  # fmt: skip
+    if rule == "eager" and steps < period:
+        raise ValueError("outer.overlap_steps is for the provisional and delayed rules (eager steps at the send)")
+    return None if steps == period else steps
 
 
 def overlap_rule(overlap: bool | str | None) -> str | None:
@@ -210,6 +229,12 @@ class OverlappedRounds:
             self._exchanger.shutdown(wait=True)
             self._exchanger = None
         return info
+
+    @torch.no_grad()
+    def land(self):
+        """τ steps after a send (``overlap_steps``): apply the exchange in flight now, waiting for it if needed
+        (provisional and delayed rules); the next round boundary then only sends."""
+        return self._merge_delayed() if self.rule == "delayed" else self._merge_provisional()
 
     def settle(self) -> None:
         """Wait for the exchange in flight to arrive (not applied): a checkpoint then stores its result."""

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from noloco.collectives import REDUCTIONS, known_codecs
-from noloco.optim.overlap import OVERLAP_RULES
+from noloco.optim.overlap import OVERLAP_RULES, check_overlap_steps, overlap_rule
 
 ALGOS = ("noloco", "diloco", "avg", "ddp")
 BACKENDS = ("local", "torch", "hivemind")
@@ -272,6 +272,10 @@ def validate(cfg: DictConfig) -> None:
     _require(isinstance(fragments, int) and not isinstance(fragments, bool) and fragments >= 1,
              f"outer.fragments must be an integer >= 1, got {fragments!r}")  # fmt: skip
     _require(outer.every % fragments == 0, f"outer.fragments={fragments} does not divide outer.every={outer.every}")
+    try:
+        check_overlap_steps(outer.overlap_steps, overlap_rule(outer.overlap), outer.every // fragments)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _require(fragments == 1 or outer.algo != "ddp", "outer.fragments is for the outer algorithms, not ddp")
     _require(isinstance(outer.offload, bool), f"outer.offload must be true or false, got {outer.offload!r}")
     _require(not (outer.offload and outer.overlap), "outer.offload does not run with outer.overlap (the exchange "

@@ -26,9 +26,11 @@ def _train(transport: Transport, overlap: bool, wrap=None, step_seconds: float =
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     transport = wrap(transport) if wrap else transport
     options = dict(lr=BETA, pull=kw.pop("pull", BETA), group_size=2) if cls is NoLoCo else {}
+    quartic = kw.pop("quartic", 0.0)  # a loss whose SGD steps are not affine in the start: ¼·q·Σ(w − t)⁴ more
     algo = cls(model, opt, transport, every=EVERY, momentum=MU, overlap=overlap, timeout=2.0, **options, **kw)
     for step in range(1, STEPS + 1):
-        loss = 0.5 * (model.weight.double().reshape(-1) - TARGETS[transport.rank]).pow(2).sum()
+        error = model.weight.double().reshape(-1) - TARGETS[transport.rank]
+        loss = 0.5 * error.pow(2).sum() + 0.25 * quartic * error.pow(4).sum()
         loss.backward()
         time.sleep(step_seconds)  # stands in for compute
         algo.step()
@@ -289,3 +291,107 @@ def test_a_dead_peer_during_an_exchange_in_flight_costs_at_most_the_timeout():
     assert time.perf_counter() - started < 2.0 * 2 + 3.0  # the timeout (2 s) once or twice, not more
     for theta, slow in results:
         assert torch.isfinite(theta).all() and torch.isfinite(slow).all()
+
+
+QUARTIC = 0.1  # the landing tests' loss is not quadratic: otherwise provisional's φ would not depend on τ
+
+
+def _landing_reference(rule: str, tau: int | None, pull: float = BETA) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The provisional and delayed rules in float64 for NoLoCo (one group of both workers, γ = ``pull``), an
+    exchange landing ``tau`` inner steps after its send (None: at the next round boundary, before the send), on
+    the loss ½‖w − t‖² + ¼·q·Σ(w − t)⁴.
+
+    Land: m ← μ·m + β·mean_Δ + γ·(mean_φ − φ), φ ← φ + m; provisional θ ← θ + (φ − L), delayed θ ← φ + (θ − s).
+    Send (at a boundary): s = θ, Δ = θ − φ; provisional θ ← L = φ + μ·m + β·Δ (m not kept).
+    """
+    theta = [START.clone(), START.clone()]
+    slow = [START.clone(), START.clone()]
+    momentum = [torch.zeros(4, dtype=torch.float64) for _ in range(2)]
+    pending = None  # per worker: (what it sent s_i, Δ_i, its provisional start L_i)
+
+    def land():
+        nonlocal pending
+        mean_delta = (pending[0][1] + pending[1][1]) / 2
+        mean_slow = (slow[0] + slow[1]) / 2
+        for i in range(2):
+            momentum[i] = MU * momentum[i] + BETA * mean_delta + pull * (mean_slow - slow[i])
+            slow[i] = slow[i] + momentum[i]
+            sent, _, start = pending[i]
+            theta[i] = theta[i] + (slow[i] - start) if rule == "provisional" else slow[i] + (theta[i] - sent)
+        pending = None
+
+    for step in range(1, STEPS + 1):
+        theta = [w - LR * ((w - t) + QUARTIC * (w - t).pow(3)) for w, t in zip(theta, TARGETS)]
+        if pending is not None and (step % EVERY == tau or (tau is None and step % EVERY == 0)):
+            land()
+        if step % EVERY == 0:
+            pending = [(theta[i].clone(), theta[i] - slow[i], slow[i] + MU * momentum[i] + BETA * (theta[i] - slow[i]))
+                       for i in range(2)]  # fmt: skip
+            if rule == "provisional":
+                theta = [start.clone() for _, _, start in pending]
+    land()  # finish(): the last round's exchange
+    return list(zip(theta, slow))
+
+
+@pytest.mark.parametrize("rule", ["provisional", "delayed"])
+@pytest.mark.parametrize("tau", [None, 1, 2], ids=["round", "tau1", "tau2"])
+@pytest.mark.parametrize("pull", [BETA, 0.4], ids=["fused", "two-vector"])
+def test_an_exchange_lands_overlap_steps_after_its_send_as_in_its_float64_reference(rule, tau, pull):
+    results = LocalFabric(2).run(lambda t: _train(t, overlap=rule, codec="fp32", pull=pull, overlap_steps=tau,
+                                                  quartic=QUARTIC))  # fmt: skip
+    for (theta, slow), (ref_theta, ref_slow) in zip(results, _landing_reference(rule, tau, pull)):
+        assert torch.allclose(theta, ref_theta, atol=1e-5) and torch.allclose(slow, ref_slow, atol=1e-5)
+    others = [_landing_reference(rule, other, pull)[0][1] for other in (None, 1, 2) if other != tau]
+    assert all(not torch.allclose(results[0][1], other, atol=1e-3) for other in others)  # τ changes the result
+
+
+def test_overlap_steps_of_a_whole_round_is_the_default():
+    default = LocalFabric(2).run(lambda t: _train(t, overlap=True, codec="int4"))
+    whole = LocalFabric(2).run(lambda t: _train(t, overlap=True, codec="int4", overlap_steps=EVERY))
+    for (theta, slow), (ref_theta, ref_slow) in zip(whole, default):
+        assert torch.equal(theta, ref_theta) and torch.equal(slow, ref_slow)
+
+
+@pytest.mark.parametrize("overlap,steps,message", [
+    (True, 0, r"must be an integer in \[1, 3\]"), (True, EVERY + 1, r"must be an integer in \[1, 3\]"),
+    (True, 1.5, "must be an integer"), ("eager", 1, "for the provisional and delayed rules"),
+    (False, 1, "needs outer.overlap"),
+])  # fmt: skip
+def test_a_bad_overlap_steps_is_refused(overlap, steps, message):
+    with pytest.raises(ValueError, match=message):
+        LocalFabric(1).run(lambda t: _train(t, overlap=overlap, overlap_steps=steps))
+
+
+@pytest.mark.parametrize("rule", ["provisional", "delayed"])
+def test_a_state_saved_before_an_exchange_lands_resumes_exactly(rule):
+    """τ = 2: round 1's exchange leaves at step 6 and lands at step 8; saved after step 7 it is in flight, and a
+    fresh worker that loads the states ends bit-identical to the uninterrupted one (int4, error feedback)."""
+
+    def worker(transport, stop_at=None):
+        def build():
+            model = torch.nn.Linear(4, 1, bias=False)
+            with torch.no_grad():
+                model.weight.copy_(START.float())
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            return model, opt, NoLoCo(model, opt, transport, every=EVERY, momentum=MU, overlap=rule, codec="int4",
+                                      timeout=5.0, lr=BETA, pull=BETA, group_size=2, overlap_steps=2)  # fmt: skip
+
+        model, opt, algo = build()
+        for step in range(1, STEPS + 1):
+            loss = 0.5 * (model.weight.double().reshape(-1) - TARGETS[transport.rank]).pow(2).sum()
+            loss.backward()
+            algo.step()
+            if step == stop_at:
+                saved = copy.deepcopy((model.state_dict(), opt.state_dict(), algo.state_dict()))
+                assert saved[2]["in_flight"] is not None and saved[2]["in_flight"]["round"] == 1
+                model, opt, algo = build()
+                model.load_state_dict(saved[0])
+                opt.load_state_dict(saved[1])
+                algo.load_state_dict(saved[2])
+        algo.finish()
+        return model.weight.detach().clone(), algo.slow.clone()
+
+    full = LocalFabric(2).run(worker)
+    resumed = LocalFabric(2).run(lambda t: worker(t, stop_at=7))
+    for (theta, slow), (ref_theta, ref_slow) in zip(resumed, full):
+        assert torch.equal(theta, ref_theta) and torch.equal(slow, ref_slow)

@@ -30,24 +30,31 @@ def test_resume_with_an_exchange_in_flight_reproduces_the_uninterrupted_run(tiny
     assert full["final_eval_loss"] < min(first) - 0.3  # it learns
 
 
-def test_overlap_on_the_torch_backend_matches_the_local_backend(tiny_config, tmp_path):
+@pytest.mark.parametrize("landing", [[], ["outer.overlap_steps=2"]], ids=["round", "tau2"])
+def test_overlap_on_the_torch_backend_matches_the_local_backend(tiny_config, tmp_path, landing):
     from noloco.train.backends.distributed import launch as run_distributed
 
-    common = ("steps=12", "outer.every=4", "workers=2", "threads=1", "log.tensorboard=false", "outer.overlap=true")
+    common = ("steps=12", "outer.every=4", "workers=2", "threads=1", "log.tensorboard=false", "outer.overlap=true",
+              *landing)  # fmt: skip
     local = run(tiny_config(*common, "run.name=local"), quiet=True)
     torch_run = run_distributed(tiny_config(*common, "backend=torch", "run.name=torch"), quiet=True)
     assert _losses(tmp_path / "local") == _losses(tmp_path / "torch")
     assert local["final_eval_loss_per_worker"] == torch_run["final_eval_loss_per_worker"]
+    for summary in (local, torch_run):  # the loop's time split: inside outer steps (3 rounds) and the rest
+        loops, outers = summary["loop_seconds_by_worker"], summary["outer_seconds_by_worker"]
+        assert len(loops) == len(outers) == 2 and all(0 < o < lp for lp, o in zip(loops, outers))
+        assert all(ms > 0 for ms in summary["outer_ms_mean_by_worker"])
 
 
-@pytest.mark.parametrize("rule", ["provisional", "eager", "delayed"])
+@pytest.mark.parametrize("rule", ["provisional", "eager", "delayed", "delayed outer.overlap_steps=1"])
 def test_workers_of_two_processes_overlap_and_keep_one_replica(tiny_config, tmp_path, rule):
     """2 workers × 2 processes: the leaders exchange in the background, and after each outer step every process
     of a worker holds the leader's φ and the same θ (fragments=2: one fragment's φ is relayed at a time)."""
     from noloco.train.backends.distributed import launch as run_distributed
 
     common = ("steps=12", "outer.every=4", "outer.fragments=2", "workers=2", "inner.processes=2", "backend=torch",
-              "threads=1", "log.tensorboard=false", f"outer.overlap={rule}", "eval.every=2")  # fmt: skip
+              "threads=1", "log.tensorboard=false", f"outer.overlap={rule.split()[0]}", *rule.split()[1:],
+              "eval.every=2")  # fmt: skip
     summary = run_distributed(tiny_config(*common, "run.name=multi"), quiet=True)
     per_process = summary["final_eval_loss_per_process"]
     assert per_process[0] == per_process[1] and per_process[2] == per_process[3]  # one replica per worker
@@ -60,3 +67,15 @@ def test_workers_of_two_processes_overlap_and_keep_one_replica(tiny_config, tmp_
     first = [r["eval_loss"] for r in read_metrics(tmp_path / "multi") if r["step"] == 0]
     assert summary["final_eval_loss"] < min(first) - 0.3
     assert summary["bytes_sent_by_worker"][0] > 0  # the leaders did the outer exchange
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["outer.overlap=eager", "outer.overlap_steps=1"], "for the provisional and delayed rules"),
+    (["outer.overlap=true", "outer.every=8", "outer.fragments=4", "outer.overlap_steps=3"], r"in \[1, 2\]"),
+    (["outer.overlap_steps=2"], "needs outer.overlap"),
+])  # fmt: skip
+def test_a_bad_overlap_steps_fails_at_start_up_in_one_line(overrides, message):
+    from noloco.train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides)
