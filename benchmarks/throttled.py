@@ -294,6 +294,30 @@ def analyse(results: list[dict]) -> tuple[list[str], dict]:
     return lines, verdicts
 
 
+def run_plan(plan: list[tuple], folder: Path, every_run: list[str], steps: int, cpus_per_host: int | None) -> int:
+    """Run each ``(hosts, rate, method, steps)`` of ``plan`` as one fleet launch under ``folder``, printing a line
+    per run; a run of other than ``steps`` inner steps is named ``…-long``. Returns 0, or 2 when a fleet cannot
+    be built (not root, tools missing)."""
+    total = len(plan)
+    started = time.monotonic()
+    for done, (hosts, rate, method, budget) in enumerate(plan, 1):
+        name = re.sub(r"[^a-z0-9.]+", "-", f"{hosts}h-{rate}-{method}") + (LONG if budget != steps else "")
+        command = [sys.executable, str(ROOT / "train.py"), "backend=torch", f"workers={hosts}",
+                   *every_run, f"steps={budget}", *method_overrides(method)]  # fmt: skip
+        print(f"== [{done}/{total}] {name} ({time.monotonic() - started:.0f} s so far)", flush=True)
+        try:
+            with open(os.devnull, "w") as quiet:
+                result = launch(command, hosts, rate=rate, run_dir=folder, name=name, out=quiet,
+                                cpus_per_host=cpus_per_host)  # fmt: skip
+        except FleetError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        status = "ok" if result.returncode == 0 else f"FAILED ({result.returncode})"
+        loss = result.summary["final_eval_loss"] if result.summary else float("nan")
+        print(f"   {status}: {result.wall_seconds:.0f} s, held-out loss {loss:.4f}", flush=True)
+    return 0
+
+
 def rerun_args(args: argparse.Namespace) -> list[str]:
     """The arguments that rerun the runs of a ``--from-runs`` redraw (as its other arguments describe them) and
     write the same report: every option spelled out, methods and defaults included."""
@@ -352,23 +376,9 @@ def main() -> int:
         if args.to_target:
             plan += [(hosts, slowest, method, args.to_target) for hosts in hosts_list for method in args.methods
                      if not method.startswith("ddp/")]  # fmt: skip
-        total = len(plan)
-        started = time.monotonic()
-        for done, (hosts, rate, method, steps) in enumerate(plan, 1):
-            name = re.sub(r"[^a-z0-9.]+", "-", f"{hosts}h-{rate}-{method}") + (LONG if steps != args.steps else "")
-            command = [sys.executable, str(ROOT / "train.py"), "backend=torch", f"workers={hosts}",
-                       *every_run, f"steps={steps}", *method_overrides(method)]  # fmt: skip
-            print(f"== [{done}/{total}] {name} ({time.monotonic() - started:.0f} s so far)", flush=True)
-            try:
-                with open(os.devnull, "w") as quiet:
-                    result = launch(command, hosts, rate=rate, run_dir=folder, name=name, out=quiet,
-                                    cpus_per_host=args.cpus_per_host)  # fmt: skip
-            except FleetError as exc:
-                print(exc, file=sys.stderr)
-                return 2
-            status = "ok" if result.returncode == 0 else f"FAILED ({result.returncode})"
-            loss = result.summary["final_eval_loss"] if result.summary else float("nan")
-            print(f"   {status}: {result.wall_seconds:.0f} s, held-out loss {loss:.4f}", flush=True)
+        code = run_plan(plan, folder, every_run, args.steps, args.cpus_per_host)
+        if code:
+            return code
     runs = sorted(p.parent for p in folder.glob("*/fleet.json") if (p.parent / "summary.json").exists())
     if not runs:
         print(f"benchmarks.throttled: no finished runs under {folder}", file=sys.stderr)

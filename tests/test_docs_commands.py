@@ -23,7 +23,8 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
 * ``bash scripts/setup.sh``: ``bash -n`` and the packages it installs importable;
 * ``python -m pytest``: ``--collect-only``, except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
 * long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model;
-  ``python -m benchmarks.throttled`` (a dozen fleet runs) has its arguments parsed and checked, then ``--help``.
+  ``python -m benchmarks.throttled`` and ``benchmarks.overlap_fleet`` (a dozen fleet runs each) have their
+  arguments parsed and checked, then ``--help``.
 
 Commands that mostly wait on processes of their own (torch-backend runs, torchrun, fleets, swarm peers, pytest)
 start in :data:`BACKGROUND` threads when the session starts and overlap; their tests wait for them.
@@ -477,6 +478,15 @@ def train_fragments(docs: Docs, cmd: DocCommand, part: Part, step: Step) -> str:
     return shown(argv)
 
 
+def train_overlap_steps(docs: Docs, cmd: DocCommand, part: Part, step: Step) -> str:
+    """``outer.overlap_steps=τ``: the tiny run with rounds of τ + 1 steps (the tiny run's 2 is too short for τ > 1),
+    two of them, so an exchange lands τ steps after its send."""
+    tau = int(next(w for w in part.argv if w.startswith("outer.overlap_steps=")).split("=", 1)[1])
+    argv = [*part.argv, *docs.tiny_for(cmd, part.argv), f"outer.every={tau + 1}", f"steps={2 * (tau + 1)}"]
+    docs.train(argv, cmd, step, part)
+    return shown(argv)
+
+
 def train_torch(docs: Docs, cmd, part, step, produces: str | None = None) -> str:
     """``backend=torch workers=4``: 2 worker processes (2 cores); other worker counts as written. A subprocess
     (in the background): its workers are processes anyway."""
@@ -574,14 +584,14 @@ def compare(docs: Docs, cmd, part, step) -> str:
 
 
 def throttled(docs: Docs, cmd, part, step) -> str:
-    """A dozen fleet runs: the arguments are parsed by the benchmark's own parser (``--help`` appended) and its
-    host counts and rates checked; nothing runs."""
+    """A dozen fleet runs (``benchmarks.throttled``, ``benchmarks.overlap_fleet``): the arguments are parsed by the
+    benchmark's own parser (``--help`` appended) and its host counts and rates checked; nothing runs."""
     from noloco.fleet.netns import parse_rate
 
     rc, out = docs.python([*part.argv, "--help"], step.cwd, {**step.env, **part.env}, cmd.id)
     check(rc, out, part.raw + " --help")
     argv = part.argv
-    for flag, parse in (("--hosts", int), ("--rates", parse_rate)):
+    for flag, parse in (("--hosts", int), ("--rates", parse_rate), ("--rate", parse_rate)):
         if flag in argv:
             for value in argv[argv.index(flag) + 1].split(","):
                 parse(value)
@@ -1148,6 +1158,8 @@ TABLE = [
     Rule(r"^python train\.py comm\.codec=fp32$", train_tiny, "tiny", produces="fp32-run"),
     Rule(r"^python train\.py data\.source=hf .*data\.hf_path=\w+/", train_hub,
          "a hub dataset: offline here, so trains from a local copy or ends with the documented error line"),
+    Rule(r"^python train\.py (\S+ )*outer\.overlap_steps=\d+( |$)", train_overlap_steps,
+         "tiny, rounds of τ + 1 steps, two of them"),  # fmt: skip
     Rule(r"^python train\.py (\S+ )*outer\.fragments=\d+( |$)", train_fragments,
          "tiny, outer.every = the fragment count"),  # fmt: skip
     Rule(r"^python train\.py (outer\.|--config configs/|run\.name=\w+$|model\.source=hf |data\.source=hf |"
@@ -1162,7 +1174,7 @@ TABLE = [
     Rule(r"^torchrun --nproc-per-node \d+ train\.py ", torchrun, "--nproc-per-node 2, tiny", background=True),
     Rule(r"^python -m noloco\.train\.plots runs/a runs/b ", plots, "runs/a, runs/b: two tiny runs"),
     Rule(r"^python -m benchmarks\.compare( |$)", compare, "for real, tiny overrides after --"),
-    Rule(r"^python -m benchmarks\.throttled ", throttled, "arguments parsed and checked, then --help"),
+    Rule(r"^python -m benchmarks\.(throttled|overlap_fleet) ", throttled, "arguments parsed and checked, then --help"),
     Rule(r"^python -m noloco\.fleet\.linkmodel ", linkmodel, "on a tiny fleet run, the tiny torch run as baseline"),
     Rule(r"^noloco-fleet --cleanup$", fleet_cleanup, "as written (root), after building a stale fleet"),
     Rule(r"^noloco-fleet --hosts 4 --rate 50mbit -- python train\.py backend=torch workers=4( |$)", fleet,

@@ -1,0 +1,239 @@
+"""Overlapped exchange on a throttled fleet: seconds per outer round, blocking against overlapped (issue 17).
+
+    python -m benchmarks.overlap_fleet --to-target 160                  # as root: 4 hosts at 50 Mbit/s
+    python -m benchmarks.overlap_fleet --from-runs runs/overlap_fleet/<stamp> --out docs/results
+
+Every run is one ``noloco-fleet`` launch, as in :mod:`benchmarks.throttled` (same model, data, seeds, links:
+``tc tbf`` on each host's egress and ingress). What this benchmark adds is the time per outer round, split
+the way overlap changes it, from each worker's ``summary.json`` timings (:func:`noloco.train.run.timing_summary`):
+
+- *blocked*: seconds per round the training loop spent inside outer steps. Blocking, that is the whole
+  exchange (encode, the link, decode, update); overlapped, only the wait for an exchange that has not
+  arrived when the next round ends, and the merge;
+- *compute*: the rest of the loop per round (inner steps and evaluations);
+- *idle fraction*: blocked over the loop, mean over workers.
+
+The defaults make a round's exchange about as long as its compute (the regime overlap is for: a GPU that
+computes H steps as fast as the link moves their payload). On a CPU a worker computes far slower than a
+GPU, so the setting shrinks the work per step (``SETTING``: a batch of 2 sequences of 64 tokens) rather than
+the link. Targets (issue 17): overlapped seconds per round ≤ 1.15 × max(compute, blocked) of the blocking
+run of the same method; idle fraction ≤ 5%; with ``--to-target``, overlapped NoLoCo-int4 reaches DDP-fp32's
+final loss ≥ 1.5× sooner than blocking NoLoCo-int4 and than blocking DiLoCo-fp32 with momentum 0.5.
+
+Writes ``<out>/overlap_fleet.md``, ``.json`` and ``.png`` (held-out loss against steps, wall-clock and bytes);
+``<out>``: ``runs/benchmarks/overlap_fleet/`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import common, throttled
+from noloco.fleet.netns import is_root, parse_rate
+from noloco.train.plots import plot_runs
+
+METHODS = ["ddp/fp32", "noloco/int4", "noloco/int4/outer.overlap=true",
+           "noloco/int4/outer.overlap=true/outer.fragments=4", "diloco/fp32/outer.momentum=0.5",
+           "diloco/fp32/outer.momentum=0.5/outer.overlap=true"]  # fmt: skip
+#: the work per step: small enough on a CPU that a round of H steps computes in about the time its int4
+#: exchange takes on a 50 Mbit/s link (the model, evaluation and timeouts are :data:`throttled.MODEL`'s)
+SETTING: list[str] = []
+#: the keys that make a run overlapped; the rest of its method names its blocking counterpart
+OVERLAP_KEYS = ("outer.overlap", "outer.fragments")
+
+
+def blocking_of(method: str) -> str:
+    """The blocking counterpart of ``method``: its name without the overlap and fragment keys."""
+    return "/".join(part for part in method.split("/") if not part.startswith(OVERLAP_KEYS))
+
+
+def method_of(run_dir: Path) -> str:
+    """The method a finished run was launched as (its folder name, ``<hosts>h-<rate>-<method>[-long]``, is a
+    lossy spelling, so the config says): ``algo/codec`` plus its non-default momentum, overlap and fragments."""
+    from omegaconf import OmegaConf
+
+    label = throttled.method_label(*_algo_codec(run_dir), throttled._momentum(run_dir))
+    outer = OmegaConf.load(run_dir / "config.yaml").get("outer", {})
+    if outer.get("overlap"):
+        label += f"/outer.overlap={str(outer.overlap).lower()}"
+    if int(outer.get("fragments") or 1) > 1:
+        label += f"/outer.fragments={outer.fragments}"
+    return label
+
+
+def _algo_codec(run_dir: Path) -> tuple[str, str]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary["algo"], summary["codec"]
+
+
+def measure(run_dir: Path) -> dict:
+    """:func:`benchmarks.throttled.measure` plus the per-round split (module docstring)."""
+    result = throttled.measure(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    result["method"] = method_of(run_dir)
+    loops, outers = summary.get("loop_seconds_by_worker"), summary.get("outer_seconds_by_worker")
+    rounds = summary["steps"] / summary["outer_every"] if summary["algo"] != "ddp" else None
+    result["rounds"] = rounds
+    if rounds and loops and outers and None not in loops and None not in outers:
+        result["seconds_per_round"] = max(loops) / rounds
+        result["compute_per_round"] = sum(lp - o for lp, o in zip(loops, outers)) / len(loops) / rounds
+        result["blocked_per_round"] = sum(outers) / len(outers) / rounds
+        result["idle_fraction"] = sum(o / lp for lp, o in zip(loops, outers)) / len(loops)
+    return result
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def analyse(results: list[dict]) -> tuple[list[str], list[dict]]:
+    """The per-round table, the time-to-target table of longer runs, and the targets (module docstring)."""
+    short = {r["method"]: r for r in results if not r.get("long")}
+    longer = {r["method"]: r for r in results if r.get("long")}
+    ddp = short.get("ddp/fp32")
+    target = ddp["final_eval_loss"] if ddp else None
+    for r in results:
+        hit = throttled.reach(r["curve"], target) if target is not None else None
+        r["time_to_target"], r["step_to_target"] = (None, None) if hit is None else (hit[1], hit[0])
+    lines = ["| method | final held-out loss | loop wall (s) | s per round | compute s per round | blocked s per round "
+             "| idle fraction | MB sent per worker |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for method, r in short.items():
+        idle = "–" if r.get("idle_fraction") is None else f"{100 * r['idle_fraction']:.1f}%"
+        lines.append(f"| {method} | {r['final_eval_loss']:.4f} | {r['wall_seconds']:.1f} | "
+                     f"{_fmt(r.get('seconds_per_round'))} | {_fmt(r.get('compute_per_round'))} | "
+                     f"{_fmt(r.get('blocked_per_round'))} | {idle} | {r['bytes_sent_per_worker'] / 1e6:.2f} |")
+    checks = []
+    for method, r in short.items():
+        base = short.get(blocking_of(method))
+        if base is None or base is r or r.get("seconds_per_round") is None or base.get("compute_per_round") is None:
+            continue
+        bound = max(base["compute_per_round"], base["blocked_per_round"])
+        ratio = r["seconds_per_round"] / bound
+        checks.append((f"{method}: s per round ≤ 1.15 × max(compute, blocked) of {base['method']}", ratio <= 1.15,
+                       f"{ratio:.2f}× ({r['seconds_per_round']:.2f} s against max({base['compute_per_round']:.2f}, "
+                       f"{base['blocked_per_round']:.2f}) s; blocking {base['seconds_per_round']:.2f} s)"))
+        checks.append((f"{method}: idle fraction ≤ 5%", r["idle_fraction"] <= 0.05,
+                       f"{100 * r['idle_fraction']:.1f}% (blocking {100 * base['idle_fraction']:.1f}%)"))
+    if longer and target is not None:
+        lines += ["", f"Longer budgets (`--to-target`): when each method reaches DDP-fp32's final loss {target:.4f} "
+                  f"(DDP-fp32: step {ddp['steps']}, {ddp['wall_seconds']:.1f} s).", "",
+                  "| method | budget (steps) | step at target | time to target (s) | final held-out loss |"
+                  " idle fraction |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for method, r in longer.items():
+            idle = "–" if r.get("idle_fraction") is None else f"{100 * r['idle_fraction']:.1f}%"
+            lines.append(f"| {method} | {r['steps']} | {_fmt(r['step_to_target'], '.0f')} | "
+                         f"{_fmt(r['time_to_target'], '.1f')} | {r['final_eval_loss']:.4f} | {idle} |")
+        mine = longer.get("noloco/int4/outer.overlap=true")
+        for other in ("noloco/int4", "diloco/fp32/outer.momentum=0.5"):
+            theirs = longer.get(other)
+            if mine is None or theirs is None:
+                continue
+            ratio, text = throttled._speedup(mine["time_to_target"], theirs["time_to_target"], theirs["wall_seconds"])
+            checks.append((f"overlapped NoLoCo-int4 reaches DDP-fp32's loss ≥ 1.5× sooner than blocking {other}",
+                           ratio is not None and ratio >= 1.5, text))  # fmt: skip
+    if checks:
+        lines += ["", "| target | met | measured |", "|---|---|---|"]
+        lines += [f"| {name} | {'yes' if ok else '**no**'} | {value} |" for name, ok, value in checks]
+    return lines, [{"target": n, "met": ok, "value": v} for n, ok, v in checks]
+
+
+def rerun_args(args: argparse.Namespace) -> list[str]:
+    """The arguments that rerun what a ``--from-runs`` redraw reports (its other arguments describe the runs)."""
+    return ["--hosts", str(args.hosts), "--rate", args.rate, "--every", str(args.every), "--steps", str(args.steps),
+            *(["--to-target", str(args.to_target)] if args.to_target else []),
+            *(["--cpus-per-host", str(args.cpus_per_host)] if args.cpus_per_host else []),
+            "--methods", *args.methods,
+            *(["--out", str(args.out)] if Path(args.out) != common.RUNS / "overlap_fleet" else []),
+            *(["--", *args.overrides] if args.overrides else [])]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overlap_fleet", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--rate", default="50mbit", help="per-host rate, tc units")
+    parser.add_argument("--every", type=int, default=10, help="H, inner steps per outer round")
+    parser.add_argument("--steps", type=int, default=120, help="inner steps per worker")
+    parser.add_argument("--to-target", type=int, default=0, metavar="STEPS",
+                        help="then a run of STEPS inner steps per local method: when it reaches DDP-fp32's loss")
+    parser.add_argument("--cpus-per-host", type=int, default=None, metavar="N",
+                        help="pin each host's worker to N cores of its own")
+    parser.add_argument("--methods", nargs="+", default=METHODS, help="algo/codec[/key=value...] entries")
+    parser.add_argument("--runs", type=Path, default=Path("runs/overlap_fleet"))
+    parser.add_argument("--from-runs", type=Path, default=None, help="only redraw from a finished stamp folder")
+    common.add_out(parser, "overlap_fleet")
+    parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
+    args = parser.parse_args(argv)
+    parse_rate(args.rate)  # fail on a typo before any run
+
+    if args.from_runs is not None:
+        folder = args.from_runs
+    else:
+        if not is_root():
+            print("benchmarks.overlap_fleet: needs root for the network namespaces (see docs/fleet.md)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        folder = args.runs / time.strftime("%Y%m%d-%H%M%S")
+        every_run = [*throttled.MODEL, *SETTING, f"outer.every={args.every}", *args.overrides]
+        plan = [(args.hosts, args.rate, m, args.steps) for m in args.methods]
+        if args.to_target:
+            plan += [(args.hosts, args.rate, m, args.to_target) for m in args.methods if not m.startswith("ddp/")]
+        code = throttled.run_plan(plan, folder, every_run, args.steps, args.cpus_per_host)
+        if code:
+            return code
+    runs = sorted(p.parent for p in folder.glob("*/fleet.json") if (p.parent / "summary.json").exists())
+    if not runs:
+        print(f"benchmarks.overlap_fleet: no finished runs under {folder}", file=sys.stderr)
+        return 1
+    results = [measure(run) for run in runs]
+    order = {m: i for i, m in enumerate(args.methods)}
+    results.sort(key=lambda r: (r.get("long", False), order.get(r["method"], len(order)), r["method"]))
+    tables, verdicts = analyse(results)
+    out = common.out_dir(args.out)
+    short = [r for r in results if not r.get("long")]
+    ddp = next((r for r in short if r["method"] == "ddp/fp32"), None)
+    png = out / "overlap_fleet.png"
+    plot_runs([Path(r["run_dir"]) for r in short], png, labels=[r["method"] for r in short],
+              title=f"{args.hosts} hosts, {args.rate} per host, H = {args.every}",
+              target=ddp["final_eval_loss"] if ddp else None)  # fmt: skip
+    pictures = [f"![held-out loss vs steps, wall-clock and bytes]({png.name})"]
+    longer = [r for r in results if r.get("long")]
+    if longer:
+        png_long = out / "overlap_fleet-long.png"
+        plot_runs([Path(r["run_dir"]) for r in ([ddp] if ddp else []) + longer], png_long,
+                  labels=[r["method"] + ("" if r is ddp else f" ({r['steps']} steps)") for r in
+                          ([ddp] if ddp else []) + longer],
+                  title="longer budgets: time to DDP-fp32's final loss",
+                  target=ddp["final_eval_loss"] if ddp else None)  # fmt: skip
+        pictures.append(f"![longer budgets]({png_long.name})")
+    first = json.loads((Path(short[0]["run_dir"]) / "summary.json").read_text()) if short else {}
+    command = common.command("overlap_fleet", rerun_args(args) if args.from_runs is not None else argv)
+    machine = common.machine()
+    pinned = (f"its worker pinned to {args.cpus_per_host} cores of its own" if args.cpus_per_host else
+              "the workers sharing its cores (each runs cores ÷ hosts torch threads)")  # fmt: skip
+    lines = [
+        "# Overlapped exchange on a throttled fleet", "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine}; every host is a network namespace on this machine, {pinned}.  ",
+        f"Date: {time.strftime('%Y-%m-%d')}  ",
+        f"Setting: {args.hosts} hosts at {args.rate} each way, {first.get('params', 0) / 1e6:.2f}M-parameter model, "
+        f"{args.steps} inner steps per worker, H = {args.every}, overrides "
+        f"`{' '.join([*SETTING, *args.overrides])}`.", "",
+        "Per round: loop wall ÷ rounds (slowest worker); compute and blocked split each worker's loop into the "
+        "time outside and inside outer steps (mean over workers). Idle fraction = blocked ÷ loop.", "",
+        *tables, "", *pictures, "",
+    ]  # fmt: skip
+    for r in results:
+        r.pop("curve", None)
+    common.write_report(out, "overlap_fleet", lines, {"results": results, "targets": verdicts}, command=command,
+                        machine=machine)  # fmt: skip
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

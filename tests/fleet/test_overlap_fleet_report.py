@@ -1,0 +1,58 @@
+"""The overlapped-fleet benchmark's analysis: the per-round split, its targets, and time to DDP's loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import overlap_fleet
+
+
+def _result(method: str, loop: float, blocked: float, rounds: int = 10, final: float = 5.5, long: bool = False,
+            curve: list | None = None) -> dict:  # fmt: skip
+    return {"method": method, "final_eval_loss": final, "wall_seconds": loop, "bytes_sent_per_worker": 2e6,
+            "rounds": rounds, "long": long, "steps": 100 if not long else 300,
+            "seconds_per_round": loop / rounds, "compute_per_round": (loop - blocked) / rounds,
+            "blocked_per_round": blocked / rounds, "idle_fraction": blocked / loop,
+            "curve": curve or [(0, 0.0, 0, 8.0), (100, loop, 2e6, final)]}  # fmt: skip
+
+
+def test_the_blocking_counterpart_drops_the_overlap_and_fragment_keys_only():
+    assert overlap_fleet.blocking_of("noloco/int4/outer.overlap=true/outer.fragments=4") == "noloco/int4"
+    assert overlap_fleet.blocking_of("diloco/fp32/outer.momentum=0.5/outer.overlap=true/outer.overlap_steps=5") == (
+        "diloco/fp32/outer.momentum=0.5")
+
+
+def test_an_overlapped_run_is_judged_against_max_of_its_blocking_runs_compute_and_exchange():
+    # blocking: 10 rounds of 1.0 s compute + 0.9 s exchange; overlapped 1.1 s per round (1.1x max), 3% idle
+    blocking = _result("noloco/int4", 19.0, 9.0)
+    overlapped = _result("noloco/int4/outer.overlap=true", 11.0, 0.33)
+    slow = _result("noloco/int4/outer.overlap=true/outer.fragments=4", 16.0, 4.0)  # 1.6x, 25% idle
+    lines, verdicts = overlap_fleet.analyse([_result("ddp/fp32", 50.0, 0.0, final=5.0), blocking, overlapped, slow])
+    checks = {v["target"]: v for v in verdicts}
+    fast = checks["noloco/int4/outer.overlap=true: s per round ≤ 1.15 × max(compute, blocked) of noloco/int4"]
+    assert fast["met"] and fast["value"].startswith("1.10×")
+    assert checks["noloco/int4/outer.overlap=true: idle fraction ≤ 5%"]["met"]
+    late = checks["noloco/int4/outer.overlap=true/outer.fragments=4: s per round ≤ 1.15 × max(compute, blocked) "
+                  "of noloco/int4"]  # fmt: skip
+    assert not late["met"] and late["value"].startswith("1.60×")
+    assert not checks["noloco/int4/outer.overlap=true/outer.fragments=4: idle fraction ≤ 5%"]["met"]
+    assert any(line.startswith("| noloco/int4 | 5.5000 | 19.0 | 1.90 | 1.00 | 0.90 | 47.4% |") for line in lines)
+
+
+def test_longer_runs_say_how_much_sooner_overlap_reaches_ddps_loss():
+    ddp = _result("ddp/fp32", 50.0, 0.0, final=5.0)
+    # the longer runs cross 5.0 half-way between evaluations: overlapped at 15 s, blocking at 30 s, DiLoCo never
+    mine = _result("noloco/int4/outer.overlap=true", 40.0, 1.0, long=True, final=4.8,
+                   curve=[(0, 0.0, 0, 8.0), (100, 10.0, 0, 5.2), (200, 20.0, 0, 4.8)])
+    theirs = _result("noloco/int4", 80.0, 40.0, long=True, final=4.8,
+                     curve=[(0, 0.0, 0, 8.0), (100, 20.0, 0, 5.2), (200, 40.0, 0, 4.8)])
+    never = _result("diloco/fp32/outer.momentum=0.5", 60.0, 20.0, long=True, final=5.1)
+    lines, verdicts = overlap_fleet.analyse([ddp, mine, theirs, never])
+    checks = {v["target"]: v for v in verdicts}
+    vs_noloco = checks["overlapped NoLoCo-int4 reaches DDP-fp32's loss ≥ 1.5× sooner than blocking noloco/int4"]
+    assert vs_noloco["met"] and vs_noloco["value"] == "2.0×"
+    vs_diloco = checks["overlapped NoLoCo-int4 reaches DDP-fp32's loss ≥ 1.5× sooner than blocking "
+                       "diloco/fp32/outer.momentum=0.5"]  # fmt: skip
+    assert vs_diloco["met"] and vs_diloco["value"].startswith("> 4.00×")  # a bound: DiLoCo's whole 60 s run
+    assert mine["step_to_target"] == pytest.approx(150)
+    assert any(line.startswith("| diloco/fp32/outer.momentum=0.5 | 300 | – | – |") for line in lines)
