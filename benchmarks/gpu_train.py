@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plain-steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=50, help="H, inner steps between outer steps")
     parser.add_argument("--outer-only", action="store_true", help="only time the outer step alone")
+    parser.add_argument("--no-outer-alone", action="store_true",
+                        help="leave out the timing of the outer step alone (two workers of the preset on the GPU)")
     parser.add_argument("--no-plain", action="store_true", help="leave out the plain loops (rows of an earlier run)")
     parser.add_argument("--offload", action="store_true", help="add a K=1 row with outer.offload=true per preset")
     parser.add_argument("--runs", type=Path, default=None,
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = args.runs or common.out_dir(args.out) / "runs"
     rows, alone = [], []
     for preset in args.presets.split(","):
-        for device_messages in (True, False):
+        for device_messages in () if args.no_outer_alone else (True, False):
+            print(f"{time.strftime('%H:%M:%S')} {preset}: timing the outer step alone", flush=True)
             alone.append(outer_step_alone(preset, device_messages=device_messages))
             a = alone[-1]
             print(f"{preset}: {a['label']}: {a['outer_ms_mean']:.1f} ms per call (min {a['outer_ms_min']:.1f}, max "
@@ -231,9 +234,12 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.modes.split(","):
             compiled = mode == "compiled"
             if not args.no_plain:
+                print(f"{time.strftime('%H:%M:%S')} {preset}: plain loop ({mode})", flush=True)
                 rows.append(plain_loop(preset, compiled, args.plain_steps, run_dir))
                 print("\n".join(table(rows[-1:])[2:]), flush=True)
             for k, offload in [(k, False) for k in ks] + ([(1, True)] if args.offload else []):
+                print(f"{time.strftime('%H:%M:%S')} {preset}: noloco K={k} ({mode}{', offload' if offload else ''})",
+                      flush=True)  # fmt: skip
                 rows.append(noloco_run(preset, k, compiled, args.steps, args.every, run_dir, offload))
                 print("\n".join(table(rows[-1:])[2:]), flush=True)
                 torch.cuda.empty_cache()
