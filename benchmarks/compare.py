@@ -44,7 +44,7 @@ from noloco.train.plots import eval_curves, plot_runs, reach
 TITLE = "Algorithm comparison on the default budget"
 # Outer-optimizer knobs an entry may vary; --from-runs names a run by those that differ from the defaults.
 KNOBS = ("outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every", "outer.overlap",
-         "outer.fragments")
+         "outer.overlap_steps", "outer.fragments")
 
 
 def parse_entry(entry: str) -> list[str]:

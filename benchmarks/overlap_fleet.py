@@ -1,6 +1,6 @@
 """Overlapped exchange on a throttled fleet: seconds per outer round, blocking against overlapped (issue 17).
 
-    python -m benchmarks.overlap_fleet --to-target 160                  # as root: 4 hosts at 50 Mbit/s
+    python -m benchmarks.overlap_fleet --hosts 4 --cpus-per-host 4 --to-target 240   # as root, 16 cores
     python -m benchmarks.overlap_fleet --from-runs runs/overlap_fleet/<stamp> --out docs/results
 
 Every run is one ``noloco-fleet`` launch, as in :mod:`benchmarks.throttled` (same model, data, seeds, links:
@@ -13,15 +13,20 @@ the way overlap changes it, from each worker's ``summary.json`` timings (:func:`
 - *compute*: the rest of the loop per round (inner steps and evaluations);
 - *idle fraction*: blocked over the loop, mean over workers.
 
-The defaults make a round's exchange about as long as its compute (the regime overlap is for: a GPU that
-computes H steps as fast as the link moves their payload). On a CPU a worker computes far slower than a
-GPU, so the setting shrinks the work per step (``SETTING``: a batch of 2 sequences of 64 tokens) rather than
-the link. Targets (issue 17): overlapped seconds per round ≤ 1.15 × max(compute, blocked) of the blocking
-run of the same method; idle fraction ≤ 5%; with ``--to-target``, overlapped NoLoCo-int4 reaches DDP-fp32's
-final loss ≥ 1.5× sooner than blocking NoLoCo-int4 and than blocking DiLoCo-fp32 with momentum 0.5.
+Choose H (``--every``; and the work per step with overrides such as ``data.batch_size``) so that a blocking
+round's exchange takes about as long as its compute: the regime overlap is for, a GPU that computes H steps
+as fast as the link moves their payload. The table gives both halves of a blocking round to check it by.
 
-Writes ``<out>/overlap_fleet.md``, ``.json`` and ``.png`` (held-out loss against steps, wall-clock and bytes);
-``<out>``: ``runs/benchmarks/overlap_fleet/`` unless ``--out`` says otherwise.
+Targets (issue 17): overlapped seconds per round ≤ 1.15 × max(compute, blocked) of the blocking run of the
+same method; idle fraction ≤ 5%; with ``--to-target``, overlapped NoLoCo-int4 reaches DDP-fp32's final loss
+≥ 1.5× sooner than blocking NoLoCo-int4 and than blocking DiLoCo-fp32 with momentum 0.5.
+
+The exchange's own CPU work (encode, decode, framing) runs on the worker's cores, beside training: give each
+host cores of its own (``--cpus-per-host``) and more than one, or that work stretches both.
+
+Writes ``<out>/<name>.md``, ``.json`` and ``.png`` (held-out loss against steps, wall-clock and bytes; with
+``--to-target`` also ``<name>-long.png``); ``<out>``: ``runs/benchmarks/overlap_fleet/`` unless ``--out`` says
+otherwise, ``<name>``: ``overlap_fleet`` unless ``--name`` does.
 """
 
 from __future__ import annotations
@@ -39,8 +44,7 @@ from noloco.train.plots import plot_runs
 METHODS = ["ddp/fp32", "noloco/int4", "noloco/int4/outer.overlap=true",
            "noloco/int4/outer.overlap=true/outer.fragments=4", "diloco/fp32/outer.momentum=0.5",
            "diloco/fp32/outer.momentum=0.5/outer.overlap=true"]  # fmt: skip
-#: the work per step: small enough on a CPU that a round of H steps computes in about the time its int4
-#: exchange takes on a 50 Mbit/s link (the model, evaluation and timeouts are :data:`throttled.MODEL`'s)
+#: overrides of every run on top of :data:`throttled.MODEL` (the model, evaluation and timeouts); none yet
 SETTING: list[str] = []
 #: the keys that make a run overlapped; the rest of its method names its blocking counterpart
 OVERLAP_KEYS = ("outer.overlap", "outer.fragments")
@@ -148,6 +152,7 @@ def rerun_args(args: argparse.Namespace) -> list[str]:
             *(["--cpus-per-host", str(args.cpus_per_host)] if args.cpus_per_host else []),
             "--methods", *args.methods,
             *(["--out", str(args.out)] if Path(args.out) != common.RUNS / "overlap_fleet" else []),
+            *(["--name", args.name] if args.name != "overlap_fleet" else []),
             *(["--", *args.overrides] if args.overrides else [])]  # fmt: skip
 
 
@@ -166,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, default=Path("runs/overlap_fleet"))
     parser.add_argument("--from-runs", type=Path, default=None, help="only redraw from a finished stamp folder")
     common.add_out(parser, "overlap_fleet")
+    parser.add_argument("--name", default="overlap_fleet", help="output name: <out>/<name>.md/.json/.png")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = parser.parse_args(argv)
     parse_rate(args.rate)  # fail on a typo before any run
@@ -196,14 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     out = common.out_dir(args.out)
     short = [r for r in results if not r.get("long")]
     ddp = next((r for r in short if r["method"] == "ddp/fp32"), None)
-    png = out / "overlap_fleet.png"
+    png = out / f"{args.name}.png"
     plot_runs([Path(r["run_dir"]) for r in short], png, labels=[r["method"] for r in short],
               title=f"{args.hosts} hosts, {args.rate} per host, H = {args.every}",
               target=ddp["final_eval_loss"] if ddp else None)  # fmt: skip
     pictures = [f"![held-out loss vs steps, wall-clock and bytes]({png.name})"]
     longer = [r for r in results if r.get("long")]
     if longer:
-        png_long = out / "overlap_fleet-long.png"
+        png_long = out / f"{args.name}-long.png"
         plot_runs([Path(r["run_dir"]) for r in ([ddp] if ddp else []) + longer], png_long,
                   labels=[r["method"] + ("" if r is ddp else f" ({r['steps']} steps)") for r in
                           ([ddp] if ddp else []) + longer],
@@ -229,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     for r in results:
         r.pop("curve", None)
-    common.write_report(out, "overlap_fleet", lines, {"results": results, "targets": verdicts}, command=command,
+    common.write_report(out, args.name, lines, {"results": results, "targets": verdicts}, command=command,
                         machine=machine)  # fmt: skip
     print("\n".join(lines))
     return 0
