@@ -16,7 +16,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The files that take longest on 2 cores (``--durations``: 2-6 minutes of test time each), run first: with one
+# file per worker (``--dist loadfile``) a long file that starts last is the suite's tail, one core idle.
+# The swarm files wait on peers' timeouts, the Triton file computes: they alternate, so that two swarm files do
+# not start side by side.
+LONGEST_FIRST = ["swarm/test_hostile.py", "quant/test_triton_kernels.py", "swarm/test_swarm_training.py",
+                 "test_docs_commands.py", "train/test_interrupt.py", "train/test_streaming.py"]  # fmt: skip
+
+
+def _file_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_file_rank)  # stable: the other files, and the tests within a file, keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
