@@ -108,15 +108,16 @@ def _records(path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "overlap,fragments",
-    [("true", 1), ("false", 2), ("true", 2)],
-    ids=["overlap", "fragments", "overlap-fragments"],
+    "overlap,fragments,tau",
+    [("true", 1, None), ("false", 2, None), ("true", 2, None), ("true", 1, 3)],
+    ids=["overlap", "fragments", "overlap-fragments", "overlap-steps"],
 )
-def test_two_peers_train_together_with_overlap_or_fragments(swarm, overlap, fragments):
+def test_two_peers_train_together_with_overlap_or_fragments(swarm, overlap, fragments, tau):
     steps, every = 40, 10
     period = every // fragments
     common = (f"steps={steps}", f"outer.every={every}", f"outer.overlap={overlap}", f"outer.fragments={fragments}",
-              "peer.wait_for_peers=1", "peer.join_timeout=120")  # fmt: skip
+              "peer.wait_for_peers=1", "peer.join_timeout=120",
+              *([f"outer.overlap_steps={tau}"] if tau else []))  # fmt: skip
     swarm.peer("a", *common, "peer.rank=0")
     join = f'peer.initial_peers=["{swarm.maddrs("a", timeout=120)[0]}"]'
     swarm.peer("b", *common, join, "peer.rank=1")
@@ -135,7 +136,9 @@ def test_two_peers_train_together_with_overlap_or_fragments(swarm, overlap, frag
         assert all(b > 0 for b in s["bytes_sent_per_round"])
         metrics = _records(swarm.peer_dir(name) / "metrics.jsonl")
         exchanged = [m for m in metrics if "outer_round" in m]
-        assert exchanged and all(m["step"] % period == 0 for m in exchanged)
+        # an exchange lands at a round boundary, or τ steps after it (outer.overlap_steps); the last at the end
+        lands = 0 if tau is None else tau
+        assert exchanged and all(m["step"] % period == lands or m["step"] == steps for m in exchanged), exchanged
         if fragments > 1:
             # the algorithm's fragment of each exchange is the one the swarm round names: peers agree on it
             for record in rounds[name]:
