@@ -255,7 +255,7 @@ class OverlappedRounds:
         θ was non-finite (then φ is contributed: a zero pseudo-gradient, as a blocking round does)."""
         algo = self.algo
         part = algo._part_of(round_index)
-        snapshot = algo._read_fast(part).clone()
+        snapshot = algo._read_fast(part)  # a new tensor: training goes on in the parameters
         slow = self._slow(part)
         guarded = not all_finite(snapshot)
         pending = InFlight(round_index, slow.clone() if guarded else snapshot, part=part, rule=self.rule)
