@@ -18,7 +18,8 @@ round, e.g. 20, 40, ... for ``outer.every=20``):
 - ``checkpoint.mid``: tensors written, metadata not yet.
 
 Actions: ``kill`` (SIGKILL this process), ``stop`` (SIGSTOP this process), ``raise`` (RuntimeError in
-the calling thread: the in-process stand-in for a crash). Link actions, at ``outer.exchange`` only,
+the calling thread: the in-process stand-in for a crash), ``sleep:<seconds>`` (the calling thread waits that
+long: a slow disk at ``checkpoint.mid``, a slow step at ``inner.step``). Link actions, at ``outer.exchange`` only,
 apply to every message this worker sends in that outer step (both reductions, error markers included):
 ``drop`` (never delivered, not counted as sent: partners wait ``comm.timeout`` and skip the round) and
 ``delay:<seconds>`` (each send waits that long first: shorter than ``comm.timeout`` the round completes,
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from noloco.comm.base import Transport
 
 POINTS = ("inner.step", "outer.exchange", "outer.send", "checkpoint.mid")
-_PROCESS_ACTIONS = ("kill", "stop", "raise")
+_PROCESS_ACTIONS = ("kill", "stop", "raise")  # and sleep:<seconds>
 _LINK_ACTIONS = ("drop", "delay:<seconds>")
 
 
@@ -56,7 +57,7 @@ class LinkFault:
     @staticmethod
     def parse(action: str) -> LinkFault | None:
         """``"drop"`` / ``"delay:<seconds>"`` → LinkFault; None for a process action; FaultSpecError if bad."""
-        if action in _PROCESS_ACTIONS:
+        if action in _PROCESS_ACTIONS or _sleep_seconds(action) is not None:
             return None
         if action == "drop":
             return LinkFault("drop")
@@ -69,7 +70,8 @@ class LinkFault:
             if 0 <= seconds < math.inf:
                 return LinkFault("delay", seconds)
             raise FaultSpecError(f"NOLOCO_FAULTS: delay needs seconds >= 0, as in delay:0.5, got {action!r}")
-        raise FaultSpecError(f"NOLOCO_FAULTS: unknown action {action!r}; use {_PROCESS_ACTIONS + _LINK_ACTIONS}")
+        raise FaultSpecError(f"NOLOCO_FAULTS: unknown action {action!r}; use "
+                             f"{_PROCESS_ACTIONS + ('sleep:<seconds>',) + _LINK_ACTIONS}")
 
 
 def parse(spec: str) -> dict[tuple[str, int, int | None], str]:
@@ -100,9 +102,26 @@ def lookup(point: str, step: int, rank: int | None = None) -> str | None:
     return faults.get((point, step, rank)) or faults.get((point, step, None))
 
 
+def _sleep_seconds(action: str) -> float | None:
+    """The seconds of a ``sleep:<seconds>`` action (FaultSpecError unless >= 0 and finite); None for another."""
+    kind, _, value = action.partition(":")
+    if kind != "sleep":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < math.inf:
+        raise FaultSpecError(f"NOLOCO_FAULTS: sleep needs seconds >= 0, as in sleep:2, got {action!r}")
+    return seconds
+
+
 def fire(point: str, step: int, rank: int | None = None) -> LinkFault | None:
     """Carry out the process fault configured for (point, step, rank), or return its link fault (if any)."""
     action = lookup(point, step, rank)
+    if action is not None and _sleep_seconds(action) is not None:
+        time.sleep(_sleep_seconds(action))
+        return None
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":

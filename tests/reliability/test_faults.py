@@ -45,9 +45,18 @@ def test_fault_spec_knows_link_faults_and_every_point():
         ("inner.step", 3, None): "raise",
     }
     for bad in ("outer.exchange@4=delay", "outer.exchange@4=delay:-1", "outer.exchange@4=delay:soon",
-                "checkpoint.mid@4=drop", "outer.exchnage@4=kill", "outer.exchange@4=explode"):  # fmt: skip
+                "checkpoint.mid@4=drop", "outer.exchnage@4=kill", "outer.exchange@4=explode",
+                "checkpoint.mid@4=sleep:-1", "checkpoint.mid@4=sleep:inf", "checkpoint.mid@4=sleep"):  # fmt: skip
         with pytest.raises(faults.FaultSpecError):
             faults.parse(bad)
+
+
+def test_a_sleep_fault_holds_the_calling_thread_at_its_point_only(monkeypatch):
+    monkeypatch.setenv("NOLOCO_FAULTS", "checkpoint.mid@5=sleep:0.3")
+    started = time.monotonic()
+    assert faults.fire("checkpoint.mid", 5) is None and time.monotonic() - started >= 0.3
+    started = time.monotonic()
+    assert faults.fire("checkpoint.mid", 6) is None and time.monotonic() - started < 0.1
 
 
 def test_faulty_transport_drops_delays_and_fires_after_the_first_send(monkeypatch):

@@ -263,13 +263,17 @@ def test_ctrl_c_on_the_torch_backend_stops_every_rank_at_one_step(tiny_overrides
 @pytest.mark.slow
 def test_second_ctrl_c_on_the_torch_backend_quits_at_once(tiny_overrides, tmp_path):
     """The launcher passes the second Ctrl-C on, the ranks quit, the launcher exits 130 within seconds; the
-    last periodic checkpoint is intact and nothing temporary is left."""
+    last periodic checkpoint is intact and nothing temporary is left.
+
+    The stop checkpoint (a step after 4) is made slow (``sleep:3`` half-written), so that the second Ctrl-C
+    always arrives while it is being written: on a busy machine a fast save could finish first."""
     bigger = ("model.dim=256", "model.n_layers=4", "model.n_heads=4", "data.seq_len=128", "data.batch_size=8")
     run_dir = tmp_path / "torch-twice"
+    slow_saves = ",".join(f"checkpoint.mid@{step}=sleep:3" for step in range(5, 13))
     proc = subprocess.Popen([*TRAIN, *_args(tiny_overrides, *bigger, "backend=torch", "checkpoint.every=3",
                                             "run.name=torch-twice")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+                            env={**os.environ, "NOLOCO_FAULTS": slow_saves}, start_new_session=True)  # fmt: skip
     try:
         _wait_for_step(proc, run_dir / "metrics.rank1.jsonl", 4, timeout=300)
         os.killpg(proc.pid, signal.SIGINT)
