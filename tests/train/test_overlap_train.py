@@ -46,7 +46,7 @@ def test_overlap_on_the_torch_backend_matches_the_local_backend(tiny_config, tmp
         assert all(ms > 0 for ms in summary["outer_ms_mean_by_worker"])
 
 
-@pytest.mark.parametrize("rule", ["provisional", "eager", "delayed", "delayed outer.overlap_steps=1"])
+@pytest.mark.parametrize("rule", ["provisional", "eager", "delayed outer.overlap_steps=1"])  # delayed lands at τ = 1
 def test_workers_of_two_processes_overlap_and_keep_one_replica(tiny_config, tmp_path, rule):
     """2 workers × 2 processes: the leaders exchange in the background, and after each outer step every process
     of a worker holds the leader's φ and the same θ (fragments=2: one fragment's φ is relayed at a time)."""
