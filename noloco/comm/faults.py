@@ -57,21 +57,30 @@ class LinkFault:
     @staticmethod
     def parse(action: str) -> LinkFault | None:
         """``"drop"`` / ``"delay:<seconds>"`` → LinkFault; None for a process action; FaultSpecError if bad."""
-        if action in _PROCESS_ACTIONS or _sleep_seconds(action) is not None:
+        if action in _PROCESS_ACTIONS or _timed(action, "sleep") is not None:
             return None
         if action == "drop":
             return LinkFault("drop")
-        kind, _, value = action.partition(":")
-        if kind == "delay":
-            try:
-                seconds = float(value)
-            except ValueError:
-                seconds = -1.0
-            if 0 <= seconds < math.inf:
-                return LinkFault("delay", seconds)
-            raise FaultSpecError(f"NOLOCO_FAULTS: delay needs seconds >= 0, as in delay:0.5, got {action!r}")
+        seconds = _timed(action, "delay")
+        if seconds is not None:
+            return LinkFault("delay", seconds)
         raise FaultSpecError(f"NOLOCO_FAULTS: unknown action {action!r}; use "
                              f"{_PROCESS_ACTIONS + ('sleep:<seconds>',) + _LINK_ACTIONS}")
+
+
+def _timed(action: str, kind: str) -> float | None:
+    """The seconds of a ``<kind>:<seconds>`` action (``delay:0.5``, ``sleep:2``); None for an action of another
+    kind; FaultSpecError unless they are a finite number >= 0."""
+    name, _, value = action.partition(":")
+    if name != kind:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < math.inf:
+        raise FaultSpecError(f"NOLOCO_FAULTS: {kind} needs seconds >= 0, as in {kind}:0.5, got {action!r}")
+    return seconds
 
 
 def parse(spec: str) -> dict[tuple[str, int, int | None], str]:
@@ -102,25 +111,12 @@ def lookup(point: str, step: int, rank: int | None = None) -> str | None:
     return faults.get((point, step, rank)) or faults.get((point, step, None))
 
 
-def _sleep_seconds(action: str) -> float | None:
-    """The seconds of a ``sleep:<seconds>`` action (FaultSpecError unless >= 0 and finite); None for another."""
-    kind, _, value = action.partition(":")
-    if kind != "sleep":
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < math.inf:
-        raise FaultSpecError(f"NOLOCO_FAULTS: sleep needs seconds >= 0, as in sleep:2, got {action!r}")
-    return seconds
-
-
 def fire(point: str, step: int, rank: int | None = None) -> LinkFault | None:
     """Carry out the process fault configured for (point, step, rank), or return its link fault (if any)."""
     action = lookup(point, step, rank)
-    if action is not None and _sleep_seconds(action) is not None:
-        time.sleep(_sleep_seconds(action))
+    pause = None if action is None else _timed(action, "sleep")
+    if pause is not None:
+        time.sleep(pause)
         return None
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
