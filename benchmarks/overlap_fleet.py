@@ -233,11 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "time outside and inside outer steps (mean over workers). Idle fraction = blocked ÷ loop.", "",
         *tables, "", *pictures, "",
     ]  # fmt: skip
-    for r in results:
-        r.pop("curve", None)
-    common.write_report(out, args.name, lines, {"results": results, "targets": verdicts}, command=command,
-                        machine=machine)  # fmt: skip
-    print("\n".join(lines))
+    throttled.write_report(out, args.name, lines, results, verdicts, command, machine)
     return 0
 
 

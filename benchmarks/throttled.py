@@ -318,6 +318,17 @@ def run_plan(plan: list[tuple], folder: Path, every_run: list[str], steps: int, 
     return 0
 
 
+def write_report(out: Path, name: str, lines: list[str], results: list[dict], verdicts, command: str,
+                 machine: str) -> None:  # fmt: skip
+    """``<out>/<name>.md`` and ``.json`` of a fleet benchmark (the results without their curves, and the target
+    verdicts), then the report on stdout."""
+    for r in results:
+        r.pop("curve", None)
+    common.write_report(out, name, lines, {"results": results, "targets": verdicts}, command=command,
+                        machine=machine)  # fmt: skip
+    print("\n".join(lines))
+
+
 def rerun_args(args: argparse.Namespace) -> list[str]:
     """The arguments that rerun the runs of a ``--from-runs`` redraw (as its other arguments describe them) and
     write the same report: every option spelled out, methods and defaults included."""
@@ -435,11 +446,7 @@ def main() -> int:
         *pictures,
         "",
     ]
-    for r in results:
-        r.pop("curve", None)
-    common.write_report(out, args.name, lines, {"results": results, "targets": verdicts}, command=command,
-                        machine=machine)  # fmt: skip
-    print("\n".join(lines))
+    write_report(out, args.name, lines, results, verdicts, command, machine)
     return 0
 
 
