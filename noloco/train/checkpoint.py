@@ -51,8 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
+from safetensors import safe_open
 
 from noloco.comm import faults
 
@@ -105,8 +104,9 @@ class Closing(RuntimeError):
     """This process is quitting at once (a second Ctrl-C): no more checkpoint files."""
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, and rename it onto ``path``."""
+def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write ``data`` (bytes, or an iterable of byte chunks written in turn) to a temporary file beside ``path``,
+    fsync it, and rename it onto ``path``."""
     path = Path(path)
     with _WRITES.lock:
         if _WRITES.closing:
@@ -117,7 +117,8 @@ def atomic_write(path: Path, data: bytes) -> None:
         _WRITES.temps.add(tmp)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            for chunk in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -136,7 +137,7 @@ def flatten(state, tensors: dict[str, torch.Tensor], path: str = ""):
             if state.numel() and saved.data_ptr() == state.data_ptr() and saved.shape == state.shape:
                 return {"__tensor__": key}
         key = path or "root"
-        tensors[key] = state.detach().cpu()
+        tensors[key] = state.detach()  # copied to the host one at a time as it is written (safetensors_chunks)
         return {"__tensor__": key}
     if isinstance(state, dict):
         for key in state:
@@ -192,6 +193,51 @@ def unflatten(node, tensors: dict[str, torch.Tensor], used: set[str] | None = No
     raise _Malformed(f"value of type {type(node).__name__}")
 
 
+#: safetensors' names of the dtypes a checkpoint stores
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}  # fmt: skip
+#: bytes of the state copied to the host at a time while it is written or hashed
+_CHUNK_BYTES = 64 << 20
+
+
+def _host_bytes(tensor: torch.Tensor) -> Iterable[memoryview]:
+    """``tensor``'s bytes in C order, copied to the host (where it is not there) at most 64 MiB at a time."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else None
+    if flat is None:
+        return
+    for start in range(0, flat.numel(), _CHUNK_BYTES):
+        yield memoryview(flat[start : start + _CHUNK_BYTES].cpu().numpy())
+
+
+def safetensors_chunks(tensors: dict[str, torch.Tensor], sha) -> Iterable[bytes | memoryview]:
+    """The safetensors file of ``tensors``, as chunks to write in turn, each added to the hash ``sha``.
+
+    The format's layout (an 8-byte little-endian header length, the JSON header padded with spaces to a
+    multiple of 8 bytes, then every tensor's data in the header's order), written with no more than one
+    64 MiB chunk of the state on the host at a time. Building the file with safetensors' ``save`` would copy
+    the whole state to the host and then again into one ``bytes``: twice a 1.3B worker's 43 GB
+    (docs/design.md §8). The safetensors library reads the file back (:func:`load_worker`)."""
+    header: dict[str, dict] = {}
+    offset = 0
+    for key, tensor in tensors.items():
+        if tensor.dtype not in _ST_DTYPES:
+            raise TypeError(f"cannot checkpoint a {tensor.dtype} tensor at {key!r}")
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    for chunk in (len(text).to_bytes(8, "little"), text):
+        sha.update(chunk)
+        yield chunk
+    for tensor in tensors.values():
+        for chunk in _host_bytes(tensor):
+            sha.update(chunk)
+            yield chunk
+
+
 def save_worker(run_dir: Path, step: int, rank: int, state: dict) -> Path:
     """Write one worker's state for ``step``; returns the JSON file's path."""
     folder = step_dir(run_dir, step)
@@ -199,10 +245,10 @@ def save_worker(run_dir: Path, step: int, rank: int, state: dict) -> Path:
         _WRITES.folders.add(folder)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = flatten(state, tensors)
-    blob = save_tensors({key: tensor.contiguous() for key, tensor in tensors.items()})
-    atomic_write(folder / f"worker_{rank}.safetensors", blob)
+    sha = hashlib.sha256()
+    atomic_write(folder / f"worker_{rank}.safetensors", safetensors_chunks(tensors, sha))
     faults.fire("checkpoint.mid", step, rank)
-    meta = {"format": FORMAT, "step": step, "rank": rank, "sha256": hashlib.sha256(blob).hexdigest(), "state": skeleton}
+    meta = {"format": FORMAT, "step": step, "rank": rank, "sha256": sha.hexdigest(), "state": skeleton}
     path = folder / f"worker_{rank}.json"
     atomic_write(path, json.dumps(meta).encode())
     return path
@@ -366,11 +412,15 @@ def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
         raise CheckpointError(f"{meta_path}: holds step {meta['step']}, the checkpoint is of step {step}")
     if meta["rank"] != rank:
         raise CheckpointError(f"{meta_path}: holds worker {meta['rank']}, not worker {rank}")
-    blob = blob_path.read_bytes()
-    if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
+    sha = hashlib.sha256()
+    with open(blob_path, "rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            sha.update(chunk)
+    if sha.hexdigest() != meta["sha256"]:
         raise CheckpointError(f"{blob_path} does not match its checksum: the checkpoint is damaged")
-    try:
-        tensors = load_tensors(blob)
+    try:  # mapped, not read into memory: the state is on the host once (the tensors), not twice
+        with safe_open(str(blob_path), framework="pt") as blob:
+            tensors = {key: blob.get_tensor(key) for key in blob.keys()}
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise CheckpointError(f"{blob_path}: not a safetensors file ({str(exc).splitlines()[0][:200]})") from None
     used: set[str] = set()
@@ -651,8 +701,14 @@ def _tensor(value, where: str, shape: tuple[int, ...]) -> None:
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """SHA-256 of a tensor's values (fp32, C order): how a rebuilt tensor is checked against the saved one."""
-    return hashlib.sha256(tensor.detach().float().contiguous().cpu().numpy().tobytes()).hexdigest()
+    """SHA-256 of a tensor's values (fp32, C order): how a rebuilt tensor is checked against the saved one.
+    Hashed 64 MiB at a time, never a host copy of the whole tensor."""
+    sha = hashlib.sha256()
+    flat = tensor.detach().reshape(-1)
+    step = _CHUNK_BYTES // 4
+    for start in range(0, flat.numel(), step):
+        sha.update(memoryview(flat[start : start + step].float().cpu().numpy()))
+    return sha.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ Ctrl-C

@@ -333,7 +333,9 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
             log.flush()
         backend.after_step(step, algo)
         if checkpointed:
+            saving = time.perf_counter()
             save_checkpoint(ctx, backend, worker, step, log.wall())
+            log.checkpoint_seconds += time.perf_counter() - saving
         if last or stop or (ctx.stop_after is not None and step >= ctx.stop_after):
             break
     log.flush()
@@ -378,6 +380,7 @@ class StepLog:
             sum(p.numel() for p in model.parameters()), embedding, mcfg.n_layers, mcfg.dim, cfg.data.seq_len)
         self.peak = peak_tflops(worker.device, cfg.log.peak_tflops)
         self.outer_seconds, self.outer_steps = 0.0, 0  # the loop's time inside outer steps (blocked, not training)
+        self.checkpoint_seconds = 0.0  # the loop's time writing checkpoints (not in tokens/s and MFU)
 
     def wall(self) -> float:
         return self.worker.wall_offset + time.perf_counter() - self.started
@@ -404,11 +407,13 @@ class StepLog:
     def timing(self, last_step: int) -> dict:
         """This worker's run in numbers for ``summary.json``: ``loop_seconds`` (its training loop, start-up
         excluded), ``outer_seconds`` and ``outer_steps`` (time the loop spent inside outer steps, which includes
-        waiting for an overlapped exchange), ``outer_ms_mean``, ``tokens_per_second`` over the loop and, where the
-        device's peak is known, ``mfu`` (docs/design.md §8)."""
+        waiting for an overlapped exchange), ``outer_ms_mean``, ``checkpoint_seconds`` (writing checkpoints),
+        ``tokens_per_second`` over the loop less its checkpoint writes and, where the device's peak is known,
+        ``mfu`` of that rate (docs/design.md §8)."""
         loop = time.perf_counter() - self.started
-        rate = (last_step - self.worker.start) * self.tokens_per_step / max(loop, 1e-9)
+        rate = (last_step - self.worker.start) * self.tokens_per_step / max(loop - self.checkpoint_seconds, 1e-9)
         out = {"loop_seconds": round(loop, 3), "outer_seconds": round(self.outer_seconds, 3),
+               "checkpoint_seconds": round(self.checkpoint_seconds, 3),
                "outer_steps": self.outer_steps, "tokens_per_second": round(rate, 1),
                "outer_ms_mean": round(1e3 * self.outer_seconds / self.outer_steps, 3) if self.outer_steps else None}
         if self.flops is not None and self.peak is not None:

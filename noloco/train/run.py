@@ -294,11 +294,12 @@ def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list
 
 def timing_summary(results: list[WorkerResult]) -> dict:
     """Per worker, in worker order: the training loop's seconds, the seconds and mean milliseconds of its outer
-    steps (the loop blocked in them: the whole exchange when blocking, the wait and merge when overlapped),
-    MFU where the device's peak is known, and on CUDA the peak GPU memory (GB, 2**30 bytes)."""
+    steps (the loop blocked in them: the whole exchange when blocking, the wait and merge when overlapped), the
+    seconds it spent writing checkpoints, MFU (over the loop less those writes) where the device's peak is
+    known, and on CUDA the peak GPU memory (GB, 2**30 bytes)."""
     timings = [r.timing or {} for r in results]
     out = {f"{key}_by_worker": [t.get(key) for t in timings]
-           for key in ("loop_seconds", "outer_seconds", "outer_ms_mean")}
+           for key in ("loop_seconds", "outer_seconds", "outer_ms_mean", "checkpoint_seconds")}
     if any("mfu" in t for t in timings):
         out["mfu_by_worker"] = [t.get("mfu") for t in timings]
     if any(r.peak_memory_bytes for r in results):

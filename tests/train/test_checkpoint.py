@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import signal
@@ -35,6 +36,54 @@ def test_state_round_trips_through_safetensors_and_json(tmp_path):
     assert list(back["inner_opt"]["state"]) == list(state["inner_opt"]["state"])  # int keys stay int
     opt = torch.optim.AdamW(LLaMA(model_config("tiny", dim=32, n_layers=1, n_heads=2, vocab_size=64)).parameters())
     opt.load_state_dict(back["inner_opt"])
+
+
+def test_the_streamed_file_is_safetensors_with_every_dtype_and_shape(tmp_path, monkeypatch):
+    """The file written 16 bytes at a time reads back through the safetensors library, value for value, and
+    hashes to its JSON's checksum; tied tensors are stored once."""
+    monkeypatch.setattr(checkpoint, "_CHUNK_BYTES", 16)
+    shared = torch.randn(5, 3)
+    state = {
+        "f32": shared, "tied": shared, "t": shared.t(), "bf16": torch.randn(7, dtype=torch.bfloat16),
+        "f64": torch.randn(2, 2, dtype=torch.float64), "i64": torch.arange(9),
+        "u8": torch.arange(33, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+    }  # fmt: skip
+    meta_path = checkpoint.save_worker(tmp_path, 1, 0, state)
+    blob = meta_path.with_suffix(".safetensors")
+    stored = load_file(blob)
+    assert "tied" not in stored and len(stored) == len(state) - 1
+    back = checkpoint.load_worker(blob.parent, 0)
+    for key, value in state.items():
+        assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
+    assert json.loads(meta_path.read_text())["sha256"] == hashlib.sha256(blob.read_bytes()).hexdigest()
+    wide = torch.randn(40, 9)[:, ::2]  # not contiguous: hashed in C order, 4 values at a time
+    assert checkpoint.digest(wide) == hashlib.sha256(wide.contiguous().numpy().tobytes()).hexdigest()
+
+
+_PEAK_SCRIPT = """
+import resource, sys, tempfile, torch
+from noloco.train import checkpoint
+state = {f"w{i}": torch.randn(16, 1 << 20) for i in range(6)}  # 6 x 64 MiB
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with tempfile.TemporaryDirectory() as folder:
+    checkpoint.save_worker(folder, 1, 0, state)
+    saved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del state
+    back = checkpoint.load_worker(checkpoint.step_dir(folder, 1), 0)
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((saved - before) >> 10, (loaded - before) >> 10)
+"""
+
+
+def test_saving_and_loading_hold_the_state_on_the_host_once(tmp_path):
+    """A 384 MiB state: saving adds at most a few chunks to the peak memory (whole-file safetensors ``save``
+    added the state again), loading at most the state once (reading the file into memory, then parsing it,
+    held it twice)."""
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    save_mib, load_mib = map(int, out.stdout.split())
+    assert save_mib < 200 and load_mib < 384 + 200, (save_mib, load_mib)
 
 
 def test_damaged_checkpoint_is_refused(tmp_path):
