@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rate", default="50mbit", help="per-host rate, tc units")
-    parser.add_argument("--every", type=int, default=10, help="H, inner steps per outer round")
+    parser.add_argument("--every", type=int, default=20, help="H, inner steps per outer round")
     parser.add_argument("--steps", type=int, default=120, help="inner steps per worker")
     parser.add_argument("--to-target", type=int, default=0, metavar="STEPS",
                         help="then a run of STEPS inner steps per local method: when it reaches DDP-fp32's loss")
@@ -170,11 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=METHODS, help="algo/codec[/key=value...] entries")
     parser.add_argument("--runs", type=Path, default=Path("runs/overlap_fleet"))
     parser.add_argument("--from-runs", type=Path, default=None, help="only redraw from a finished stamp folder")
+    parser.add_argument("--dry-run", action="store_true", help="check every run's config, print the runs, run none")
     common.add_out(parser, "overlap_fleet")
     parser.add_argument("--name", default="overlap_fleet", help="output name: <out>/<name>.md/.json/.png")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = parser.parse_args(argv)
     parse_rate(args.rate)  # fail on a typo before any run
+    every_run = [*throttled.MODEL, *SETTING, f"outer.every={args.every}", *args.overrides]
+    plan = [(args.hosts, args.rate, m, args.steps) for m in args.methods]
+    if args.to_target:
+        plan += [(args.hosts, args.rate, m, args.to_target) for m in args.methods if not m.startswith("ddp/")]
+    if args.dry_run:
+        return throttled.check_plan(plan, every_run, show=True)
 
     if args.from_runs is not None:
         folder = args.from_runs
@@ -184,10 +191,6 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         folder = args.runs / time.strftime("%Y%m%d-%H%M%S")
-        every_run = [*throttled.MODEL, *SETTING, f"outer.every={args.every}", *args.overrides]
-        plan = [(args.hosts, args.rate, m, args.steps) for m in args.methods]
-        if args.to_target:
-            plan += [(args.hosts, args.rate, m, args.to_target) for m in args.methods if not m.startswith("ddp/")]
         code = throttled.run_plan(plan, folder, every_run, args.steps, args.cpus_per_host)
         if code:
             return code

@@ -55,7 +55,7 @@ if not __package__:  # `python benchmarks/throttled.py`: rerun as `python -m ben
 from benchmarks import common
 from noloco.fleet.launcher import host_cpu_sets, launch
 from noloco.fleet.netns import FleetError, is_root, parse_rate
-from noloco.train.config import load_config
+from noloco.train.config import ConfigError, load_config
 from noloco.train.plots import eval_curves, plot_runs, reach
 
 ROOT = common.ROOT
@@ -294,10 +294,41 @@ def analyse(results: list[dict]) -> tuple[list[str], dict]:
     return lines, verdicts
 
 
+def plan_of(args: argparse.Namespace) -> list[tuple]:
+    """The ``(hosts, rate, method, steps)`` runs the arguments ask for: every method at every host count and rate,
+    then with ``--to-target`` every local method's longer run at the slowest rate."""
+    hosts_list = [int(h) for h in args.hosts.split(",")]
+    rates = [r.strip() for r in args.rates.split(",")]
+    slowest = min(rates, key=parse_rate)
+    plan = [(hosts, rate, method, args.steps) for hosts in hosts_list for rate in rates for method in args.methods]
+    if args.to_target:
+        plan += [(hosts, slowest, method, args.to_target) for hosts in hosts_list for method in args.methods
+                 if not method.startswith("ddp/")]  # fmt: skip
+    return plan
+
+
+def check_plan(plan: list[tuple], every_run: list[str], show: bool = False) -> int:
+    """Load the config of every ``(hosts, rate, method, steps)`` run of ``plan`` (``show``: print each as a line);
+    0, or 2 with the config's error for the first method it refuses."""
+    for hosts, rate, method, budget in plan:
+        overrides = ["backend=torch", f"workers={hosts}", *every_run, f"steps={budget}", *method_overrides(method)]
+        try:
+            load_config(overrides)
+        except ConfigError as exc:
+            print(f"{method}: {exc}", file=sys.stderr)
+            return 2
+        if show:
+            print(f"{hosts} hosts at {rate}: train.py {' '.join(overrides)}")
+    return 0
+
+
 def run_plan(plan: list[tuple], folder: Path, every_run: list[str], steps: int, cpus_per_host: int | None) -> int:
     """Run each ``(hosts, rate, method, steps)`` of ``plan`` as one fleet launch under ``folder``, printing a line
-    per run; a run of other than ``steps`` inner steps is named ``…-long``. Returns 0, or 2 when a fleet cannot
-    be built (not root, tools missing)."""
+    per run; a run of other than ``steps`` inner steps is named ``…-long``. Returns 0, or 2 when a method's config
+    is refused (checked for every run first) or a fleet cannot be built (not root, tools missing)."""
+    code = check_plan(plan, every_run)  # a method the config refuses fails here, before minutes of fleet runs
+    if code:
+        return code
     total = len(plan)
     started = time.monotonic()
     for done, (hosts, rate, method, budget) in enumerate(plan, 1):
@@ -360,10 +391,13 @@ def main() -> int:
     common.add_out(parser, "throttled")
     parser.add_argument("--name", default="throttled")
     parser.add_argument("--from-runs", type=Path, default=None, help="only redraw from a finished stamp folder")
+    parser.add_argument("--dry-run", action="store_true", help="check every run's config, print the runs, run none")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = parser.parse_args()
 
     every_run = [*MODEL, f"outer.every={args.every}", *args.overrides]
+    if args.dry_run:
+        return check_plan(plan_of(args), every_run, show=True)
     if args.from_runs is not None:
         folder = args.from_runs
     else:
@@ -382,12 +416,7 @@ def main() -> int:
             except FleetError as exc:
                 print(exc, file=sys.stderr)
                 return 2
-        slowest = min(rates, key=parse_rate)
-        plan = [(hosts, rate, method, args.steps) for hosts in hosts_list for rate in rates for method in args.methods]
-        if args.to_target:
-            plan += [(hosts, slowest, method, args.to_target) for hosts in hosts_list for method in args.methods
-                     if not method.startswith("ddp/")]  # fmt: skip
-        code = run_plan(plan, folder, every_run, args.steps, args.cpus_per_host)
+        code = run_plan(plan_of(args), folder, every_run, args.steps, args.cpus_per_host)
         if code:
             return code
     runs = sorted(p.parent for p in folder.glob("*/fleet.json") if (p.parent / "summary.json").exists())

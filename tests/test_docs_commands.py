@@ -23,8 +23,8 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
 * ``bash scripts/setup.sh``: ``bash -n`` and the packages it installs importable;
 * ``python -m pytest``: ``--collect-only``, except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
 * long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model;
-  ``python -m benchmarks.throttled`` and ``benchmarks.overlap_fleet`` (a dozen fleet runs each) have their
-  arguments parsed and checked, then ``--help``.
+  ``python -m benchmarks.throttled`` and ``benchmarks.overlap_fleet`` (a dozen fleet runs each) run with
+  ``--dry-run``: every run's config is loaded, none is run.
 
 Commands that mostly wait on processes of their own (torch-backend runs, torchrun, fleets, swarm peers, pytest)
 start in :data:`BACKGROUND` threads when the session starts and overlap; their tests wait for them.
@@ -584,18 +584,13 @@ def compare(docs: Docs, cmd, part, step) -> str:
 
 
 def throttled(docs: Docs, cmd, part, step) -> str:
-    """A dozen fleet runs (``benchmarks.throttled``, ``benchmarks.overlap_fleet``): the arguments are parsed by the
-    benchmark's own parser (``--help`` appended) and its host counts and rates checked; nothing runs."""
-    from noloco.fleet.netns import parse_rate
-
-    rc, out = docs.python([*part.argv, "--help"], step.cwd, {**step.env, **part.env}, cmd.id)
-    check(rc, out, part.raw + " --help")
-    argv = part.argv
-    for flag, parse in (("--hosts", int), ("--rates", parse_rate), ("--rate", parse_rate)):
-        if flag in argv:
-            for value in argv[argv.index(flag) + 1].split(","):
-                parse(value)
-    return part.raw + " --help   (arguments parsed; the benchmark itself is a dozen fleet runs)"
+    """A dozen fleet runs (``benchmarks.throttled``, ``benchmarks.overlap_fleet``): run with ``--dry-run``
+    appended, which parses the arguments and loads every run's config (a method the config refuses fails);
+    nothing runs."""
+    rc, out = docs.python([*part.argv, "--dry-run"], step.cwd, {**step.env, **part.env}, cmd.id)
+    check(rc, out, part.raw + " --dry-run")
+    assert "train.py backend=torch" in out, out
+    return part.raw + " --dry-run   (every run's config loaded; the benchmark itself is a dozen fleet runs)"
 
 
 def linkmodel(docs: Docs, cmd, part, step) -> str:
@@ -1174,7 +1169,7 @@ TABLE = [
     Rule(r"^torchrun --nproc-per-node \d+ train\.py ", torchrun, "--nproc-per-node 2, tiny", background=True),
     Rule(r"^python -m noloco\.train\.plots runs/a runs/b ", plots, "runs/a, runs/b: two tiny runs"),
     Rule(r"^python -m benchmarks\.compare( |$)", compare, "for real, tiny overrides after --"),
-    Rule(r"^python -m benchmarks\.(throttled|overlap_fleet) ", throttled, "arguments parsed and checked, then --help"),
+    Rule(r"^python -m benchmarks\.(throttled|overlap_fleet) ", throttled, "--dry-run: configs loaded, none run"),
     Rule(r"^python -m noloco\.fleet\.linkmodel ", linkmodel, "on a tiny fleet run, the tiny torch run as baseline"),
     Rule(r"^noloco-fleet --cleanup$", fleet_cleanup, "as written (root), after building a stale fleet"),
     Rule(r"^noloco-fleet --hosts 4 --rate 50mbit -- python train\.py backend=torch workers=4( |$)", fleet,

@@ -56,3 +56,13 @@ def test_longer_runs_say_how_much_sooner_overlap_reaches_ddps_loss():
     assert vs_diloco["met"] and vs_diloco["value"].startswith("> 4.00×")  # a bound: DiLoCo's whole 60 s run
     assert mine["step_to_target"] == pytest.approx(150)
     assert any(line.startswith("| diloco/fp32/outer.momentum=0.5 | 300 | – | – |") for line in lines)
+
+
+def test_a_method_the_config_refuses_stops_the_benchmark_before_any_fleet_run(tmp_path, capsys):
+    """fragments=4 does not divide H = 5: refused in a second, not after the runs before it (minutes)."""
+    from benchmarks import throttled
+
+    plan = [(2, "50mbit", "noloco/int4", 20), (2, "50mbit", "noloco/int4/outer.overlap=true/outer.fragments=4", 20)]
+    assert throttled.run_plan(plan, tmp_path / "runs", [*throttled.MODEL, "outer.every=5"], 20, None) == 2
+    assert "outer.fragments=4 does not divide outer.every=5" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
