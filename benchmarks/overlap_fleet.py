@@ -194,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         code = throttled.run_plan(plan, folder, every_run, args.steps, args.cpus_per_host)
         if code:
             return code
-    runs = sorted(p.parent for p in folder.glob("*/fleet.json") if (p.parent / "summary.json").exists())
+    runs = throttled.finished_runs(folder, "benchmarks.overlap_fleet")
     if not runs:
-        print(f"benchmarks.overlap_fleet: no finished runs under {folder}", file=sys.stderr)
         return 1
     results = [measure(run) for run in runs]
     order = {m: i for i, m in enumerate(args.methods)}

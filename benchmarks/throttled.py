@@ -307,6 +307,15 @@ def plan_of(args: argparse.Namespace) -> list[tuple]:
     return plan
 
 
+def finished_runs(folder: Path, prog: str) -> list[Path]:
+    """The fleet runs under ``folder`` that finished (a ``fleet.json`` and a ``summary.json``), sorted; none:
+    an empty list, with a line on stderr."""
+    runs = sorted(p.parent for p in folder.glob("*/fleet.json") if (p.parent / "summary.json").exists())
+    if not runs:
+        print(f"{prog}: no finished runs under {folder}", file=sys.stderr)
+    return runs
+
+
 def check_plan(plan: list[tuple], every_run: list[str], show: bool = False) -> int:
     """Load the config of every ``(hosts, rate, method, steps)`` run of ``plan`` (``show``: print each as a line);
     0, or 2 with the config's error for the first method it refuses."""
@@ -419,9 +428,8 @@ def main() -> int:
         code = run_plan(plan_of(args), folder, every_run, args.steps, args.cpus_per_host)
         if code:
             return code
-    runs = sorted(p.parent for p in folder.glob("*/fleet.json") if (p.parent / "summary.json").exists())
+    runs = finished_runs(folder, "benchmarks.throttled")
     if not runs:
-        print(f"benchmarks.throttled: no finished runs under {folder}", file=sys.stderr)
         return 1
     results = [measure(run) for run in runs]
     tables, verdicts = analyse(results)
