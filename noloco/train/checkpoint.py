@@ -134,7 +134,8 @@ def flatten(state, tensors: dict[str, torch.Tensor], path: str = ""):
     if isinstance(state, torch.Tensor):
         # tied weights (one tensor under two names) are stored once and referenced twice
         for key, saved in tensors.items():
-            if state.numel() and saved.data_ptr() == state.data_ptr() and saved.shape == state.shape:
+            if (state.numel() and saved.data_ptr() == state.data_ptr() and saved.shape == state.shape
+                    and saved.stride() == state.stride() and saved.dtype == state.dtype):  # fmt: skip
                 return {"__tensor__": key}
         key = path or "root"
         tensors[key] = state.detach()  # copied to the host one at a time as it is written (safetensors_chunks)

@@ -42,9 +42,10 @@ def test_the_streamed_file_is_safetensors_with_every_dtype_and_shape(tmp_path, m
     """The file written 16 bytes at a time reads back through the safetensors library, value for value, and
     hashes to its JSON's checksum; tied tensors are stored once."""
     monkeypatch.setattr(checkpoint, "_CHUNK_BYTES", 16)
-    shared = torch.randn(5, 3)
+    shared, square = torch.randn(5, 3), torch.randn(4, 4)
     state = {
-        "f32": shared, "tied": shared, "t": shared.t(), "bf16": torch.randn(7, dtype=torch.bfloat16),
+        "f32": shared, "tied": shared, "t": shared.t(), "square": square, "square_t": square.t(),
+        "bf16": torch.randn(7, dtype=torch.bfloat16),
         "f64": torch.randn(2, 2, dtype=torch.float64), "i64": torch.arange(9),
         "u8": torch.arange(33, dtype=torch.uint8),
         "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
