@@ -217,7 +217,7 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor], sha) -> Iterable[bytes 
     The format's layout (an 8-byte little-endian header length, the JSON header padded with spaces to a
     multiple of 8 bytes, then every tensor's data in the header's order), written with no more than one
     64 MiB chunk of the state on the host at a time. Building the file with safetensors' ``save`` would copy
-    the whole state to the host and then again into one ``bytes``: twice a 1.3B worker's 43 GB
+    the whole state to the host and then again into one ``bytes``: twice a 1.3B worker's 37.7 GB
     (docs/design.md §8). The safetensors library reads the file back (:func:`load_worker`)."""
     header: dict[str, dict] = {}
     offset = 0
@@ -703,12 +703,10 @@ def _tensor(value, where: str, shape: tuple[int, ...]) -> None:
 
 def digest(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's values (fp32, C order): how a rebuilt tensor is checked against the saved one.
-    Hashed 64 MiB at a time, never a host copy of the whole tensor."""
+    Hashed 64 MiB at a time (:func:`_host_bytes`), never a host copy of the whole tensor."""
     sha = hashlib.sha256()
-    flat = tensor.detach().reshape(-1)
-    step = _CHUNK_BYTES // 4
-    for start in range(0, flat.numel(), step):
-        sha.update(memoryview(flat[start : start + step].float().cpu().numpy()))
+    for chunk in _host_bytes(tensor.detach().float()):
+        sha.update(chunk)
     return sha.hexdigest()
 
 
