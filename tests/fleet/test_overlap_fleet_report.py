@@ -40,7 +40,7 @@ def test_an_overlapped_run_is_judged_against_max_of_its_blocking_runs_compute_an
 
 
 def test_longer_runs_say_how_much_sooner_overlap_reaches_ddps_loss():
-    ddp = _result("ddp/fp32", 50.0, 0.0, final=5.0)
+    ddp = {**_result("ddp/fp32", 50.0, 0.0, final=5.0), "rate_bps": 1e10}  # --ddp-rate 10gbit: only the target
     # the longer runs cross 5.0 half-way between evaluations: overlapped at 15 s, blocking at 30 s, DiLoCo never
     mine = _result("noloco/int4/outer.overlap=true", 40.0, 1.0, long=True, final=4.8,
                    curve=[(0, 0.0, 0, 8.0), (100, 10.0, 0, 5.2), (200, 20.0, 0, 4.8)])
@@ -56,6 +56,7 @@ def test_longer_runs_say_how_much_sooner_overlap_reaches_ddps_loss():
     assert vs_diloco["met"] and vs_diloco["value"].startswith("> 4.00×")  # a bound: DiLoCo's whole 60 s run
     assert mine["step_to_target"] == pytest.approx(150)
     assert any(line.startswith("| diloco/fp32/outer.momentum=0.5 | 300 | – | – |") for line in lines)
+    assert any("(DDP-fp32: step 100, 50.0 s at 10000 Mbit/s)" in line for line in lines)
 
 
 def test_a_method_the_config_refuses_stops_the_benchmark_before_any_fleet_run(tmp_path, capsys):
