@@ -316,6 +316,16 @@ def finished_runs(folder: Path, prog: str) -> list[Path]:
     return runs
 
 
+MACHINE = "machine.txt"  # in a stamp folder: the machine its runs ran on (common.machine), for --from-runs
+
+
+def machine_of(folder: Path) -> str:
+    """The machine the runs under ``folder`` ran on, as :func:`benchmarks.common.machine` said there; this
+    machine's words for a folder from before that was written down."""
+    path = folder / MACHINE
+    return path.read_text().strip() if path.exists() else common.machine()
+
+
 def check_plan(plan: list[tuple], every_run: list[str], show: bool = False) -> int:
     """Load the config of every ``(hosts, rate, method, steps)`` run of ``plan`` (``show``: print each as a line);
     0, or 2 with the config's error for the first method it refuses."""
@@ -333,15 +343,19 @@ def check_plan(plan: list[tuple], every_run: list[str], show: bool = False) -> i
 
 def run_plan(plan: list[tuple], folder: Path, every_run: list[str], steps: int, cpus_per_host: int | None) -> int:
     """Run each ``(hosts, rate, method, steps)`` of ``plan`` as one fleet launch under ``folder``, printing a line
-    per run; a run of other than ``steps`` inner steps is named ``…-long``. Returns 0, or 2 when a method's config
-    is refused (checked for every run first) or a fleet cannot be built (not root, tools missing)."""
+    per run; a run of more than ``steps`` inner steps is named ``…-long``, of fewer ``…-s<steps>``. Returns 0, or
+    2 when a method's config is refused (checked for every run first) or a fleet cannot be built (not root, tools
+    missing)."""
     code = check_plan(plan, every_run)  # a method the config refuses fails here, before minutes of fleet runs
     if code:
         return code
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MACHINE).write_text(common.machine() + "\n")
     total = len(plan)
     started = time.monotonic()
     for done, (hosts, rate, method, budget) in enumerate(plan, 1):
-        name = re.sub(r"[^a-z0-9.]+", "-", f"{hosts}h-{rate}-{method}") + (LONG if budget != steps else "")
+        suffix = LONG if budget > steps else f"-s{budget}" if budget < steps else ""
+        name = re.sub(r"[^a-z0-9.]+", "-", f"{hosts}h-{rate}-{method}") + suffix
         command = [sys.executable, str(ROOT / "train.py"), "backend=torch", f"workers={hosts}",
                    *every_run, f"steps={budget}", *method_overrides(method)]  # fmt: skip
         print(f"== [{done}/{total}] {name} ({time.monotonic() - started:.0f} s so far)", flush=True)
@@ -462,7 +476,7 @@ def main() -> int:
     if gossip:
         group_size = json.loads((Path(gossip[0]["run_dir"]) / "summary.json").read_text()).get("group_size")
     command = common.command("throttled", rerun_args(args) if args.from_runs is not None else None)
-    machine = common.machine()
+    machine = machine_of(folder)
     lines = [
         "# Throttled fleet: DDP, DiLoCo and NoLoCo on rate-limited links",
         "",

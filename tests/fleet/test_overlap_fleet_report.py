@@ -67,3 +67,39 @@ def test_a_method_the_config_refuses_stops_the_benchmark_before_any_fleet_run(tm
     assert throttled.run_plan(plan, tmp_path / "runs", [*throttled.MODEL, "outer.every=5"], 20, None) == 2
     assert "outer.fragments=4 does not divide outer.every=5" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def _metrics(run_dir, rank: int, bounds: list[tuple[int, float, float]]) -> None:
+    """A worker's metrics file with a boundary record (step, wall, outer ms) per exchange, an eval record
+    repeating the last one, and inner-step records between them (no outer_ms)."""
+    import json
+
+    lines = []
+    for step, wall, outer_ms in bounds:
+        lines.append({"step": step - 1, "wall": wall - 0.1, "loss": 5.0})
+        lines.append({"step": step, "wall": wall, "outer_ms": outer_ms})
+    lines.append({**lines[-1], "eval_loss": 5.0})  # the final step's eval repeats its boundary record
+    (run_dir / f"metrics.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_steady_rounds_leave_out_the_first_two_and_the_last_and_count_per_h(tmp_path):
+    # rounds of 3 s wall: the first two slower (kernels compile, then the first exchange is waited for), the
+    # last with the unhidden last exchange; the steady ones spend 0.5 s of their 3 s inside outer steps
+    walls = [5.0, 4.0, 3.0, 3.0, 3.0, 7.0]
+    blocked = [2000.0, 1500.0, 500.0, 500.0, 500.0, 4000.0]
+    bounds, t = [], 0.0
+    for i, (w, b) in enumerate(zip(walls, blocked), 1):
+        t += w
+        bounds.append((10 * i, t, b))
+    for rank in (0, 1):
+        _metrics(tmp_path, rank, bounds)
+    st = overlap_fleet.steady(tmp_path)
+    assert st["steady_rounds"] == 3
+    assert st["seconds_per_round"] == pytest.approx(3.0)
+    assert st["blocked_per_round"] == pytest.approx(0.5)
+    assert st["compute_per_round"] == pytest.approx(2.5)
+    assert st["idle_fraction"] == pytest.approx(0.5 / 3.0)
+    # the same boundaries as exchanges of 2 fragments: 2 per H; the first 4 are left out, the mean is per H
+    frag = overlap_fleet.steady(tmp_path, fragments=2)
+    assert frag["steady_rounds"] == 0.5 and frag["seconds_per_round"] == pytest.approx(6.0)
+    assert overlap_fleet.steady(tmp_path, fragments=3) == {}  # nothing left between the warm-up and the end
