@@ -42,8 +42,9 @@ from noloco.train.config import ALGOS, ConfigError, load_config
 from noloco.train.plots import eval_curves, plot_runs, reach
 
 TITLE = "Algorithm comparison on the default budget"
-# Outer-optimizer knobs an entry may vary; --from-runs names a run by those that differ from the defaults.
-KNOBS = ("outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every", "outer.overlap",
+# Knobs an entry may vary (the seed, the outer optimizer's); --from-runs names a run by those that differ from the
+# defaults.
+KNOBS = ("run.seed", "outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every", "outer.overlap",
          "outer.overlap_steps", "outer.fragments")
 
 

@@ -70,7 +70,7 @@ def test_figures_hold_at_most_ten_lines_split_evenly_and_repeat_the_first_entry(
         assert len(chunks) == -(-(entries - 1) // 9)  # the fewest figures
 
 
-def test_a_redrawn_run_is_named_by_its_overlap_rule_and_fragments(tmp_path):
+def test_a_redrawn_run_is_named_by_its_seed_overlap_rule_and_fragments(tmp_path):
     from omegaconf import OmegaConf
 
     from noloco.train.config import load_config
@@ -80,6 +80,7 @@ def test_a_redrawn_run_is_named_by_its_overlap_rule_and_fragments(tmp_path):
         (["outer.overlap=true"], "noloco/int4/outer.overlap=true"),
         (["outer.overlap=delayed", "outer.fragments=4"], "noloco/int4/outer.overlap=delayed/outer.fragments=4"),
         (["outer.momentum=0.2", "outer.overlap=eager"], "noloco/int4/outer.momentum=0.2/outer.overlap=eager"),
+        (["outer.overlap=true", "run.seed=2"], "noloco/int4/run.seed=2/outer.overlap=true"),  # a seed study
     ]:
         run_dir = tmp_path / "-".join(overrides or ["plain"])
         run_dir.mkdir()
