@@ -47,7 +47,9 @@ def test_longer_runs_say_how_much_sooner_overlap_reaches_ddps_loss():
     theirs = _result("noloco/int4", 80.0, 40.0, long=True, final=4.8,
                      curve=[(0, 0.0, 0, 8.0), (100, 20.0, 0, 5.2), (200, 40.0, 0, 4.8)])
     never = _result("diloco/fp32/outer.momentum=0.5", 60.0, 20.0, long=True, final=5.1)
-    lines, verdicts = overlap_fleet.analyse([ddp, mine, theirs, never])
+    frag = _result("noloco/int4/outer.overlap=true/outer.fragments=4", 40.0, 1.0, long=True, final=4.8,
+                   curve=[(0, 0.0, 0, 8.0), (100, 25.0, 0, 5.2), (200, 50.0, 0, 4.8)])  # crosses at 37.5 s
+    lines, verdicts = overlap_fleet.analyse([ddp, mine, theirs, never, frag])
     checks = {v["target"]: v for v in verdicts}
     vs_noloco = checks["overlapped NoLoCo-int4 reaches DDP-fp32's loss ≥ 1.5× sooner than blocking noloco/int4"]
     assert vs_noloco["met"] and vs_noloco["value"] == "2.0×"
@@ -55,6 +57,10 @@ def test_longer_runs_say_how_much_sooner_overlap_reaches_ddps_loss():
                        "diloco/fp32/outer.momentum=0.5"]  # fmt: skip
     assert vs_diloco["met"] and vs_diloco["value"].startswith("> 4.00×")  # a bound: DiLoCo's whole 60 s run
     assert mine["step_to_target"] == pytest.approx(150)
+    slower = checks["overlapped NoLoCo-int4 (noloco/int4/outer.overlap=true/outer.fragments=4) reaches DDP-fp32's "
+                    "loss ≥ 1.5× sooner than blocking noloco/int4"]  # fmt: skip
+    assert not slower["met"] and slower["value"] == "0.8×"  # 30 s against its 37.5 s
+    assert len(verdicts) == 4  # two overlapped runs, each against the two blocking ones
     assert any(line.startswith("| diloco/fp32/outer.momentum=0.5 | 300 | – | – |") for line in lines)
     assert any("(DDP-fp32: step 100, 50.0 s at 10000 Mbit/s)" in line for line in lines)
 
