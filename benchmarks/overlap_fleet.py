@@ -66,21 +66,24 @@ def blocking_of(method: str) -> str:
 def method_of(run_dir: Path) -> str:
     """The method a finished run was launched as (its folder name, ``<hosts>h-<rate>-<method>[-long]``, is a
     lossy spelling, so the config says): ``algo/codec`` plus its non-default momentum, overlap and fragments."""
-    from omegaconf import OmegaConf
-
     label = throttled.method_label(*_algo_codec(run_dir), throttled._momentum(run_dir))
-    outer = OmegaConf.load(run_dir / "config.yaml").get("outer", {})
+    outer = _outer(run_dir)
     if outer.get("overlap"):
         label += f"/outer.overlap={str(outer.overlap).lower()}"
-    if int(outer.get("fragments") or 1) > 1:
+    if _fragments(run_dir) > 1:
         label += f"/outer.fragments={outer.fragments}"
     return label
 
 
-def _fragments(run_dir: Path) -> int:
+def _outer(run_dir: Path):
+    """The ``outer`` section of a finished run's ``config.yaml``."""
     from omegaconf import OmegaConf
 
-    return int(OmegaConf.load(run_dir / "config.yaml").get("outer", {}).get("fragments") or 1)
+    return OmegaConf.load(run_dir / "config.yaml").get("outer", {})
+
+
+def _fragments(run_dir: Path) -> int:
+    return int(_outer(run_dir).get("fragments") or 1)
 
 
 def _algo_codec(run_dir: Path) -> tuple[str, str]:
