@@ -35,6 +35,7 @@ step folder are removed, the last complete checkpoint is left as it was.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -46,6 +47,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -871,18 +873,41 @@ class SoloStop:
 class StoreStop:
     """The same rule as :class:`LocalStop` across processes, over a ``torch.distributed`` key-value store.
 
-    Every boundary: report ``at/<rank>``, then look for ``requested`` (two small store requests, ~0.1 ms on
-    loopback). A rank that saw its interrupt first sets ``requested``, reads every rank's report and
-    proposes the stop step with a compare-and-set on ``target`` (the first proposal wins). A rank that
-    finds ``requested`` set waits for ``target``; it reported before looking, so the proposal counted it.
-    If the store is gone (its host died), the rank goes on alone: it stops at its next step on Ctrl-C.
+    The store sits on one rank's host, often across the link the exchanges use, so the training thread never
+    waits for it while training goes on. A reporter thread of its own writes this rank's *promise* to
+    ``at/<rank>``, then looks for ``requested``. A promise P means that this rank returns from no step boundary
+    past P until a look issued after a write of a promise of at least that step has found nothing. The
+    reporter promises ``step + lag``, where the lag covers four of the store's slowest recent round trips in
+    steps (at least 1), so at steady state a boundary finds its look already made. It waits only when the
+    store falls more than the lag behind.
+
+    A rank that saw its interrupt first sets ``requested``, reads every rank's promise and proposes the stop
+    step with a compare-and-set on ``target`` (the first proposal wins): its own step, or one past the highest
+    promise, whichever is later. A rank whose promise was read looks again before passing that promise. The
+    look comes after the proposer's ``requested``, so it sees it, and the rank then waits for ``target``.
+    That is at most one past its promise, so no rank passes the target. A lag of 0 would be the plain rule:
+    report each step, look, go on. If the store is gone (its host died), the rank goes on alone: it stops at
+    its next step on Ctrl-C.
     """
+
+    MAX_LAG = 256  # steps a promise may run ahead of the rank (a Ctrl-C stops at most this much later)
 
     def __init__(self, store, rank: int, world: int, start: int, timeout: float):
         self.store, self.rank, self.world, self.start, self.timeout = store, rank, world, start, timeout
         self.target: int | None = None
         self.proposed = False
         self.alone: SoloStop | None = None
+        self._lock = threading.Lock()  # one request at a time on the store's client
+        self._cond = threading.Condition()
+        self._latest: int | None = None  # the last boundary the training thread reached
+        self._cleared = start  # the highest promise a look after it found nothing for
+        self._seen = False  # a look found ``requested``
+        self._error: BaseException | None = None
+        self._closed = False
+        self._reporter: threading.Thread | None = None
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=16)  # seconds, recent write + look
+        self._step_seconds: float | None = None  # moving mean of the time between boundaries
+        self._last_call: float | None = None
 
     def __call__(self, rank: int, step: int) -> bool:
         if self.alone is not None:
@@ -893,32 +918,111 @@ class StoreStop:
             except Exception as exc:  # noqa: BLE001 - the store's host is gone: no agreement any more
                 logger.warning("rank %d: the stop agreement's store is gone (%s); on Ctrl-C this rank stops alone",
                                self.rank, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
+                self.close()
                 self.alone = SoloStop()
                 return self.alone(rank, step)
         if self.target is not None and step > self.target:
             logger.warning("rank %d: past the agreed stop step %d (at %d)", self.rank, self.target, step)
         return self.target is not None and step >= self.target
 
-    def _agree(self, step: int) -> None:
-        from datetime import timedelta
+    def close(self) -> None:
+        """Stop the reporter thread (the agreement stays as it is)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
-        store = self.store
-        store.set(f"at/{self.rank}", str(step))
+    def _agree(self, step: int) -> None:
         if INTERRUPT.requested and not self.proposed:
             self.proposed = True
+            self._propose(step)
+            return
+        self._tick(step)
+        with self._cond:
+            self._latest = step
+            if self._reporter is None:
+                self._reporter = threading.Thread(target=self._report, name=f"noloco-stop{self.rank}", daemon=True)
+                self._reporter.start()
+            self._cond.notify_all()
+            # a boundary past what a look has cleared waits for the next look (the promise of this step)
+            deadline = time.monotonic() + self.timeout
+            while not (self._seen or self._error is not None or step <= self._cleared):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no answer from the store within {self.timeout:.0f}s")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise self._error
+            seen = self._seen
+        if seen:
+            self._await_target(step)
+
+    def _tick(self, step: int) -> None:
+        """Keep the moving mean of the seconds between boundaries, which sets the lag."""
+        now = time.monotonic()
+        if self._last_call is not None:
+            gap = now - self._last_call
+            self._step_seconds = gap if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * gap
+        self._last_call = now
+
+    def _lag(self) -> int:
+        """Steps a promise runs ahead: four of the store's slowest recent round trips (a busy link's queue comes
+        and goes) at the current step rate, at least 1."""
+        if not self._step_seconds or not self._round_trips:
+            return 1
+        return max(1, min(self.MAX_LAG, math.ceil(4 * max(self._round_trips) / self._step_seconds)))
+
+    def _report(self) -> None:
+        """The reporter thread: write a promise, look for ``requested``, again whenever the rank moved on."""
+        written = None
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and self._latest == written:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    written = self._latest
+                promise = written + self._lag()
+                began = time.monotonic()
+                with self._lock:
+                    self.store.set(f"at/{self.rank}", str(promise))
+                    seen = self.store.check(["requested"])
+                self._round_trips.append(time.monotonic() - began)
+                with self._cond:
+                    if seen:
+                        self._seen = True
+                    else:
+                        self._cleared = max(self._cleared, promise)
+                    self._cond.notify_all()
+                if seen:
+                    return
+        except Exception as exc:  # noqa: BLE001 - handed to the training thread, which goes on alone
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _propose(self, step: int) -> None:
+        """This rank saw its interrupt first: ask for a stop and propose one past every rank's promise."""
+        with self._lock:
+            store = self.store
             store.set("requested", "1")
             others = [int(store.get(f"at/{r}")) if store.check([f"at/{r}"]) else self.start
                       for r in range(self.world) if r != self.rank]  # fmt: skip
-            proposal = max([step] + [s + 1 for s in others])
+            proposal = max([step] + [p + 1 for p in others])
             self.target = int(store.compare_set("target", "", str(proposal)))
-        elif store.check(["requested"]):
+        self.close()
+
+    def _await_target(self, step: int) -> None:
+        from datetime import timedelta
+
+        with self._lock:
             try:
-                store.wait(["target"], timedelta(seconds=self.timeout))
+                self.store.wait(["target"], timedelta(seconds=self.timeout))
             except Exception:  # noqa: BLE001 - the proposing rank died before proposing: stop here
                 logger.warning("rank %d: no stop step agreed; stopping at step %d", self.rank, step)
                 self.target = step
                 return
-            self.target = int(store.get("target"))
+            self.target = int(self.store.get("target"))
 
 
 def stop_here(stop, rank: int, step: int, run_dir: Path | None = None) -> bool:

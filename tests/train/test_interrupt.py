@@ -80,14 +80,101 @@ def test_threads_stop_at_one_step_without_passing_it(interrupt, seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_processes_agree_over_the_store(interrupt, seed):
     """The same over a real TCPStore, one client per rank (as processes would have)."""
-    server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
-    clients = [dist.PrefixStore("noloco/stop/0/", dist.TCPStore("127.0.0.1", server.port, 1, False,
-                                                                 timedelta(seconds=30))) for _ in range(3)]  # fmt: skip
+    server, clients = _clients(3)
     stops = [checkpoint.StoreStop(clients[r], r, 3, 0, 10.0) for r in range(3)]
     done = _race(lambda rank: stops[rank], 3, seed, interrupt)
     targets = {s.target for s in stops}
     assert len(targets) == 1
     assert {steps[-1] for steps in done.values()} == targets
+
+
+class _FarStore:
+    """A real TCPStore client ``delay`` seconds away: every request waits that long first, as across a slow
+    or busy link. Keeps the names of the threads that made requests."""
+
+    def __init__(self, store, delay: float):
+        self.store, self.delay, self.threads = store, delay, set()
+
+    def _call(self, name: str, *args):
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay)
+        return getattr(self.store, name)(*args)
+
+    def set(self, *args):
+        return self._call("set", *args)
+
+    def get(self, *args):
+        return self._call("get", *args)
+
+    def check(self, *args):
+        return self._call("check", *args)
+
+    def compare_set(self, *args):
+        return self._call("compare_set", *args)
+
+    def wait(self, *args):
+        return self._call("wait", *args)
+
+
+def _clients(n: int, delay: float = 0.0):
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
+    clients = [dist.PrefixStore("noloco/stop/0/", dist.TCPStore("127.0.0.1", server.port, 1, False,
+                                                                 timedelta(seconds=30))) for _ in range(n)]  # fmt: skip
+    return server, [_FarStore(c, delay) for c in clients] if delay else clients
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_processes_agree_over_a_far_store(interrupt, seed):
+    """A store several steps away: each rank promises steps ahead of where it is, and still none passes the
+    agreed step."""
+    server, clients = _clients(3, delay=0.006)
+    stops = [checkpoint.StoreStop(clients[r], r, 3, 0, 10.0) for r in range(3)]
+    done = _race(lambda rank: stops[rank], 3, seed, interrupt)
+    targets = {s.target for s in stops}
+    assert len(targets) == 1
+    assert {steps[-1] for steps in done.values()} == targets
+    assert max(s._lag() for s in stops) > 1  # the promises did run ahead
+
+
+def test_a_far_store_costs_the_boundaries_no_round_trips(interrupt):
+    """Step boundaries do not wait on a store across a slow link: the requests are the reporter thread's,
+    and 200 boundaries 2 ms apart take far less than a round trip (2 × 20 ms) each would."""
+    server, (client,) = _clients(1, delay=0.02)
+    stop = checkpoint.StoreStop(client, 0, 1, 0, 10.0)
+    started = time.monotonic()
+    for step in range(1, 201):
+        time.sleep(0.002)
+        assert not stop(0, step)
+    elapsed = time.monotonic() - started
+    stop.close()
+    assert client.threads == {"noloco-stop0"}
+    assert elapsed < 3.0, elapsed  # one round trip per boundary: over 8 s
+    interrupt.requested = True
+    assert stop(0, 201) and stop.target == 201 and "MainThread" in client.threads
+
+
+def test_a_rank_whose_store_host_died_stops_alone(interrupt, caplog):
+    host = subprocess.Popen([sys.executable, "-c", "import time, datetime, torch.distributed as d; "
+                             "s = d.TCPStore('127.0.0.1', 0, 1, True, datetime.timedelta(seconds=30)); "
+                             "print(s.port, flush=True); time.sleep(120)"],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        port = int(host.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=5))
+        stop = checkpoint.StoreStop(client, 1, 2, 0, 10.0)
+        assert not stop(1, 1) and not stop(1, 2)
+        host.kill()
+        host.wait()
+        for step in range(3, 200):
+            assert not stop(1, step)
+            if stop.alone is not None:
+                break
+            time.sleep(0.01)
+        assert stop.alone is not None and "stops alone" in caplog.text
+        interrupt.requested = True
+        assert stop(1, step + 1)
+    finally:
+        host.kill()
 
 
 def test_a_single_worker_stops_at_its_next_step(interrupt):

@@ -325,6 +325,7 @@ def run_rank(
             result = train_worker(ctx, DistributedBackend(transport, rank, replicas, cfg.comm.startup_timeout))
         finally:
             interrupt.armed = False
+            ctx.stop.close()
             progress.close()
             metrics.close()
         if ctx.stop.target is not None and ctx.stop.target < cfg.steps:  # (at the last step: complete)
