@@ -106,6 +106,7 @@ def measure(run_dir: Path) -> dict:
         result["idle_fraction"] = sum(o / lp for lp, o in zip(loops, outers)) / len(loops)
     if rounds:
         result["steady"] = steady(run_dir, _fragments(run_dir))
+        result["step_seconds_by_worker"] = step_times(run_dir, summary["outer_every"], _fragments(run_dir))
     return result
 
 
@@ -141,6 +142,25 @@ def steady(run_dir: Path, fragments: int = 1) -> dict:
             "idle_fraction": sum(b / w for w, b in zip(walls, blocked)) / len(walls)}  # fmt: skip
 
 
+def step_times(run_dir: Path, every: int, fragments: int = 1) -> list[float]:
+    """Per worker, the mean seconds of an inner step over the steady rounds (:func:`steady`): the wall between two
+    consecutive training-step records of ``metrics.rank<i>.jsonl``, leaving out steps that end an exchange
+    (``outer_ms``) or follow an evaluation. A worker slowed by something beside its exchange shows up here
+    against its peers and against the blocking run. Empty for a worker with no such step."""
+    period = every // fragments if fragments > 1 and every % fragments == 0 else every
+    means = []
+    for path in sorted(run_dir.glob("metrics.rank*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+        last = max((r["step"] for r in records), default=0)
+        skip = {r["step"] for r in records if "outer_ms" in r or "eval_loss" in r}
+        walls = {r["step"]: float(r["wall"]) for r in records if "loss" in r}
+        gaps = [walls[k] - walls[k - 1] for k in walls
+                if k - 1 in walls and 2 * period < k <= last - period and k not in skip and k - 1 not in skip]
+        if gaps:
+            means.append(sum(gaps) / len(gaps))
+    return means
+
+
 def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
@@ -165,6 +185,11 @@ def _round_table(short: dict[str, dict]) -> list[str]:
                      f"{_fmt(r.get('blocked_per_round'))} | {_idle(r)} | {_fmt(st.get('seconds_per_round'))} | "
                      f"{_fmt(st.get('compute_per_round'))} | {_fmt(st.get('blocked_per_round'))} | {_idle(st)} | "
                      f"{r['bytes_sent_per_worker'] / 1e6:.2f} |")  # fmt: skip
+    steps = {method: r["step_seconds_by_worker"] for method, r in short.items() if r.get("step_seconds_by_worker")}
+    if steps:
+        lines += ["", "Inner step time over the steady rounds, per worker (ms; steps that end an exchange or follow an "
+                  "evaluation left out):", "", "| method | worker 0, 1, … |", "|---|---|"]  # fmt: skip
+        lines += [f"| {method} | {' / '.join(f'{1e3 * t:.1f}' for t in times)} |" for method, times in steps.items()]
     return lines
 
 

@@ -109,3 +109,22 @@ def test_steady_rounds_leave_out_the_first_two_and_the_last_and_count_per_h(tmp_
     frag = overlap_fleet.steady(tmp_path, fragments=2)
     assert frag["steady_rounds"] == 0.5 and frag["seconds_per_round"] == pytest.approx(6.0)
     assert overlap_fleet.steady(tmp_path, fragments=3) == {}  # nothing left between the warm-up and the end
+
+
+def test_step_times_are_per_worker_over_the_steady_rounds_without_boundaries_and_evaluations(tmp_path):
+    import json
+
+    # H = 4, 6 rounds: steady inner steps are 9..20 (after 2 rounds, before the last); worker 1's take 30 ms
+    # against worker 0's 10 ms; every step ending a round takes 1 s, and the steps around an evaluation 0.5 s
+    for rank, dt in ((0, 0.010), (1, 0.030)):
+        lines, wall = [], 0.0
+        for step in range(1, 25):
+            wall += 1.0 if step % 4 == 0 else 0.5 if step in (10, 11) else dt
+            record = {"step": step, "wall": wall, "loss": 5.0}
+            lines.append({**record, "outer_ms": 900.0} if step % 4 == 0 else record)
+            if step == 10:  # an evaluation after step 10 (counted in step 11's wall, and step 10's record)
+                lines.append({"step": step, "wall": wall, "eval_loss": 5.0})
+        (tmp_path / f"metrics.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    times = overlap_fleet.step_times(tmp_path, every=4)
+    assert times == [pytest.approx(0.010), pytest.approx(0.030)]
+    assert overlap_fleet.step_times(tmp_path, every=4, fragments=2) == [pytest.approx(0.010), pytest.approx(0.030)]
