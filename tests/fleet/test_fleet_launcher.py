@@ -149,7 +149,11 @@ def test_sigterm_to_the_launcher_stops_workers_and_removes_the_namespaces():
         deadline = time.monotonic() + 60  # until both hosts' commands run (`ip netns exec` has exec'd into them)
         while time.monotonic() < deadline and _hosts_running(prefix) < 2:
             time.sleep(0.2)
-        assert _hosts_running(prefix) == 2, "the fleet's two commands never started"
+        if _hosts_running(prefix) < 2:
+            state = "still running" if proc.poll() is None else f"exited {proc.returncode}"
+            proc.kill()
+            output = proc.communicate(timeout=30)[0]
+            pytest.fail(f"the fleet's two commands never started (launcher {state}):\n{output[-3000:]}")
         inside = [pid for pids in _pids_inside(prefix).values() for pid in pids]
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=60)[0]
