@@ -879,7 +879,8 @@ class StoreStop:
     past P until a look issued after a write of a promise of at least that step has found nothing. The
     reporter promises ``step + lag``, where the lag covers four of the store's slowest recent round trips in
     steps (at least 1), so at steady state a boundary finds its look already made. It waits only when the
-    store falls more than the lag behind.
+    store falls more than the lag behind. Promises never decrease, so the one the proposer reads is at least
+    every promise a look has cleared before it.
 
     A rank that saw its interrupt first sets ``requested``, reads every rank's promise and proposes the stop
     step with a compare-and-set on ``target`` (the first proposal wins): its own step, or one past the highest
@@ -973,7 +974,7 @@ class StoreStop:
 
     def _report(self) -> None:
         """The reporter thread: write a promise, look for ``requested``, again whenever the rank moved on."""
-        written = None
+        written, promise = None, self.start
         try:
             while True:
                 with self._cond:
@@ -982,7 +983,7 @@ class StoreStop:
                     if self._closed:
                         return
                     written = self._latest
-                promise = written + self._lag()
+                promise = max(promise, written + self._lag())  # never lower: the proposer reads the latest one
                 began = time.monotonic()
                 with self._lock:
                     self.store.set(f"at/{self.rank}", str(promise))
@@ -992,7 +993,7 @@ class StoreStop:
                     if seen:
                         self._seen = True
                     else:
-                        self._cleared = max(self._cleared, promise)
+                        self._cleared = promise
                     self._cond.notify_all()
                 if seen:
                     return

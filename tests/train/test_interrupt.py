@@ -153,6 +153,39 @@ def test_a_far_store_costs_the_boundaries_no_round_trips(interrupt):
     assert stop(0, 201) and stop.target == 201 and "MainThread" in client.threads
 
 
+def test_a_lag_that_shrinks_does_not_lower_the_promise(interrupt):
+    """A busy link's round trips make a long lag, a quiet one a short lag. A promise written after the lag
+    shrank must still cover the steps the long one cleared: if the link then stalls, the rank goes on through
+    them while the proposer reads its last promise, and that must not be lower than where the rank is."""
+    server, (far, near) = _clients(2, delay=0.02)
+    near.delay = 0.0
+    stop, proposer = checkpoint.StoreStop(far, 0, 2, 0, 10.0), checkpoint.StoreStop(near, 1, 2, 0, 10.0)
+    step = 0
+    for step in range(1, 61):  # a busy link: round trips of 40 ms against 2 ms steps
+        time.sleep(0.002)
+        assert not stop(0, step)
+    long_lag = stop._lag()
+    far.delay = 0.0
+    while stop._lag() > 2:  # a quiet link: once the slow round trips have aged out, the lag is short
+        step += 1
+        time.sleep(0.002)
+        assert not stop(0, step)
+    for _ in range(5):  # promises written with the short lag
+        step += 1
+        time.sleep(0.002)
+        assert not stop(0, step)
+    assert long_lag > 10 and step < 1000
+    far.delay = 0.3  # the link stalls: the reporter's next write takes 0.3 s to land
+    for _ in range(10):  # steps the long lag cleared, taken while it is stuck
+        step += 1
+        assert not stop(0, step)
+    interrupt.requested = True
+    assert not proposer(1, 1)  # rank 1 proposes from the promises it reads; rank 0 then sees its own interrupt
+    while not stop(0, step + 1):
+        step += 1
+    assert step + 1 == proposer.target == stop.target
+
+
 def test_a_rank_whose_store_host_died_stops_alone(interrupt, caplog):
     host = subprocess.Popen([sys.executable, "-c", "import time, datetime, torch.distributed as d; "
                              "s = d.TCPStore('127.0.0.1', 0, 1, True, datetime.timedelta(seconds=30)); "
