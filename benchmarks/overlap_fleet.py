@@ -110,14 +110,19 @@ def measure(run_dir: Path) -> dict:
     return result
 
 
+def _worker_records(run_dir: Path) -> list[list[dict]]:
+    """Each worker's records of ``metrics.rank<i>.jsonl``, in rank order."""
+    return [[json.loads(line) for line in path.read_text().splitlines() if line]
+            for path in sorted(run_dir.glob("metrics.rank*.jsonl"))]  # fmt: skip
+
+
 def round_times(run_dir: Path) -> list[list[tuple[float, float]]]:
     """Per worker, each outer round's ``(wall seconds, seconds inside the outer step that ends it)``, from the
     round-boundary records of ``metrics.rank<i>.jsonl`` (the first record of each step with ``outer_ms``)."""
     workers = []
-    for path in sorted(run_dir.glob("metrics.rank*.jsonl")):
+    for records in _worker_records(run_dir):
         bounds, seen = [(0.0, 0.0)], set()
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
+        for record in records:
             if "outer_ms" in record and record["step"] not in seen:
                 seen.add(record["step"])
                 bounds.append((float(record["wall"]), record["outer_ms"] / 1e3))
@@ -147,10 +152,9 @@ def step_times(run_dir: Path, every: int, fragments: int = 1) -> list[float]:
     consecutive training-step records of ``metrics.rank<i>.jsonl``, leaving out steps that end an exchange
     (``outer_ms``) or follow an evaluation. A worker slowed by something beside its exchange shows up here
     against its peers and against the blocking run. Empty for a worker with no such step."""
-    period = every // fragments if fragments > 1 and every % fragments == 0 else every
+    period = every // fragments  # the config refuses fragments that do not divide H
     means = []
-    for path in sorted(run_dir.glob("metrics.rank*.jsonl")):
-        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    for records in _worker_records(run_dir):
         last = max((r["step"] for r in records), default=0)
         skip = {r["step"] for r in records if "outer_ms" in r or "eval_loss" in r}
         walls = {r["step"]: float(r["wall"]) for r in records if "loss" in r}
