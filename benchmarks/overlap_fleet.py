@@ -17,7 +17,10 @@ the way overlap changes it, from each worker's ``summary.json`` timings (:func:`
 Each figure is given over the whole run, and over its *steady rounds* from the per-round records of
 ``metrics.rank<i>.jsonl`` (:func:`steady`): without the first two rounds (the first exchange compiles its
 kernels, seconds on CUDA) and the last (overlapped, the last exchange has nothing to hide behind). The targets
-are judged on the steady rounds where there are any.
+are judged on the steady rounds where there are any. For the overlapped runs a table gives each exchange's own
+time, from its send until its result was ready (``exchange_ms``), beside the compute it hides behind, and how
+long training waited for it where it landed (``wait_ms``): a round that waits shows whether its exchange was
+slower than the blocking one, or the compute beside it shorter.
 
 Choose H (``--every``; and the work per step with overrides such as ``data.batch_size``) so that a blocking
 round's exchange takes about as long as its compute: the regime overlap is for, a GPU that computes H steps
@@ -107,6 +110,8 @@ def measure(run_dir: Path) -> dict:
     if rounds:
         result["steady"] = steady(run_dir, _fragments(run_dir))
         result["step_seconds_by_worker"] = step_times(run_dir, summary["outer_every"], _fragments(run_dir))
+        result["fragments"] = _fragments(run_dir)
+        result["exchanges"] = exchange_times(run_dir, result["fragments"])
     return result
 
 
@@ -165,6 +170,25 @@ def step_times(run_dir: Path, every: int, fragments: int = 1) -> list[float]:
     return means
 
 
+def exchange_times(run_dir: Path, fragments: int = 1) -> dict:
+    """An overlapped run's exchanges over its steady rounds (as :func:`steady` leaves rounds out), from the
+    ``exchange_ms`` and ``wait_ms`` of ``metrics.rank<i>.jsonl``: the mean seconds an exchange ran on its thread
+    (from its send) and the mean seconds training waited for it where it landed, each a mean over workers; the
+    largest worker's mean wait too. Empty for a blocking run or too few rounds."""
+    exchanges, waits = [], []
+    for records in _worker_records(run_dir):
+        # exchange q lands at boundary q + 2; the last boundary lands two (its own, and the last one's at the end)
+        landed = [r for r in records if "exchange_ms" in r][2 * fragments - 1:-2]
+        if not landed:
+            return {}
+        exchanges.append(sum(r["exchange_ms"] for r in landed) / len(landed) / 1e3)
+        waits.append(sum(r.get("wait_ms", 0.0) for r in landed) / len(landed) / 1e3)
+    if not exchanges:
+        return {}
+    return {"exchange_seconds": sum(exchanges) / len(exchanges), "wait_seconds": sum(waits) / len(waits),
+            "max_wait_seconds": max(waits)}
+
+
 def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
@@ -194,6 +218,18 @@ def _round_table(short: dict[str, dict]) -> list[str]:
         lines += ["", "Inner step time over the steady rounds, per worker (ms; steps that end an exchange or follow an "
                   "evaluation left out):", "", "| method | worker 0, 1, … |", "|---|---|"]  # fmt: skip
         lines += [f"| {method} | {' / '.join(f'{1e3 * t:.1f}' for t in times)} |" for method, times in steps.items()]
+    exchanges = {method: r["exchanges"] for method, r in short.items() if r.get("exchanges")}
+    if exchanges:
+        lines += ["", "Overlapped exchanges over the steady rounds (ms; mean over workers): how long one ran on its "
+                  "thread from its send, beside the compute it hides behind (one exchange's share of a round), and "
+                  "how long training waited for it where it landed (the largest worker's mean in brackets):", "",
+                  "| method | exchange | compute it hides behind | wait |", "|---|---|---|---|"]  # fmt: skip
+        for method, e in exchanges.items():
+            k = short[method].get("fragments", 1)
+            hides = (short[method].get("steady") or {}).get("compute_per_round")
+            lines.append(f"| {method} | {1e3 * e['exchange_seconds']:.0f} | "
+                         f"{'–' if hides is None else f'{1e3 * hides / k:.0f}'} | "
+                         f"{1e3 * e['wait_seconds']:.0f} ({1e3 * e['max_wait_seconds']:.0f}) |")  # fmt: skip
     return lines
 
 

@@ -74,6 +74,8 @@ class OuterRoundInfo:
     skipped: str | None = None
     rejected: int = 0  # partners' contributions (or reduced segments) the norm bound refused this round
     fragment: int | None = None  # which fragment the round exchanged (outer.fragments > 1); None: all parameters
+    exchange_ms: float | None = None  # outer.overlap: how long the exchange ran on its thread, from its send
+    wait_ms: float | None = None  # outer.overlap: how long the training thread waited for it where it landed
 
 
 SAME_START = ("broadcast", "check", "trust")

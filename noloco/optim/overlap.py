@@ -41,6 +41,7 @@ the other processes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -271,25 +272,30 @@ class OverlappedRounds:
             caller = torch.cuda.current_stream(snapshot.device) if snapshot.is_cuda else None
             # eager changes φ while the exchange runs: it is measured against φ as sent (the others: φ, unchanged)
             against = pending.slow if self.rule == "eager" else None
-            pending.future = self._exchanger.submit(self._exchange_after, caller, round_index, snapshot, against)
+            pending.future = self._exchanger.submit(self._exchange_after, caller, round_index, snapshot, against,
+                                                    time.perf_counter())  # fmt: skip
         else:
             pending.result = algo._replica_round(round_index)
         self.in_flight = pending
         return pending, guarded
 
-    def _exchange_after(self, caller, round_index: int, snapshot: torch.Tensor, slow: torch.Tensor | None):
+    def _exchange_after(self, caller, round_index: int, snapshot: torch.Tensor, slow: torch.Tensor | None,
+                        sent: float):  # fmt: skip
         """``algo._exchange_round`` in the exchange thread, against the slow weights ``slow`` (None: φ); on CUDA
         on a side stream that first waits for the training stream's work up to the snapshot (``caller``), its
-        results complete when this returns."""
+        results complete when this returns. Its info's ``exchange_ms`` is the time from ``sent`` (the send's
+        ``perf_counter``) until then."""
         if caller is None:
-            return self.algo._exchange_round(round_index, snapshot, slow)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(caller.device)
-        side = self._side_stream
-        side.wait_stream(caller)
-        with torch.cuda.device(caller.device), torch.cuda.stream(side):
             result = self.algo._exchange_round(round_index, snapshot, slow)
-        side.synchronize()
+        else:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(caller.device)
+            side = self._side_stream
+            side.wait_stream(caller)
+            with torch.cuda.device(caller.device), torch.cuda.stream(side):
+                result = self.algo._exchange_round(round_index, snapshot, slow)
+            side.synchronize()
+        result.info.exchange_ms = round(1e3 * (time.perf_counter() - sent), 3)
         return result
 
     def _take(self):
@@ -297,7 +303,10 @@ class OverlappedRounds:
         pending, self.in_flight = self.in_flight, None
         if pending is None:
             return None, None
+        waiting = time.perf_counter()
         result = pending.result if pending.result is not None else pending.future.result()
+        if pending.future is not None:  # this process exchanged: how long the exchange kept training waiting
+            result.info.wait_ms = round(1e3 * (time.perf_counter() - waiting), 3)
         if result.means is not None:
             for mean in result.means:  # made on the exchange's side stream, read on this one: keep them until read
                 if isinstance(mean, torch.Tensor) and mean.is_cuda:

@@ -506,6 +506,10 @@ def step_record(worker: Worker, step: int, lr: float, outer_round, tokens_per_st
             record["fragment"] = outer_round.fragment
         if outer_round.skipped:
             record["outer_skipped"] = outer_round.skipped
+        if outer_round.exchange_ms is not None:  # outer.overlap: the exchange's own time and the wait where it landed
+            record["exchange_ms"] = outer_round.exchange_ms
+        if outer_round.wait_ms is not None:
+            record["wait_ms"] = outer_round.wait_ms
     if algo.norm_rejections.total:
         record["norm_rejections"] = algo.norm_rejections.total
     return record

@@ -128,3 +128,27 @@ def test_step_times_are_per_worker_over_the_steady_rounds_without_boundaries_and
     times = overlap_fleet.step_times(tmp_path, every=4)
     assert times == [pytest.approx(0.010), pytest.approx(0.030)]
     assert overlap_fleet.step_times(tmp_path, every=4, fragments=2) == [pytest.approx(0.010), pytest.approx(0.030)]
+
+
+def test_exchange_times_are_the_steady_rounds_exchanges_and_waits(tmp_path):
+    import json
+
+    # 6 boundaries: exchange q (sent at boundary q + 1) lands at boundary q + 2, the last two at the last step.
+    # The steady rounds end at boundaries 3..5: their landings are exchanges 1..3 (the first and the two at
+    # the end, one of which nothing hid, are left out)
+    ran = [900.0, 400.0, 500.0, 600.0, 400.0, 3000.0]  # ms on the exchange thread, exchanges 0..5
+    waited = [700.0, 0.0, 30.0, 60.0, 0.0, 2800.0]
+    for rank in (0, 1):
+        lines = [{"step": 10, "wall": 1.0, "outer_ms": 5.0}]
+        for q, (e, w) in enumerate(zip(ran, waited)):
+            step = 10 * min(q + 2, 6)
+            lines.append({"step": step, "wall": float(step), "outer_ms": w + 5.0, "outer_round": q,
+                          "exchange_ms": e + 100.0 * rank, "wait_ms": w * (1 + rank)})
+        (tmp_path / f"metrics.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    times = overlap_fleet.exchange_times(tmp_path)
+    assert times["exchange_seconds"] == pytest.approx(0.550)  # the workers' means: 500 and 600 ms
+    assert times["wait_seconds"] == pytest.approx(0.045)  # 30 and 60 ms
+    assert times["max_wait_seconds"] == pytest.approx(0.060)
+    for rank in (0, 1):  # a blocking run records no exchange of its own thread
+        (tmp_path / f"metrics.rank{rank}.jsonl").write_text(json.dumps({"step": 10, "wall": 1.0, "outer_ms": 5}))
+    assert overlap_fleet.exchange_times(tmp_path) == {}
