@@ -241,6 +241,12 @@ class Exchange:
         for dst, phase, segment, step in sends:
             self._owed[(dst, self.tag_of(phase, segment, step))] = (phase, segment, step)
 
+    def expect_recvs(self, recvs: list[tuple[int, int, int, int, int]]) -> None:
+        """Announce to the transport the messages this member will receive: ``(src index, phase, segment, step,
+        body bytes)`` (:meth:`Transport.expect`: a transport that can post their receives early does)."""
+        for src, phase, segment, step, nbytes in recvs:
+            self.transport.expect(self.info.group[src], self.tag_of(phase, segment, step), HEADER_BYTES + nbytes)
+
     def encode(self, codec: Codec, value: torch.Tensor,
                with_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """``value`` encoded by ``codec`` into a message buffer with room for the header (:meth:`send` fills it).

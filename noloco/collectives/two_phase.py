@@ -82,6 +82,9 @@ def two_phase_allreduce(
     contribution, result = residuals if residuals is not None else (None, None)
     ex.expect_sends([(k, PHASE_REDUCE, k, 0) for k in range(n) if k != me]
                     + [(j, PHASE_GATHER, me, 0) for j in range(n) if j != me])
+    sizes = [codec.nbytes(end - start) for start, end in bounds]
+    ex.expect_recvs([(j, PHASE_REDUCE, me, 0, sizes[me]) for j in range(n) if j != me]
+                    + [(k, PHASE_GATHER, k, 0, sizes[k]) for k in range(n) if k != me])
     contributed = None  # with a bound: this member's own contribution (input + residual), before any encoding
     if ex.bound is not None:
         contributed = flat.clone() if contribution is None else flat + contribution

@@ -128,6 +128,11 @@ class Transport(ABC):
         """Return the payload rank ``src`` sent under ``tag`` (bytes-like; read it, do not write it);
         raise :class:`CommTimeout` after ``timeout`` s."""
 
+    def expect(self, src: int, tag: str, nbytes: int) -> None:  # noqa: B027 - optional hook
+        """Say that rank ``src`` will send a payload of ``nbytes`` bytes under ``tag``: a transport whose
+        receives are better posted early does so now (:class:`~noloco.comm.torchdist.TorchDistTransport`: both
+        directions of a link then run at once). Only a hint: what arrives is received as without it."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; further calls may fail."""
 

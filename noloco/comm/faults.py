@@ -157,6 +157,9 @@ class FaultyTransport(Transport):
     def recv(self, src: int, tag: str, timeout: float) -> bytes:
         return self.inner.recv(src, tag, timeout)
 
+    def expect(self, src: int, tag: str, nbytes: int) -> None:
+        self.inner.expect(src, tag, nbytes)
+
 
 def exchange_transport(transport: Transport, link: LinkFault | None, step: int, rank: int | None) -> Transport:
     """``transport`` itself, or a :class:`FaultyTransport` if a link fault or an ``outer.send`` fault is set.

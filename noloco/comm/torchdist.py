@@ -5,11 +5,21 @@ byte payloads with the semantics of the in-process fabric (docs/design.md §5): 
 the receiver, ``recv(src, tag, timeout)`` returns the payload ``src`` sent under ``tag`` or raises
 :class:`~noloco.comm.base.CommTimeout`, and every payload byte is counted.
 
-Framing: every payload travels as two P2P messages on one channel (a torch.distributed tag):
-a frame header (3 int64: magic, tag length, payload length), then one uint8 tensor holding the UTF-8
-tag followed by the payload. One receiver thread per peer keeps a receive posted at all times and
-files complete frames into mailboxes keyed by ``(src, tag)``; ``recv`` waits on the mailbox, so a
-timeout never leaves a half-read frame behind and messages may be received in any tag order. A peer
+Framing: every payload travels as two P2P messages: a frame header (4 int64: magic, tag length, payload
+length, body slot) on one channel (a torch.distributed tag), then one uint8 tensor holding the UTF-8 tag
+followed by the payload, on the body's own slot (:func:`body_slot`: a torch.distributed tag computed from
+the message's tag and size). One receiver thread per peer keeps a frame receive posted at all times and
+files complete messages into mailboxes keyed by ``(src, tag)``; ``recv`` waits on the mailbox, so a
+timeout never leaves a half-read frame behind and messages may be received in any tag order.
+
+Receives posted ahead (:meth:`TorchDistTransport.expect`): gloo sends a body only once the receiver has
+posted its receive, and tells the sender so over the same TCP connection. A body receive posted when its
+frame arrives sends that notice behind whatever this rank is itself sending to the peer, so when two ranks
+send each other a large payload at once, one waits for the other's bytes to drain: the directions take
+turns. A caller that knows what it will receive (a reduction: every message's tag and size) says so
+first; the body's receive is then posted at once, on the slot the sender will use, and both directions
+run at the same time. A message that was not announced, or differs in size from the announcement, takes
+the ordinary path; an announcement whose message already arrived posts nothing. A peer
 whose connection breaks (its process died) is marked lost: pending and later ``recv`` from it raise
 :class:`CommTimeout` at once. :meth:`close` sends a close frame to every peer and waits for theirs, so
 that ``destroy_process_group`` afterwards finds no receive pending.
@@ -38,6 +48,7 @@ import socket
 import threading
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -51,6 +62,18 @@ _MAGIC = 0x4E4C4F43  # "NLOC"
 _CLOSE = -1
 _CHANNEL = 7  # the torch.distributed tag all frames travel on
 _MAX_TAG = 4096
+_FRAME = 4  # int64 values of a frame: magic, tag length, payload length, body slot
+_FIRST_SLOT = 16  # body slots are torch.distributed tags in [_FIRST_SLOT, 2**31 - 1]: never the frame channel
+_MAX_AHEAD = 64  # receives posted ahead per peer and not yet used (each holds its message's buffer)
+_ARRIVALS = 4096  # per peer, how many frames that found no receive posted ahead are remembered
+
+
+def body_slot(tag: str, nbytes: int) -> int:
+    """The torch.distributed tag a message body of ``nbytes`` bytes (tag and payload) sent under ``tag`` travels
+    on: both ends compute it from the frame's contents, so a receiver can post the receive before the frame.
+    Two messages of one sender share a slot only when their CRC-32s of ``"<nbytes>:<tag>"`` collide modulo
+    2^31 − 16; gloo then fills the receive posted first, and the bodies' own tags keep them apart."""
+    return _FIRST_SLOT + zlib.crc32(f"{nbytes}:{tag}".encode()) % (2**31 - _FIRST_SLOT)
 
 
 class TorchDistTransport(Transport):
@@ -90,6 +113,10 @@ class TorchDistTransport(Transport):
             raise CommError(f"latency must be >= 0 seconds, got {latency}")
         self.latency = float(latency)
         self.wait_seconds = 0.0  # time spent blocked in recv: waiting on the network (or on slower peers)
+        self.early_receives = 0  # bodies that landed in a receive posted ahead (expect)
+        self._ahead: dict[tuple[int, int], collections.deque] = {}  # (peer, slot) -> receives posted ahead
+        self._ahead_count: dict[int, int] = collections.Counter()
+        self._arrived: dict[int, collections.OrderedDict] = {}  # peer -> slot -> frames with no receive ahead
         self._delayed: dict[int, collections.deque] = {}
         self._delay_threads: dict[int, threading.Thread] = {}
         self._threads = [
@@ -107,9 +134,9 @@ class TorchDistTransport(Transport):
         src = self._global(peer)
         try:
             while True:
-                frame = torch.empty(3, dtype=torch.int64, device=self.device)
+                frame = torch.empty(_FRAME, dtype=torch.int64, device=self.device)
                 dist.irecv(frame, src=src, group=self.group, tag=_CHANNEL).wait()
-                magic, tag_len, size = (int(v) for v in frame.cpu())
+                magic, tag_len, size, slot = (int(v) for v in frame.cpu())
                 if magic != _MAGIC:
                     raise CommError(f"bad frame magic {magic:#x} from rank {peer}")
                 if tag_len == _CLOSE:
@@ -117,11 +144,12 @@ class TorchDistTransport(Transport):
                         self._closed_peers.add(peer)
                         self._cond.notify_all()
                     return
-                if not (0 < tag_len <= _MAX_TAG and 0 <= size <= self.max_payload):
-                    raise CommError(f"bad frame from rank {peer}: tag {tag_len} bytes, payload {size} bytes")
-                body = torch.empty(tag_len + size, dtype=torch.uint8, device=self.device)
-                dist.irecv(body, src=src, group=self.group, tag=_CHANNEL).wait()
-                raw = memoryview(body.cpu().numpy())
+                if not (0 < tag_len <= _MAX_TAG and 0 <= size <= self.max_payload and _FIRST_SLOT <= slot < 2**31):
+                    raise CommError(f"bad frame from rank {peer}: tag {tag_len} bytes, payload {size} bytes, "
+                                    f"slot {slot}")  # fmt: skip
+                body, work = self._body_receive(peer, src, slot, tag_len + size)
+                work.wait()
+                raw = memoryview(body[: tag_len + size].cpu().numpy())
                 tag = bytes(raw[:tag_len]).decode("utf-8")
                 with self._cond:
                     key = (peer, tag)
@@ -134,6 +162,58 @@ class TorchDistTransport(Transport):
                 if not self._closed:
                     self._lost[peer] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 self._cond.notify_all()
+
+    def _body_receive(self, peer: int, src: int, slot: int, nbytes: int) -> tuple[torch.Tensor, Any]:
+        """The receive of the body a frame announced: the first one posted ahead on its slot, else a new one."""
+        with self._cond:
+            ahead = self._ahead.get((peer, slot))
+            if ahead:
+                body, work = ahead.popleft()
+                if not ahead:
+                    del self._ahead[(peer, slot)]
+                self._ahead_count[peer] -= 1
+                if body.numel() < nbytes:  # gloo refuses a larger body than the buffer posted for it
+                    raise CommError(f"rank {peer} sent {nbytes} bytes on slot {slot}, where a receive of "
+                                    f"{body.numel()} bytes was posted ahead")  # fmt: skip
+                self.early_receives += 1
+                return body, work
+            arrived = self._arrived.setdefault(peer, collections.OrderedDict())
+            arrived[slot] = arrived.pop(slot, 0) + 1  # an announcement of this body now posts nothing
+            while len(arrived) > _ARRIVALS:
+                arrived.popitem(last=False)
+            body = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            return body, dist.irecv(body, src=src, group=self.group, tag=slot)
+
+    def expect(self, src: int, tag: str, nbytes: int) -> None:
+        """Post now the receive of the message rank ``src`` will send under ``tag`` with a payload of ``nbytes``
+        bytes (module docstring: receives posted ahead). Nothing is posted if that message's frame has already
+        arrived, if ``_MAX_AHEAD`` receives posted ahead for ``src`` are still unused, or if the link is closed
+        or lost; a message of another size takes the ordinary path. Gloo only: NCCL matches receives by order,
+        not by tag, so a receive posted before its frame's would take the frame."""
+        self._check_peer(src)
+        if self.backend != "gloo":
+            return
+        tag_bytes = tag.encode("utf-8")
+        if not 0 < len(tag_bytes) <= _MAX_TAG or not 0 <= nbytes <= self.max_payload:
+            return
+        total = len(tag_bytes) + int(nbytes)
+        slot = body_slot(tag, total)
+        with self._cond:
+            if self._closed or src in self._lost or src in self._closed_peers or (src, tag) in self._mail:
+                return
+            arrived = self._arrived.get(src)
+            if arrived and slot in arrived:
+                if arrived[slot] > 1:
+                    arrived[slot] -= 1
+                else:
+                    del arrived[slot]
+                return
+            if self._ahead_count[src] >= _MAX_AHEAD:
+                return
+            body = torch.empty(total, dtype=torch.uint8, device=self.device)
+            work = dist.irecv(body, src=self._global(src), group=self.group, tag=slot)
+            self._ahead.setdefault((src, slot), collections.deque()).append((body, work))
+            self._ahead_count[src] += 1
 
     def recv(self, src: int, tag: str, timeout: float) -> bytes:
         self._check_peer(src)
@@ -159,9 +239,10 @@ class TorchDistTransport(Transport):
         return payload
 
     # ---- sending ---------------------------------------------------------------------------------------
-    def _post(self, dst: int, tensors: list[torch.Tensor]) -> None:
+    def _post(self, dst: int, tensors: list[tuple[torch.Tensor, int]]) -> None:
+        """Send each ``(tensor, torch.distributed tag)`` to ``dst``, in order."""
         with self._send_locks[dst]:
-            works = [dist.isend(tensor, dst=self._global(dst), group=self.group, tag=_CHANNEL) for tensor in tensors]
+            works = [dist.isend(tensor, dst=self._global(dst), group=self.group, tag=slot) for tensor, slot in tensors]
         with self._pending_lock:  # delay threads post too: one list, changed under one lock
             self._pending_sends = [w for w in self._pending_sends if not w.is_completed()] + works
 
@@ -175,11 +256,12 @@ class TorchDistTransport(Transport):
         if not 0 < len(tag_bytes) <= _MAX_TAG:
             raise CommError(f"tag must be 1..{_MAX_TAG} UTF-8 bytes, got {len(tag_bytes)}")
         size = memoryview(payload).nbytes
-        frame = torch.tensor([_MAGIC, len(tag_bytes), size], dtype=torch.int64)
+        slot = body_slot(tag, len(tag_bytes) + size)
+        frame = torch.tensor([_MAGIC, len(tag_bytes), size, slot], dtype=torch.int64)
         body = torch.empty(len(tag_bytes) + size, dtype=torch.uint8)
         view = memoryview(body.numpy())
         view[: len(tag_bytes)], view[len(tag_bytes) :] = tag_bytes, memoryview(payload).cast("B")  # one copy
-        tensors = [frame.to(self.device), body.to(self.device)]
+        tensors = [(frame.to(self.device), _CHANNEL), (body.to(self.device), slot)]
         if self.latency > 0:
             self._post_later(dst, tensors)
         else:
@@ -189,7 +271,7 @@ class TorchDistTransport(Transport):
                 raise CommError(f"rank {self.rank}: send to rank {dst} failed: {exc}") from exc
         self.counter.count_sent(size)
 
-    def _post_later(self, dst: int, tensors: list[torch.Tensor]) -> None:
+    def _post_later(self, dst: int, tensors: list[tuple[torch.Tensor, int]]) -> None:
         """Queue ``tensors`` for ``dst``; its delay thread posts them ``latency`` seconds from now, in order."""
         with self._cond:
             queue = self._delayed.setdefault(dst, collections.deque())
@@ -236,11 +318,11 @@ class TorchDistTransport(Transport):
             return
         deadline = time.monotonic() + timeout
         self._flush_delayed(deadline)
-        close = torch.tensor([_MAGIC, _CLOSE, 0], dtype=torch.int64)
+        close = torch.tensor([_MAGIC, _CLOSE, 0, 0], dtype=torch.int64)
         for peer in range(self.world_size):
             if peer != self.rank and peer not in self._lost:
                 try:
-                    self._post(peer, [close.to(self.device)])
+                    self._post(peer, [(close.to(self.device), _CHANNEL)])
                 except Exception:  # noqa: BLE001 - peer already gone
                     pass
         for thread in self._threads:

@@ -10,9 +10,10 @@ predicts how long the communication takes:
   with ``duplex="full"`` (both directions at once; a two-phase reduction has two sequential phases,
   docs/design.md §3.4), or ``up_i(sent_i) + down_i(received_i) + ...`` with ``duplex="half"`` (the directions
   take turns). Measured on the fleet: gloo exchanges whose receive is posted before the send run
-  full duplex (within 3% of the link rate); the torch backend's transport today posts a payload's
-  receive only after its frame header arrived, and its exchanges take turns — hence ``half`` is the
-  default (docs/fleet.md has the numbers);
+  full duplex (within 3% of the link rate). The torch backend's transport posts the receives a reduction
+  announces ahead of their frames, so its exchanges run full duplex too (``full``, the default; within 8%
+  of a fleet run). ``half`` models a transport that posts a payload's receive only once its frame header
+  arrived, as this one did before: its exchanges took turns (docs/fleet.md has the numbers);
 * the run is synchronous, so a step costs the slowest worker's exchange;
 * bytes on the wire = payload × ``overhead``: Ethernet + IP + TCP headers (66 B per 1448-B segment,
   4.6%) plus the delayed ACKs of the reverse flow (66 B per two segments, 2.3%) → 1.07 by default.
@@ -21,7 +22,7 @@ predicts how long the communication takes:
 unshaped run of the same job (``--baseline``), or from the run itself when it was unshaped.
 :func:`compare` checks a prediction against a fleet run (``fleet.json`` beside the metrics) and
 reports the gap. Not modelled: TCP slow start and loss recovery, CPU contention between workers,
-and overlap of communication with compute (the noloco loop does not overlap them). Fails with
+and overlap of communication with compute (``outer.overlap``). Fails with
 ``FileNotFoundError``/``ValueError`` when a folder has no metrics or a rate is malformed.
 
     python -m noloco.fleet.linkmodel runs/a --rate 50mbit [--latency 20ms] [--baseline runs/a-unshaped]
@@ -126,7 +127,7 @@ def predict(
     phases: int = 2,
     burst: float = 16 * 1024,
     baseline: Path | str | None = None,
-    duplex: str = "half",
+    duplex: str = "full",
 ) -> Prediction:
     """Predict the communication time of ``run_dir``'s traffic on links of ``rate_bps`` each way.
 
@@ -197,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency", default="0ms", help="one-way latency per message phase, e.g. 20ms")
     parser.add_argument("--phases", type=int, default=2, help="sequential message phases per exchange (2)")
     parser.add_argument("--overhead", type=float, default=DEFAULT_OVERHEAD, help="wire bytes per payload byte")
-    parser.add_argument("--duplex", choices=("full", "half"), default="half",
-                        help="directions at once (full) or taking turns (half, the torch transport today)")
+    parser.add_argument("--duplex", choices=("full", "half"), default="full",
+                        help="directions at once (full, the torch transport) or taking turns (half)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="an unshaped run of the same job: its loop wall time is the compute time")
     args = parser.parse_args(argv)

@@ -139,3 +139,52 @@ def test_link_latency_delays_every_message_by_its_one_way_latency_and_keeps_orde
     assert latency == 0.15
     assert all(0.3 <= rtt < 1.5 for rtt in rtts), rtts  # two one-way latencies per round trip
     assert results[1][1] == [b"\x00", b"\x01", b"\x02"]
+
+
+def _posted_ahead(t):
+    """Receives posted ahead (expect): used when announced first, skipped when the message came first, and a
+    message of another size than announced still arrives; a reduction announces all it receives."""
+    out = {}
+    if t.rank == 0:
+        t.recv(1, "ready", 30.0)  # rank 1 announced "x" and "z"
+        t.send(1, "x", bytes(range(250)) * 4)
+        t.send(1, "y", b"\x07" * 1000)
+        t.send(1, "z", b"\x05" * 800)  # announced as 500 bytes
+    else:
+        t.expect(0, "x", 1000)
+        t.expect(0, "z", 500)
+        t.send(0, "ready", b"")
+        out["x"] = bytes(t.recv(0, "x", 30.0))
+        out["early_after_x"] = t.early_receives
+        deadline = time.monotonic() + 30
+        while (0, "y") not in t._mail and time.monotonic() < deadline:  # "y" has arrived, unannounced
+            time.sleep(0.01)
+        t.expect(0, "y", 1000)  # too late: nothing is posted for it
+        out["ahead_after_y"] = t._ahead_count[0]
+        out["y"] = bytes(t.recv(0, "y", 30.0))
+        out["z"] = bytes(t.recv(0, "z", 30.0))
+        out["ahead_left"] = t._ahead_count[0]  # the receive announced for a 500-byte "z", never used
+    before = t.early_receives
+    xs = _inputs(t.world_size, 3001, seed=5)
+    out["reduced"] = allreduce(xs[t.rank], t, codec="int4", reduction="two_phase", min_compress_numel=0)
+    out["early_in_reduction"] = t.early_receives - before
+    return out
+
+
+def test_receives_posted_ahead_are_used_only_for_the_message_announced():
+    results = launch_local(_posted_ahead, 2, timeout=120)
+    one = results[1]
+    assert one["x"] == bytes(range(250)) * 4 and one["early_after_x"] == 1
+    assert one["ahead_after_y"] == 1 and one["y"] == b"\x07" * 1000  # only "z"'s announcement is pending
+    assert one["z"] == b"\x05" * 800 and one["ahead_left"] == 1  # arrived the ordinary way
+    assert torch.equal(results[0]["reduced"], results[1]["reduced"])
+    from noloco.comm import LocalFabric
+
+    xs = _inputs(2, 3001, seed=5)
+    local = LocalFabric(2).run(lambda t: allreduce(xs[t.rank], t, codec="int4", reduction="two_phase",
+                                                   min_compress_numel=0))  # fmt: skip
+    assert torch.equal(local[0], results[0]["reduced"])
+    # each member receives one phase-1 and one phase-2 message; whichever frame came after its announcement
+    # (at least the phase-2 one, which the partner sends only after receiving this member's phase-1 message)
+    # landed in the receive posted ahead
+    assert all(1 <= r["early_in_reduction"] <= 2 for r in results)
