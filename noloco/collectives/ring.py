@@ -125,6 +125,12 @@ def ring_allreduce(
     bound = ex.bound
     ex.expect_sends([(succ, PHASE_REDUCE, (me - s) % n, s) for s in range(n - 1)]
                     + [(succ, PHASE_GATHER, (me + 1 - t) % n, t) for t in range(n - 1)])
+    pred, count = (me - 1) % n, 0 if bound is None else COUNT.size
+    sizes = [end - start for start, end in bounds]
+    ex.expect_recvs([(pred, PHASE_REDUCE, (me - s - 1) % n, s,
+                      count + partial_sum_codec(codec, s + 1, naive).nbytes(sizes[(me - s - 1) % n]))
+                     for s in range(n - 1)]
+                    + [(pred, PHASE_GATHER, (me - t) % n, t, codec.nbytes(sizes[(me - t) % n])) for t in range(n - 1)])
     contributed = None  # with a bound: this member's own contribution (input + residual), before any encoding
     own_norms = None
     if bound is not None:

@@ -31,6 +31,10 @@ def _reductions(t):
     out["fp32"] = allreduce(xs[t.rank], t, codec="fp32", op="sum")
     for algorithm in ("two_phase", "ring", "naive_ring"):
         out[algorithm] = allreduce(xs[t.rank], t, codec="int4", algorithm=algorithm, min_compress_numel=0)
+    for codec in ("fp32", "int8", "mxfp4"):  # every announced receive was used: none is left posted
+        allreduce(xs[t.rank], t, codec=codec, reduction="ring", min_compress_numel=0, max_norm_ratio=4.0)
+    out["posted_ahead_left"] = sum(t._ahead_count.values())
+    out["early"] = t.early_receives
     start = time.monotonic()
     try:
         t.recv(src, "never", timeout=0.3)
@@ -62,6 +66,7 @@ def test_allreduce_over_gloo_processes(world):
         assert 0.25 < res["timeout_s"] < 2.0
         assert "numel" in res["mismatch"]
         assert res["counter"]["bytes_sent"] > 0 and res["counter"]["messages_received"] > 0
+        assert res["posted_ahead_left"] == 0 and res["early"] > 0
     # same algorithm, same inputs, same code path as the in-process fabric: identical bits
     from noloco.comm import LocalFabric
 
@@ -168,6 +173,9 @@ def _posted_ahead(t):
     xs = _inputs(t.world_size, 3001, seed=5)
     out["reduced"] = allreduce(xs[t.rank], t, codec="int4", reduction="two_phase", min_compress_numel=0)
     out["early_in_reduction"] = t.early_receives - before
+    before = t.early_receives
+    out["ring"] = allreduce(xs[t.rank], t, codec="int4", reduction="ring", min_compress_numel=0, max_norm_ratio=4.0)
+    out["early_in_ring"] = t.early_receives - before
     return out
 
 
@@ -188,3 +196,5 @@ def test_receives_posted_ahead_are_used_only_for_the_message_announced():
     # (at least the phase-2 one, which the partner sends only after receiving this member's phase-1 message)
     # landed in the receive posted ahead
     assert all(1 <= r["early_in_reduction"] <= 2 for r in results)
+    # the ring (here with a norm bound: every reduce-scatter message carries its count of inputs) too
+    assert torch.equal(results[0]["ring"], results[1]["ring"]) and all(r["early_in_ring"] >= 1 for r in results)
