@@ -78,14 +78,21 @@ def test_local_workers_sharing_a_gpu_match_torch_processes_on_it(tiny_config):
 def test_compiled_workers_sharing_a_gpu_compile_one_graph_and_train_like_eager(tiny_config):
     import torch._dynamo
 
-    common = (*GPU, "steps=12", "outer.every=4", "workers=4", "precision=fp32", "eval.every=12")
-    eager = run(tiny_config(*common, "run.name=eager"), quiet=True)
-    torch._dynamo.reset()
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    compiled = run(tiny_config(*common, "compile=true", "run.name=compiled"), quiet=True)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-    # one graph for training (and one for evaluation under no_grad), not one per worker
-    assert 1 <= graphs <= 3, graphs
+    common = (*GPU, "steps=12", "outer.every=4", "precision=fp32", "eval.every=12")
+
+    def compiled_graphs(workers):
+        torch._dynamo.reset()
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        result = run(tiny_config(*common, f"workers={workers}", "compile=true", f"run.name=compiled{workers}"),
+                     quiet=True)
+        return torch._dynamo.utils.counters["stats"]["unique_graphs"] - before, result
+
+    eager = run(tiny_config(*common, "workers=4", "run.name=eager"), quiet=True)
+    alone, _ = compiled_graphs(1)
+    graphs, compiled = compiled_graphs(4)
+    print(f"unique graphs: 1 worker {alone}, 4 workers {graphs}")
+    # four workers sharing a GPU compile what one worker compiles (one graph on torch 2.11 and 2.13), not one each
+    assert alone >= 1 and graphs == alone, (alone, graphs)
     # inductor fuses the fp32 math differently from eager: the trajectories agree to rounding
     assert compiled["final_eval_loss_per_worker"] == pytest.approx(eager["final_eval_loss_per_worker"], abs=2e-3)
 
