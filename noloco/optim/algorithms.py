@@ -20,7 +20,10 @@ weights, which every worker holds (same seed), so the codec sees accumulated tra
 raw weights; it has its own error feedback. The fused single exchange (β = γ and one codec for both
 terms) sends the fast weights as the difference from the initial weights, θ − φ_0, through that codec
 with error feedback: exact for fp32, and for a lossy codec half the bytes of the two-vector exchange
-(measured in docs/results/codecs.md).
+(measured in docs/results/codecs.md). Below 4 bits the fused message is no longer honest (θ − φ_0 grows
+over training and is not sparse), so ``slow_every=k`` splits the exchange: Δ every round through ``codec``
+(sparse or low-bit, with error feedback), φ − φ_0 through ``slow_codec`` in one round of every k only; the
+other rounds apply no pull (:meth:`OuterAlgorithm.slow_round`; docs/design.md §3.2 bounds what that changes).
 
 Fragments (``fragments=k``, docs/design.md §3.1): the flat vector is cut into k contiguous slices
 (:mod:`noloco.optim.fragments`); an exchange runs every ``every/k`` steps on one slice only, with that
@@ -413,6 +416,10 @@ class OuterAlgorithm(Algorithm):
     was sent, waiting for it there if it has not arrived: a smaller τ hides less of the exchange and delays
     its means less.
 
+    ``slow_every`` (k, default 1; NoLoCo): the slow-weight term φ − φ_0 crosses the link in one cycle of rounds of
+    every k (:meth:`slow_round`); in the others the round reduces Δ alone and the rule applies no pull. With k > 1
+    the exchange is never fused, so Δ alone can take a sparse or low-bit ``codec``.
+
     ``max_norm_ratio``: the norm bound every reduction of the outer step runs with (None: none); what
     it refuses is counted in :attr:`norm_rejections` (kept in the checkpoint) and in the round's
     :class:`OuterRoundInfo`. "Own" means, per segment: for the pseudo-gradient, this worker's own
@@ -442,6 +449,7 @@ class OuterAlgorithm(Algorithm):
         fragments: int = 1,
         offload: bool = False,
         overlap_steps: int | None = None,
+        slow_every: int = 1,
     ):
         super().__init__(
             model,
@@ -467,6 +475,10 @@ class OuterAlgorithm(Algorithm):
         self.slow_codec: Codec = self.codec if slow_codec is None else get_codec(slow_codec)
         self.reference = self.slow.clone()
         self.slow_feedback = ReductionErrorFeedback() if error_feedback and not self.slow_codec.exact else None
+        # the slow-weight term crosses the link every `slow_every`-th cycle of rounds only (docs/design.md §3.2)
+        if isinstance(slow_every, bool) or not isinstance(slow_every, int) or slow_every < 1:
+            raise ValueError(f"outer.slow_every={slow_every!r} must be an integer >= 1")
+        self.slow_every = slow_every
         # fragments: slices of the flat vector, one exchanged every `period` steps in turn, each with its own
         # error feedback (one fragment: the whole vector, today's feedback objects, part None everywhere)
         self.fragments = split_fragments([tuple(p.shape) for p in self.params], fragments)
@@ -687,7 +699,9 @@ class OuterAlgorithm(Algorithm):
         progress = slow - reference
         mean_delta = reduce(delta, "delta", self.codec, feedback, progress if guarded else None)
         mean_slow = None
-        if self.rule.needs_slow_mean:
+        if self.rule.needs_slow_mean and not self.slow_round(group.round):
+            mean_slow = slow  # φ itself: no pull this round (the rule skips the pull term for an alias of φ)
+        elif self.rule.needs_slow_mean:
             scale = torch.hypot(progress, delta) if self.max_norm_ratio is not None else None
             mean_slow = reference + reduce(progress, "slow", self.slow_codec, slow_feedback, scale)
         return mean_delta, mean_slow
@@ -695,6 +709,16 @@ class OuterAlgorithm(Algorithm):
     def _fused_exchange(self) -> bool:
         """One exchange of θ instead of Δ and φ: exact only for rules with β = γ and lossless codecs."""
         return False
+
+    def slow_round(self, round_index: int) -> bool:
+        """Whether round ``round_index`` exchanges the slow-weight term (``slow_every``, docs/design.md §3.2).
+
+        Rounds go in cycles of one exchange per fragment; the last cycle of every ``slow_every`` carries the term,
+        so every fragment gets it once per ``slow_every · every`` inner steps, and the first pull comes after the
+        replicas have had rounds to drift apart (at round 0 they are still equal). Every member of a group draws
+        the same answer from the round's index.
+        """
+        return (round_index // len(self.fragments)) % self.slow_every == self.slow_every - 1
 
     def slow_weights(self) -> torch.Tensor:
         return self.slow.clone()
@@ -812,8 +836,8 @@ class NoLoCo(OuterAlgorithm):
         groups = _group_source(transport, group_size, seed)
         super().__init__(model, inner_opt, groups, NoLoCoRule(lr, pull, momentum), every, **exchange)
 
-    def _fused_exchange(self) -> bool:
-        return self.rule.lr == self.rule.pull and self.codec == self.slow_codec  # Codec equality: int4 == int4:g128
+    def _fused_exchange(self) -> bool:  # Codec equality: int4 == int4:g128
+        return self.rule.lr == self.rule.pull and self.codec == self.slow_codec and self.slow_every == 1
 
 
 class DiLoCo(OuterAlgorithm):

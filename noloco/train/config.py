@@ -271,6 +271,9 @@ def validate(cfg: DictConfig) -> None:
     fragments = outer.fragments
     _require(isinstance(fragments, int) and not isinstance(fragments, bool) and fragments >= 1,
              f"outer.fragments must be an integer >= 1, got {fragments!r}")  # fmt: skip
+    slow_every = outer.slow_every
+    _require(isinstance(slow_every, int) and not isinstance(slow_every, bool) and slow_every >= 1,
+             f"outer.slow_every must be an integer >= 1, got {slow_every!r}")  # fmt: skip
     _require(outer.every % fragments == 0, f"outer.fragments={fragments} does not divide outer.every={outer.every}")
     try:
         check_overlap_steps(outer.overlap_steps, overlap_rule(outer.overlap), outer.every // fragments)

@@ -116,6 +116,8 @@ def build_algorithm(
     common["overlap_steps"] = outer.overlap_steps
     common["fragments"] = outer.fragments
     common["offload"] = outer.offload
+    if outer.algo == "noloco":
+        common["slow_every"] = outer.slow_every
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
     own = {  # each outer algorithm's own knobs
