@@ -45,7 +45,7 @@ TITLE = "Algorithm comparison on the default budget"
 # Knobs an entry may vary (the seed, the outer optimizer's); --from-runs names a run by those that differ from the
 # defaults.
 KNOBS = ("run.seed", "outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every", "outer.overlap",
-         "outer.overlap_steps", "outer.fragments")
+         "outer.overlap_steps", "outer.fragments", "outer.slow_every")
 
 
 def parse_entry(entry: str) -> list[str]:

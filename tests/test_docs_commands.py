@@ -23,8 +23,8 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
 * ``bash scripts/setup.sh``: ``bash -n`` and the packages it installs importable;
 * ``python -m pytest``: ``--collect-only``, except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
 * long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model;
-  ``python -m benchmarks.throttled`` and ``benchmarks.overlap_fleet`` (a dozen fleet runs each) run with
-  ``--dry-run``: every run's config is loaded, none is run.
+  ``python -m benchmarks.throttled``, ``benchmarks.overlap_fleet`` (a dozen fleet runs each) and
+  ``benchmarks.frontier`` (dozens of runs) run with ``--dry-run``: every run's config is loaded, none is run.
 
 Commands that mostly wait on processes of their own (torch-backend runs, torchrun, fleets, swarm peers, pytest)
 start in :data:`BACKGROUND` threads when the session starts and overlap; their tests wait for them.
@@ -591,6 +591,15 @@ def throttled(docs: Docs, cmd, part, step) -> str:
     check(rc, out, part.raw + " --dry-run")
     assert "train.py backend=torch" in out, out
     return part.raw + " --dry-run   (every run's config loaded; the benchmark itself is a dozen fleet runs)"
+
+
+def frontier(docs: Docs, cmd, part, step) -> str:
+    """``benchmarks.frontier`` (dozens of runs of 100 outer rounds): ``--dry-run`` appended, which loads every
+    run's config and prints it; nothing runs."""
+    rc, out = docs.python([*part.argv, "--dry-run"], step.cwd, {**step.env, **part.env}, cmd.id)
+    check(rc, out, part.raw + " --dry-run")
+    assert "noloco-fp32-s0: train.py " in out, out
+    return part.raw + " --dry-run   (every run's config loaded; the benchmark itself is dozens of runs)"
 
 
 def linkmodel(docs: Docs, cmd, part, step) -> str:
@@ -1170,6 +1179,7 @@ TABLE = [
     Rule(r"^python -m noloco\.train\.plots runs/a runs/b ", plots, "runs/a, runs/b: two tiny runs"),
     Rule(r"^python -m benchmarks\.compare( |$)", compare, "for real, tiny overrides after --"),
     Rule(r"^python -m benchmarks\.(throttled|overlap_fleet) ", throttled, "--dry-run: configs loaded, none run"),
+    Rule(r"^python -m benchmarks\.frontier ", frontier, "--dry-run: configs loaded, none run"),
     Rule(r"^python -m noloco\.fleet\.linkmodel ", linkmodel, "on a tiny fleet run, the tiny torch run as baseline"),
     Rule(r"^noloco-fleet --cleanup$", fleet_cleanup, "as written (root), after building a stale fleet"),
     Rule(r"^noloco-fleet --hosts 4 --rate 50mbit -- python train\.py backend=torch workers=4( |$)", fleet,
