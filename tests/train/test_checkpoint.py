@@ -176,8 +176,9 @@ def test_checkpoint_stores_only_what_cannot_be_rebuilt(tiny_config, tmp_path):
 @pytest.mark.parametrize(
     "overrides, at",
     [(("outer.algo=noloco",), 2), (("outer.algo=noloco",), 3), (("outer.algo=noloco",), 4),
-     (("outer.algo=diloco",), 3), (("outer.algo=ddp",), 4), (("outer.overlap=true",), 4)],
-    ids=["phi-is-phi0", "theta-is-phi", "mid-round", "diloco", "ddp", "overlap"],
+     (("outer.algo=diloco",), 3), (("outer.algo=ddp",), 4), (("outer.overlap=true",), 4),
+     (("outer.slow_every=2", "steps=12"), 7)],
+    ids=["phi-is-phi0", "theta-is-phi", "mid-round", "diloco", "ddp", "overlap", "slow-every"],
 )  # fmt: skip
 def test_resume_from_each_kind_of_checkpoint_is_exact(tiny_config, tmp_path, overrides, at):
     """From a checkpoint whose φ (step 2: = φ₀) or θ (step 3: = φ) is rebuilt, or both stored (step 4)."""
