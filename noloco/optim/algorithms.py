@@ -494,6 +494,10 @@ class OuterAlgorithm(Algorithm):
         # (noloco.optim.overlap: "provisional", "eager", "delayed"; True: the default, provisional); False: None
         self.overlap = overlap_rule(overlap)
         self._overlapped = None if self.overlap is None else OverlappedRounds(self, self.overlap)
+        if self.slow_every > 1 and self.overlap == "eager":
+            # eager moves φ before the partners' share lands, so a round without the slow term would pull φ back
+            # toward the φ it sent (its only stand-in for the partners' φ); delayed and provisional leave φ alone
+            raise ValueError("outer.slow_every > 1 does not run with outer.overlap=eager (use provisional or delayed)")
         # inner steps an exchange may take: it lands (is waited for and applied) that many steps after it was sent
         self.overlap_steps = check_overlap_steps(overlap_steps, self.overlap, self.period)
         # offload: between outer steps the outer state lives in pinned host memory (a no-op on the CPU)

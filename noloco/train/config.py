@@ -274,6 +274,8 @@ def validate(cfg: DictConfig) -> None:
     slow_every = outer.slow_every
     _require(isinstance(slow_every, int) and not isinstance(slow_every, bool) and slow_every >= 1,
              f"outer.slow_every must be an integer >= 1, got {slow_every!r}")  # fmt: skip
+    _require(slow_every == 1 or outer.overlap != "eager", "outer.slow_every > 1 does not run with "
+             "outer.overlap=eager (use provisional or delayed)")  # fmt: skip
     _require(outer.every % fragments == 0, f"outer.fragments={fragments} does not divide outer.every={outer.every}")
     try:
         check_overlap_steps(outer.overlap_steps, overlap_rule(outer.overlap), outer.every // fragments)

@@ -109,7 +109,7 @@ def _train(cls, transport, start, targets, k, overlap, **kw):
     return model.flat().detach().double(), algo.slow.double()
 
 
-def _reference(name: str, start, targets, k: int, overlap: bool | str):
+def _reference(name: str, start, targets, k: int, overlap: bool | str, slow_every: int = 1):
     """The fragment rule of docs/design.md §3.1 in float64, all workers in lockstep.
 
     Exchange q (q = 0, 1, ...) ends step (q + 1)·H/k and carries fragment (q + 1) mod k; NoLoCo draws its
@@ -133,12 +133,13 @@ def _reference(name: str, start, targets, k: int, overlap: bool | str):
 
     def means(q: int, part: slice, fast: list[torch.Tensor]):
         groups = random_groups(WORKERS, 2, 3, q) if name == "noloco" else [list(range(WORKERS))]
+        pulls = (q // k) % slow_every == slow_every - 1  # outer.slow_every: else each worker's own φ, no pull
         out = [None] * WORKERS
         for group in groups:
             mean_delta = sum(fast[j] - slow[j][part] for j in group) / len(group)
             mean_slow = sum(slow[j][part] for j in group) / len(group)
             for i in group:
-                out[i] = (mean_delta, mean_slow)
+                out[i] = (mean_delta, mean_slow if pulls else slow[i][part].clone())
         return out
 
     def apply(part: slice, i: int, mean_delta, mean_slow):
@@ -227,6 +228,28 @@ def test_each_fragment_follows_the_rule_of_its_float64_reference(cls, k, overlap
                                                                                        k, overlap))):  # fmt: skip
         assert torch.allclose(theta, ref_theta, atol=1e-5), (rank, theta - ref_theta)
         assert torch.allclose(slow, ref_slow, atol=1e-5), (rank, slow - ref_slow)
+
+
+@pytest.mark.parametrize("overlap", [False, "delayed", "provisional"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_slow_term_every_second_cycle_follows_its_float64_reference(k, overlap):
+    """outer.slow_every=2: the pull in every second cycle of k exchanges only; blocking and the overlap rules that
+    leave φ alone until the means land (eager is refused)."""
+    start = torch.randn(N, dtype=torch.float64)
+    targets = torch.randn(WORKERS, N, dtype=torch.float64) * 2
+    results = LocalFabric(WORKERS).run(lambda t: _train(NoLoCo, t, start, targets, k, overlap, codec="fp32",
+                                                        max_norm_ratio=None, slow_every=2))  # fmt: skip
+    reference = _reference("noloco", start, targets, k, overlap, slow_every=2)
+    for rank, ((theta, slow), (ref_theta, ref_slow)) in enumerate(zip(results, reference)):
+        assert torch.allclose(theta, ref_theta, atol=1e-5), (rank, theta - ref_theta)
+        assert torch.allclose(slow, ref_slow, atol=1e-5), (rank, slow - ref_slow)
+    assert not torch.allclose(reference[0][1], _reference("noloco", start, targets, k, overlap)[0][1])
+
+
+def test_the_slow_term_every_kth_round_refuses_the_eager_overlap():
+    transport = LocalFabric(1).transports[0]
+    with pytest.raises(ValueError, match="does not run with outer.overlap=eager"):
+        _build(NoLoCo, transport, torch.randn(N, dtype=torch.float64), 1, "eager", slow_every=2)
 
 
 def test_fragments_change_the_trajectory():

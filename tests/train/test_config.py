@@ -19,12 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
         ("workers=0", "workers must be an integer >= 1"),
         ("outer.slow_every=0", "outer.slow_every must be an integer >= 1, got 0"),
         ("outer.slow_every=1.5", "outer.slow_every must be an integer >= 1, got 1.5"),
+        ("outer.slow_every=2 outer.overlap=eager", "outer.slow_every > 1 does not run with outer.overlap=eager"),
         ("model.preset=huge", "model.preset='huge'"),
     ],
 )
 def test_bad_config_fails_with_clear_message(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        load_config([override])
+        load_config(override.split())
 
 
 def test_missing_data_path_fails(tmp_path):
