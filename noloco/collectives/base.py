@@ -2,8 +2,15 @@
 
 Reductions: ``two_phase`` (reduce-scatter to owners, one encoding of the reduced segment; the Echo
 two-phase scheme, docs/design.md §3.4), ``ring`` (multi-hop partial sums in a widening format, after DynamiQ,
-arXiv 2602.08923) and ``naive_ring`` (re-encode every hop; the ablation). Codecs: ``fp32`` (exact) and
-every :mod:`noloco.quant` spec (``int4``, ``int8``, ``mxfp4``, ``bf16``, ``int4:g64``, ...).
+arXiv 2602.08923), ``naive_ring`` (re-encode every hop; the ablation) and ``allgather`` (every member's one
+encoding to every member, summed everywhere; for sparse codecs). Codecs: ``fp32`` (exact) and every
+:mod:`noloco.quant` spec (``int4``, ``int8``, ``mxfp4``, ``bf16``, ``int4:g64``, ``int2``, ``sign``,
+``topk:64/4096+int2``, ...).
+
+Sparse (top-k) codecs: ``two_phase`` with a group of two runs as ``allgather`` (same bytes, no re-sparsified
+sum); larger groups keep two-phase (fewer bytes: ``2 (n-1)/n`` against ``n - 1`` encoded vectors) unless
+``allgather`` is asked for. The rings refuse sparse codecs (``ValueError``): every hop would re-sparsify a
+partial sum.
 
 A reduction is identified on the wire by a tag; members that call collectives with the same group
 in the same order get matching tags automatically, and callers that know their round (the outer
@@ -30,14 +37,15 @@ import warnings
 
 import torch
 
-from noloco.collectives.codec import Codec, Fp32Codec, get_codec
+from noloco.collectives.codec import Codec, Fp32Codec, QuantCodec, get_codec
+from noloco.collectives.gather import allgather_allreduce
 from noloco.collectives.protocol import DTYPE_CODES, NORM_FLOOR_RMS, CallInfo, Exchange, NormBound, NormRejections
 from noloco.collectives.residuals import ReductionErrorFeedback
 from noloco.collectives.ring import ring_allreduce
 from noloco.collectives.two_phase import two_phase_allreduce
 from noloco.comm.base import Transport
 
-REDUCTIONS = ("two_phase", "ring", "naive_ring")
+REDUCTIONS = ("two_phase", "ring", "naive_ring", "allgather")
 OPS = ("mean", "sum")
 
 #: Segments shorter than this many elements are sent in fp32 whatever the codec. Measured on a 2-core
@@ -87,7 +95,8 @@ def allreduce(
         transport: this rank's transport; ``transport.rank`` must be in ``group``.
         group: ranks taking part, in the same order on every member.
         codec: wire format (``"fp32"`` is exact; any :mod:`noloco.quant` spec string, or a Codec).
-        reduction: ``"two_phase"``, ``"ring"`` or ``"naive_ring"`` (the schedule of messages).
+        reduction: ``"two_phase"``, ``"ring"``, ``"naive_ring"`` or ``"allgather"`` (the schedule of messages);
+            a sparse codec turns ``"two_phase"`` of two members into ``"allgather"`` and is refused by the rings.
         algorithm: deprecated name of ``reduction`` (warns once; removed in 0.3).
         op: ``"mean"`` or ``"sum"``.
         timeout: seconds to wait for any one peer message.
@@ -121,12 +130,18 @@ def allreduce(
     group = _check_arguments(x, transport, group, reduction, op, error_feedback)
     bound = _norm_bound(x, max_norm_ratio, norm_floor, norm_rejections, norm_reference)
     requested = get_codec(codec)
+    sparse = isinstance(requested, QuantCodec) and requested.spec.sparse
+    if sparse and reduction in ("ring", "naive_ring"):
+        raise ValueError(f"reduction {reduction!r} cannot carry the sparse codec {requested.name!r} (every hop would "
+                         "re-sparsify a partial sum); use two_phase or allgather")
     threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
     flat = x.detach().reshape(-1).to(dtype=torch.float32)  # stays on x's device: codecs run there
     residuals = None if error_feedback is None else error_feedback.residuals_for(flat.numel(), flat.device)
     if len(group) == 1:
         return _reduce_alone(x, flat, error_feedback, residuals)
     n = len(group)
+    if sparse and reduction == "two_phase" and n == 2:
+        reduction = "allgather"  # the same bytes as two-phase for two members, and no re-sparsified sum
     wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
     tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
     # A bounded ring puts an input count in front of its reduce-scatter messages: members must agree on it.
@@ -135,6 +150,8 @@ def allreduce(
     ex = Exchange(transport, info, timeout, bound)
     if reduction == "two_phase":
         out = two_phase_allreduce(flat, ex, wire, op, residuals)
+    elif reduction == "allgather":
+        out = allgather_allreduce(flat, ex, wire, op, residuals)
     else:
         out = ring_allreduce(flat, ex, wire, op, residuals, naive=reduction == "naive_ring")
     if error_feedback is not None:

@@ -35,7 +35,8 @@ from noloco.collectives.message import (
 from noloco.quant import Packed, PayloadError, QuantSpec, dequantize, quantize
 
 #: Names listed by :func:`known_codecs`; any other spec :meth:`QuantSpec.parse` accepts works too.
-BASE_CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8")
+BASE_CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "int3", "int2", "sign", "mxfp4", "mxfp6", "mxfp8",
+               "topk:64/4096+int2")
 
 Buffer = bytes | bytearray | memoryview
 

@@ -58,7 +58,7 @@ VERSION = 2  # 2: bodies are noloco.collectives.message layouts (1: Packed.to_by
 _FORMAT = "<2sBBBBBBHHHHQII"
 HEADER_BYTES = struct.calcsize(_FORMAT)  # 32
 
-REDUCTION_CODES = {"two_phase": 0, "ring": 1, "naive_ring": 2}
+REDUCTION_CODES = {"two_phase": 0, "ring": 1, "naive_ring": 2, "allgather": 3}
 OP_CODES = {"mean": 0, "sum": 1}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 STATUS_OK, STATUS_MISMATCH, STATUS_TIMEOUT, STATUS_ERROR = 0, 1, 2, 3

@@ -21,6 +21,10 @@ meaningful when segment ownership moves between calls (NoLoCo regroups every rou
   total of applied updates is still conserved; until then it waits (it stays bounded, one
   quantization error per position).
 
+Decay (``ReductionErrorFeedback(decay=0.95)``; default 1, no decay): both residuals are multiplied by
+``decay`` when a call takes them (:meth:`residuals_for`), so each call sends ``x + decay·e`` and keeps
+``e <- x + decay·e - decoded`` (SparseLoCo, arXiv 2508.15706; docs/quant.md, "Error feedback").
+
 The caller owns one object per call site and buffer (e.g. one for the pseudo-gradient, one for the
 slow weights) and keeps it across calls; it is checkpointable (:meth:`state_dict`). A call that
 fails leaves it unchanged (residuals are committed only when the reduction succeeds).
@@ -29,6 +33,8 @@ fails leaves it unchanged (residuals are committed only when the reduction succe
 from __future__ import annotations
 
 import torch
+
+from noloco.quant.feedback import check_decay
 
 
 class ReductionErrorFeedback:
@@ -41,7 +47,9 @@ class ReductionErrorFeedback:
             mean = allreduce(delta, transport, group, codec="int4", error_feedback=ef, tag=f"outer/r{r}/delta")
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        """``decay`` in (0, 1]: factor applied to both residuals at the start of each call (``ValueError`` else)."""
+        self.decay = check_decay(decay)
         self.contribution: torch.Tensor | None = None
         self.result: torch.Tensor | None = None
 
@@ -51,7 +59,8 @@ class ReductionErrorFeedback:
         return None if self.contribution is None else self.contribution.numel()
 
     def residuals_for(self, numel: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of both residuals (zeros on first use) on ``device`` for a call on ``numel`` elements.
+        """Copies of both residuals (zeros on first use), times ``decay``, on ``device`` for a call on ``numel``
+        elements.
 
         Raises:
             ValueError: the state tracks a vector of another length.
@@ -64,7 +73,11 @@ class ReductionErrorFeedback:
                 f"error-feedback state tracks {self.contribution.numel()} values, this call reduces {numel}; "
                 "use one ReductionErrorFeedback per buffer (or reset() it)"
             )
-        return self.contribution.to(device, copy=True), self.result.to(device, copy=True)
+        contribution, result = self.contribution.to(device, copy=True), self.result.to(device, copy=True)
+        if self.decay != 1.0:
+            contribution.mul_(self.decay)
+            result.mul_(self.decay)
+        return contribution, result
 
     def commit(self, contribution: torch.Tensor, result: torch.Tensor) -> None:
         """Store the residuals of a call that succeeded."""

@@ -3,13 +3,19 @@ tensor is (:class:`Packed`) and how a malformed one fails (:class:`PayloadError`
 
 Formats (docs/design.md §3.3; MX formats from the OCP Microscaling Formats (MX) v1.0 specification):
 
-- ``int4`` / ``int8``: group-wise (g = 128 by default) zero-aware asymmetric integer quantization.
+- ``int2`` / ``int3`` / ``int4`` / ``int8``: group-wise (g = 128 by default) zero-aware asymmetric integer
+  quantization.
   Options after ``:`` -- ``g64`` (group size, a power of two in 16..4096), ``sym`` (symmetric),
   ``naive`` (min/max asymmetric, zero not on the grid), ``stochastic`` (unbiased stochastic rounding).
 - ``mxfp4`` (E2M1), ``mxfp6`` (E3M2), ``mxfp8`` (E4M3): blocks of 32 sharing one E8M0 scale. Option ``ceil``:
   the block scale is the smallest power of two that does not clip the block's largest value, instead of the OCP
   reference ``floor`` (default); decoding is the same (docs/quant.md has the error comparison).
 - ``bf16``, ``fp16``, ``fp32``: plain casts (the uncompressed baselines).
+- ``sign`` (option ``gN``): one bit per value (its sign) and one bf16 scale per group, the mean |x| of the
+  group (the L2-optimal scale for a sign code); zero is sent as positive.
+- ``topk:K/C+VALUE`` (or ``topk:K/C+dct+VALUE``): per chunk of C values (a power of two) keep the K largest
+  magnitudes (ties: the lower index wins), optionally of the chunk's orthonormal DCT-II (DeMo, arXiv
+  2411.19870), their in-chunk indices in ceil(log2 C) bits and their values in any other non-rotated spec VALUE.
 - any of them + ``+hadamard`` (optionally ``+hadamard:b64:s7`` for block size and seed): a randomized
   block Hadamard rotation before quantizing, undone after decoding.
 
@@ -39,6 +45,14 @@ MX_ELEMENTS: dict[str, tuple[int, int]] = {"mxfp4": (2, 1), "mxfp6": (3, 2), "mx
 FLOAT_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 _MODES = ("zero", "sym", "naive")
+INT_NAMES = ("int2", "int3", "int4", "int8")
+#: largest chunk of a top-k spec (indices fit 16 bits)
+MAX_TOPK_CHUNK = 1 << 16
+
+
+def _bits_bytes(count: int, bits: int) -> int:
+    """Bytes of ``count`` codes of ``bits`` bits packed as one little-endian bit stream."""
+    return -(-count * bits // 8)
 
 
 @dataclass(frozen=True)
@@ -46,10 +60,11 @@ class QuantSpec:
     """One encoding format. Build it with :meth:`parse`; ``str(spec)`` gives the canonical name.
 
     Attributes:
-        kind: ``"int"``, ``"mx"`` or ``"float"``.
-        name: the base name, e.g. ``"int4"``, ``"mxfp8"``, ``"bf16"``.
-        bits: bits per element code (4 or 8 for int, 4/6/8 for MX, 16/32 for float).
-        group: elements sharing one scale (int: 128 by default; MX: 32; float: 0).
+        kind: ``"int"``, ``"mx"``, ``"float"``, ``"sign"`` or ``"topk"``.
+        name: the base name, e.g. ``"int4"``, ``"mxfp8"``, ``"bf16"``, ``"sign"``, ``"topk"``.
+        bits: bits per element code (2/3/4/8 for int, 4/6/8 for MX, 16/32 for float, 1 for sign; top-k: bits per
+            index, ceil(log2 C)).
+        group: elements sharing one scale (int, sign: 128 by default; MX: 32; float: 0; top-k: the chunk C).
         mode: int only -- ``"zero"`` (zero-aware, default), ``"sym"`` or ``"naive"``.
         stochastic: int only -- unbiased stochastic rounding instead of round-half-to-even.
         hadamard: rotate blocks of ``hadamard_block`` elements with a randomized Hadamard transform.
@@ -57,6 +72,9 @@ class QuantSpec:
         hadamard_seed: seed of the random signs; both ends must use the same one (it travels in the spec).
         mx_scale: MX only -- ``"floor"`` (OCP v1.0: ``X = floor(log2 amax) - emax``, may clip the block max to
             the element format's max) or ``"ceil"`` (``X = ceil(log2(amax / max))``, never clips).
+        topk: top-k only -- values kept per chunk of ``group`` values.
+        dct: top-k only -- select among the chunk's orthonormal DCT-II coefficients instead of its values.
+        value: top-k only -- the spec of the kept values.
     """
 
     kind: str
@@ -69,6 +87,9 @@ class QuantSpec:
     hadamard_block: int = 128
     hadamard_seed: int = 0
     mx_scale: str = "floor"
+    topk: int = 0
+    dct: bool = False
+    value: QuantSpec | None = None
     _canonical: str = field(default="", compare=False, repr=False)
 
     @staticmethod
@@ -82,6 +103,8 @@ class QuantSpec:
             return text
         if not isinstance(text, str) or not text or len(text) > 64:
             raise ValueError(f"a quantization spec is a non-empty string of at most 64 chars, got {text!r}")
+        if text.strip().lower().startswith("topk"):
+            return _parse_topk(text)
         base, plus, rot = text.strip().lower().partition("+")
         hadamard, hblock, hseed = False, 128, 0
         if plus:
@@ -101,7 +124,7 @@ class QuantSpec:
             if hseed >= 2**31:
                 raise ValueError(f"hadamard seed must be < 2**31, got {hseed}")
         name, *opts = base.split(":")
-        if name in ("int4", "int8"):
+        if name in INT_NAMES:
             bits, group, mode, stochastic = int(name[3:]), 128, "zero", False
             for opt in opts:
                 if opt.startswith("g") and opt[1:].isdigit():
@@ -125,6 +148,15 @@ class QuantSpec:
                 mx_scale = opt
             e, m = MX_ELEMENTS[name]
             spec = QuantSpec("mx", name, 1 + e + m, 32, "zero", False, hadamard, hblock, hseed, mx_scale)
+        elif name == "sign":
+            group = 128
+            for opt in opts:
+                if not (opt.startswith("g") and opt[1:].isdigit()):
+                    raise ValueError(f"unknown sign option {opt!r} in {text!r} (only gN)")
+                group = int(opt[1:])
+            if not (16 <= group <= 4096 and group & (group - 1) == 0):
+                raise ValueError(f"group size must be a power of two in 16..4096, got {group}")
+            spec = QuantSpec("sign", "sign", 1, group, "zero", False, hadamard, hblock, hseed)
         elif name in FLOAT_DTYPES:
             if opts:
                 raise ValueError(f"float formats take no options, got {text!r}")
@@ -132,13 +164,17 @@ class QuantSpec:
             spec = QuantSpec("float", name, bits, 0, "zero", False, hadamard, hblock, hseed)
         else:
             raise ValueError(
-                f"unknown quantization spec {text!r}; expected int4, int8, mxfp4, mxfp6, mxfp8, bf16, fp16 "
-                "or fp32, optionally with :options and +hadamard"
+                f"unknown quantization spec {text!r}; expected int2, int3, int4, int8, sign, mxfp4, mxfp6, mxfp8, "
+                "bf16, fp16, fp32 (optionally with :options and +hadamard) or topk:K/C[+dct]+VALUE"
             )
         return spec
 
     def __str__(self) -> str:
+        if self.kind == "topk":
+            return f"topk:{self.topk}/{self.group}" + ("+dct" if self.dct else "") + f"+{self.value}"
         s = self.name
+        if self.kind == "sign" and self.group != 128:
+            s += f":g{self.group}"
         if self.kind == "int":
             if self.group != 128:
                 s += f":g{self.group}"
@@ -161,6 +197,16 @@ class QuantSpec:
         """Largest integer code, 2**bits - 1 (int formats)."""
         return (1 << self.bits) - 1
 
+    @property
+    def sparse(self) -> bool:
+        """True for top-k specs: a payload names the positions it carries."""
+        return self.kind == "topk"
+
+    def selected(self, numel: int) -> int:
+        """Top-k: how many values a payload of ``numel`` carries (K per full chunk, min(K, tail) for the tail)."""
+        full, tail = divmod(numel, self.group)
+        return full * self.topk + min(self.topk, tail)
+
     def padded_numel(self, numel: int) -> int:
         """Number of elements actually encoded: ``numel`` rounded up to the Hadamard block if rotated."""
         if self.hadamard and numel:
@@ -170,17 +216,24 @@ class QuantSpec:
     def layout(self, numel: int) -> list[tuple[str, torch.dtype, int]]:
         """The payload sections for ``numel`` elements: ``[(name, dtype, count), ...]`` in wire order.
 
-        Sections: ``codes`` (uint8, packed codes), ``scales`` (int: bf16 bit patterns as int16;
+        Sections: ``codes`` (uint8, packed codes), ``scales`` (int, sign: bf16 bit patterns as int16;
         MX: E8M0 uint8), ``zero_points`` (int zero-aware: uint8) or ``mins`` (int naive: bf16 as int16).
+        Top-k: ``indices`` (uint8, ceil(log2 C)-bit in-chunk indices packed) then the value spec's sections
+        for :meth:`selected` values.
         """
+        if self.kind == "topk":
+            k = self.selected(numel)
+            return [("indices", torch.uint8, _bits_bytes(k, self.bits)), *self.value.layout(k)]
         n = self.padded_numel(numel)
         if self.kind == "float":
             return [("codes", torch.uint8, n * self.bits // 8)]
         groups = -(-n // self.group)
+        if self.kind == "sign":
+            return [("codes", torch.uint8, _bits_bytes(n, 1)), ("scales", torch.int16, groups)]
         if self.kind == "mx":
             code_bytes = {4: -(-n // 2), 6: -(-n // 4) * 3, 8: n}[self.bits]
             return [("codes", torch.uint8, code_bytes), ("scales", torch.uint8, groups)]
-        code_bytes = -(-n // 2) if self.bits == 4 else n
+        code_bytes = n if self.bits == 8 else _bits_bytes(n, self.bits)
         out = [("codes", torch.uint8, code_bytes), ("scales", torch.int16, groups)]
         if self.mode == "zero":
             out.append(("zero_points", torch.uint8, groups))
@@ -222,6 +275,7 @@ class Packed:
     scales: torch.Tensor | None = None
     zero_points: torch.Tensor | None = None
     mins: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
     _pending: Any = field(default=None, init=False, compare=False, repr=False)
 
     @property
@@ -267,7 +321,7 @@ class Packed:
         self.check()
         move = lambda t: None if t is None else t.to(device)
         return Packed(self.spec, self.shape, self.dtype, move(self.codes), move(self.scales),
-                      move(self.zero_points), move(self.mins))
+                      move(self.zero_points), move(self.mins), move(self.indices))
 
     def to_bytes(self) -> bytes:
         """Serialize to the versioned wire format (docs/quant.md), after :meth:`check`.
@@ -296,3 +350,28 @@ class Packed:
         from .wire import from_bytes
 
         return from_bytes(data, max_numel=max_numel, device=device)
+
+
+def _parse_topk(text: str) -> QuantSpec:
+    """Parse ``topk:K/C[+dct]+VALUE`` (see :class:`QuantSpec`); one-line ``ValueError`` on a bad spelling."""
+    head, *rest = text.strip().lower().split("+")
+    dct = bool(rest) and rest[0] == "dct"
+    value_text = "+".join(rest[1:] if dct else rest)
+    name, _, size = head.partition(":")
+    k_text, slash, c_text = size.partition("/")
+    if name != "topk" or not slash or not k_text.isdigit() or not c_text.isdigit():
+        raise ValueError(f"top-k spec {text!r} must read topk:K/C+VALUE (e.g. topk:64/4096+int2)")
+    k, chunk = int(k_text), int(c_text)
+    if not (2 <= chunk <= MAX_TOPK_CHUNK and chunk & (chunk - 1) == 0):
+        raise ValueError(f"top-k chunk C must be a power of two in 2..{MAX_TOPK_CHUNK}, got {chunk} in {text!r}")
+    if not 1 <= k <= chunk:
+        raise ValueError(f"top-k K must be in 1..C={chunk}, got {k} in {text!r}")
+    if not value_text:
+        raise ValueError(f"top-k spec {text!r} names no value codec (e.g. topk:{k}/{chunk}+int2)")
+    try:
+        value = QuantSpec.parse(value_text)
+    except ValueError as err:
+        raise ValueError(f"bad value codec {value_text!r} in top-k spec {text!r}: {err}") from None
+    if value.kind == "topk" or value.hadamard:
+        raise ValueError(f"a top-k value codec cannot be top-k or rotated, got {value_text!r} in {text!r}")
+    return QuantSpec("topk", "topk", max(1, (chunk - 1).bit_length()), chunk, topk=k, dct=dct, value=value)

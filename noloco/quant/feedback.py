@@ -1,8 +1,12 @@
 """Error feedback (docs/design.md §3.3): errors injected by quantization now are paid back later.
 
-For each buffer (named by a key) keep an fp32 residual e. ``quantize(x)`` sends ``Q(x + e)`` and sets
-``e <- x + e - deq(Q(x + e))``, so the sum of what was sent tracks the sum of the inputs and the error
-stays bounded instead of accumulating (Seide et al. 2014; Karimireddy et al., arXiv 1901.09847).
+For each buffer (named by a key) keep an fp32 residual e. ``quantize(x)`` sends ``Q(v)`` with
+``v = x + decay·e`` and sets ``e <- v - deq(Q(v))``, so with ``decay = 1`` (default) the sum of what was sent
+tracks the sum of the inputs and the error stays bounded instead of accumulating (Seide et al. 2014;
+Karimireddy et al., arXiv 1901.09847). For top-k specs the residual holds every value not selected and the
+value codec's error on the selected ones. ``decay < 1`` forgets a fraction of the debt each call (SparseLoCo,
+arXiv 2508.15706, uses 0.95): what was sent then lags the inputs by ``e_T + (1 - decay)·sum e_t``, the price of a
+residual that forgets stale directions (docs/quant.md, "Error feedback").
 On CUDA, int and MXFP4/8 specs without rotation use the fused Triton kernel (one pass: read x and e,
 write codes, scales and the new e). If quantization fails (NaN/Inf input), the residual is left as it
 was. Residuals live on the device of the tensors they track.
@@ -37,9 +41,10 @@ class ErrorFeedback:
         packed = ef.quantize(pseudo_grad, key="layer0.weight")   # send packed.to_bytes()
     """
 
-    def __init__(self, spec: QuantSpec | str, *, backend: str | None = None) -> None:
+    def __init__(self, spec: QuantSpec | str, *, backend: str | None = None, decay: float = 1.0) -> None:
         self.spec = QuantSpec.parse(spec)
         self.backend = backend
+        self.decay = check_decay(decay)
         self._residuals: dict[object, torch.Tensor] = {}
         #: key -> (deferred verdict of its last call, the residual before that call or None): calls whose residual
         #: is stored but whose verdict has not been read yet
@@ -73,7 +78,7 @@ class ErrorFeedback:
 
     def quantize(self, x: torch.Tensor, key: object = None, *,
                  generator: torch.Generator | None = None) -> Packed:
-        """Return ``Q(x + e_key)`` and update ``e_key`` (created as zeros on first use).
+        """Return ``Q(x + decay·e_key)`` and update ``e_key`` (created as zeros on first use).
 
         Args:
             x: float tensor of any shape; not modified.
@@ -93,9 +98,11 @@ class ErrorFeedback:
         elif e.numel() != flat.numel() or e.device != flat.device:
             raise ValueError(f"error-feedback buffer {key!r} holds {e.numel()} values on {e.device}, "
                              f"got {flat.numel()} on {flat.device}")
+        if self.decay != 1.0 and previous is not None:
+            e = e * self.decay
         be = ops.pick_backend(self.backend, flat.device, spec)
         pending = None
-        if be == "triton" and not spec.hadamard:
+        if be == "triton" and not spec.hadamard and ops.fused_kernels(spec):
             ops._check_input(x)
             v = flat if flat.dtype != torch.float64 else flat.float()
             sections, new_e, pending = ops._triton().quantize(v.contiguous(), spec, generator, residual=e, defer=True)
@@ -130,6 +137,14 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict) -> None:
         self.spec = QuantSpec.parse(state["spec"])
         self.residuals = dict(state["residuals"])
+
+
+def check_decay(decay: float) -> float:
+    """``decay`` as a float if 0 < decay <= 1, else ``ValueError`` (one line)."""
+    value = float(decay)
+    if not 0.0 < value <= 1.0:  # NaN fails too
+        raise ValueError(f"error-feedback decay must be in (0, 1], got {decay!r}")
+    return value
 
 
 def _settled(ref: weakref.ref, key: object, pending: PendingCheck, bad: bool) -> None:

@@ -52,6 +52,7 @@ def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backen
     device = acc.device
     spec = inputs[0].spec if inputs else None
     if (0 < len(inputs) <= 4 and not spec.hadamard and all(p.spec == spec for p in inputs)
+            and ops.fused_kernels(spec)
             and ops.pick_backend(_soft(backend, spec), device, spec) == "triton"):  # the hot path: one launch
         ops._triton().dequantize_accumulate(flat, list(inputs), accumulate=True)
         return acc
@@ -59,7 +60,7 @@ def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backen
     while i < len(inputs):
         spec = inputs[i].spec
         be = ops.pick_backend(_soft(backend, spec), device, spec)
-        if be == "triton" and not spec.hadamard:
+        if be == "triton" and not spec.hadamard and ops.fused_kernels(spec):
             j = i
             while j < len(inputs) and j - i < 4 and inputs[j].spec == spec:
                 j += 1
@@ -103,7 +104,7 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[
     be = ops.pick_backend(_soft(backend, spec), device, spec)
     in_spec = ref.spec
     fusable = (be == "triton" and not spec.hadamard and not in_spec.hadamard and len(inputs) <= 4
-               and all(p.spec == in_spec for p in inputs) and ops._triton().supports(in_spec)
+               and all(p.spec == in_spec for p in inputs) and ops.fused_kernels(in_spec) and ops.fused_kernels(spec)
                and in_spec.group == spec.group)
     if fusable:
         a = None if acc is None else ops._kernel_input(acc).float()  # no copy for a contiguous fp32 acc
@@ -125,6 +126,6 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[
 
 def _soft(backend: str | None, spec: QuantSpec) -> str | None:
     """A forced "triton" falls back to "torch" for formats without a kernel (MXFP6, float)."""
-    if backend == "triton" and (spec.kind == "float" or not ops._triton().supports(spec)):
+    if backend == "triton" and (spec.kind == "float" or not ops._has_kernel(spec)):
         return "torch"
     return backend

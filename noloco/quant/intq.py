@@ -1,6 +1,6 @@
 """Group-wise integer quantization, plain-torch reference (the ground truth the Triton kernels match).
 
-Implements the zero-aware asymmetric quantizer of docs/design.md §3.3 (b = 4 or 8 bits, groups of g values)
+Implements the zero-aware asymmetric quantizer of docs/design.md §3.3 (b = 2, 3, 4 or 8 bits, groups of g values)
 and its two ablations, for a flat fp32 vector ``v``:
 
 zero-aware (default)::
@@ -31,7 +31,8 @@ Choices pinned here (docs/quant.md):
   (unbiased: E[floor(t + u)] = t); zeros stay exact (t = 0 gives floor(u) = 0).
 - Non-finite input (NaN, ±Inf) raises ``ValueError``: a payload never carries poisoned values.
 - int4 codes: element 2i in the low nibble of byte i, element 2i+1 in the high nibble; an unused
-  high nibble (odd count) is 0.
+  high nibble (odd count) is 0. int2 / int3 codes: one little-endian bit stream, element i in bits
+  [b·i, b·i + b) (:func:`pack_bits`): exactly ceil(b·n / 8) bytes, the unused high bits of the last byte 0.
 """
 
 from __future__ import annotations
@@ -112,11 +113,44 @@ def unpack_nibbles(codes: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack([codes & 15, codes >> 4], dim=1).view(-1)[:n]
 
 
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack flat non-negative codes (< 2**bits, bits in 1..16) as one little-endian bit stream.
+
+    Element i occupies bits [bits·i, bits·i + bits) of the stream, bit j of the stream is bit j % 8 of byte
+    j // 8; the result has ceil(bits·n / 8) bytes, the unused high bits of the last byte zero.
+    """
+    q = q.reshape(-1).to(torch.int32)
+    shifts = torch.arange(bits, device=q.device, dtype=torch.int32)
+    stream = ((q[:, None] >> shifts) & 1).reshape(-1).to(torch.uint8)
+    pad = -stream.numel() % 8
+    if pad:
+        stream = torch.cat([stream, stream.new_zeros(pad)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=q.device)
+    return (stream.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` codes as int32 (reads ceil(bits·n / 8) bytes)."""
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int32)
+    stream = ((codes.reshape(-1).to(torch.int32)[:, None] >> shifts) & 1).reshape(-1)[: n * bits]
+    weights = 1 << torch.arange(bits, device=codes.device, dtype=torch.int32)
+    return (stream.view(n, bits) * weights).sum(dim=1, dtype=torch.int32)
+
+
+def padding_bits_bad(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor | None:
+    """A 0-d bool tensor: the unused high bits of a :func:`pack_bits` stream's last byte are not zero (None if
+    the stream fills its last byte)."""
+    used = n * bits % 8
+    if not used or not codes.numel():
+        return None
+    return (codes[-1].to(torch.int32) >> used) != 0
+
+
 def quantize_int(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None
                  ) -> dict[str, torch.Tensor]:
     """Quantize flat fp32 ``v`` (shape (n,)) with an int spec.
 
-    Returns the payload sections: ``codes`` (uint8, ceil(n/2) bytes for int4, n for int8), ``scales``
+    Returns the payload sections: ``codes`` (uint8, ceil(b·n/8) bytes for b = 2, 3, 4; n for int8), ``scales``
     (int16 bf16 bit patterns, one per group) and ``zero_points`` (uint8) or ``mins`` (int16 bf16 bits).
 
     Raises:
@@ -174,7 +208,7 @@ def quantize_int(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | 
     else:
         q = r.clamp(0, L)
     q = q.view(-1)[:n].to(torch.uint8)
-    out["codes"] = pack_nibbles(q) if spec.bits == 4 else q
+    out["codes"] = q if spec.bits == 8 else pack_nibbles(q) if spec.bits == 4 else pack_bits(q, spec.bits)
     return {"codes": out["codes"], **{k: val for k, val in out.items() if k != "codes"}}
 
 
@@ -183,7 +217,10 @@ def dequantize_int(sections: dict[str, torch.Tensor], spec: QuantSpec, n: int) -
     codes = sections["codes"]
     if n == 0:
         return torch.empty(0, dtype=torch.float32, device=codes.device)
-    q = unpack_nibbles(codes, n) if spec.bits == 4 else codes[:n]
+    if spec.bits == 8:
+        q = codes[:n]
+    else:
+        q = unpack_nibbles(codes, n) if spec.bits == 4 else unpack_bits(codes, n, spec.bits)
     groups = -(-n // spec.group)
     qf = torch.zeros(groups * spec.group, dtype=torch.float32, device=codes.device)
     qf[:n] = q.float()

@@ -20,11 +20,12 @@ import math
 
 import torch
 
-from . import floatq, hadamard, intq, mx
-from .base import Packed, QuantSpec
+from . import floatq, hadamard, intq, mx, signq, topk
+from .base import Packed, PayloadError, QuantSpec
 
-_SECTION_NAMES = ("codes", "scales", "zero_points", "mins")
+_SECTION_NAMES = ("codes", "scales", "zero_points", "mins", "indices")
 _TK: list = []  # [module or None] once the import of triton_kernels has been tried
+_LB: list = []  # [module or None] once the import of lowbit_kernels has been tried
 
 
 def _triton():
@@ -36,6 +37,33 @@ def _triton():
             triton_kernels = None
         _TK.append(triton_kernels)
     return _TK[0]
+
+
+def _lowbit():
+    """The ``lowbit_kernels`` module (int2, int3, sign), or None if Triton is missing or broken."""
+    if not _LB:
+        try:
+            from . import lowbit_kernels
+        except Exception:  # pragma: no cover - triton missing or broken
+            lowbit_kernels = None
+        _LB.append(lowbit_kernels)
+    return _LB[0]
+
+
+def fused_kernels(spec: QuantSpec) -> bool:
+    """Whether the fused kernels of ``triton_kernels`` serve ``spec`` (int4/int8, MXFP4/8): the formats of the
+    fused ops and of the deferred non-finite check. int2/int3/sign have their own kernels (``lowbit_kernels``)."""
+    tk = _triton()
+    return tk is not None and tk.supports(spec)
+
+
+def _has_kernel(spec: QuantSpec) -> bool:
+    if spec.kind == "topk":
+        return _has_kernel(spec.value)
+    if fused_kernels(spec):
+        return True
+    lb = _lowbit()
+    return lb is not None and lb.supports(spec)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -55,18 +83,15 @@ def parse_spec(spec: QuantSpec | str) -> QuantSpec:
 def pick_backend(backend: str | None, device: torch.device, spec: QuantSpec) -> str:
     """Resolve ``backend`` ("torch", "triton", None/"auto") for a tensor on ``device``."""
     if backend is None or backend == "auto":
-        if device.type == "cuda" and spec.kind != "float":
-            tk = _triton()
-            if tk is not None and tk.supports(spec):
-                return "triton"
+        if device.type == "cuda" and spec.kind != "float" and _has_kernel(spec):
+            return "triton"
         return "torch"
     if backend == "torch":
         return "torch"
     if backend == "triton":
-        tk = _triton()
-        if tk is None:
+        if _triton() is None:
             raise RuntimeError("backend='triton' requested but triton is not importable")
-        if not tk.supports(spec):
+        if not _has_kernel(spec):
             raise ValueError(f"no Triton kernel for {spec}; use backend='torch'")
         return "triton"
     raise ValueError(f"backend must be 'torch', 'triton' or None, got {backend!r}")
@@ -93,14 +118,22 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
 def quantize_flat(v: torch.Tensor, spec: QuantSpec, be: str, generator: torch.Generator | None = None,
                   check_finite: bool = True) -> dict[str, torch.Tensor]:
     """Payload sections for flat ``v`` (already rotated if the spec says so). Non-finite input raises here, on
-    every backend (the rotated and unfused paths that use this read their verdict at once)."""
+    every backend (the rotated and unfused paths that use this read their verdict at once). Top-k: the selection
+    runs in torch (``torch.sort`` on the tensor's device), the kept values go through ``be``'s kernels."""
+    if spec.kind == "topk":
+        indices, values = topk.select(v, spec)
+        return {"indices": indices, **quantize_flat(values, spec.value, be, generator, check_finite)}
     if be == "triton":
-        return _triton().quantize(_kernel_input(v), spec, generator, check=check_finite)[0]
+        if fused_kernels(spec):
+            return _triton().quantize(_kernel_input(v), spec, generator, check=check_finite)[0]
+        return _lowbit().quantize(_kernel_input(v), spec)
     v = v.float()
     if spec.kind == "int":
         return intq.quantize_int(v, spec, generator)
     if spec.kind == "mx":
         return mx.quantize_mx(v, spec)
+    if spec.kind == "sign":
+        return signq.quantize_sign(v, spec)
     return floatq.quantize_float(v, spec)
 
 
@@ -130,7 +163,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec | str, *, generator: torch.Generat
     spec = parse_spec(spec)
     _check_input(x)
     be = pick_backend(backend, x.device, spec)
-    if be == "triton" and not spec.hadamard:  # the hot path: one kernel, no copies of a contiguous x
+    if be == "triton" and not spec.hadamard and fused_kernels(spec):  # the hot path: one kernel, no copies
         sections, _, pending = _triton().quantize(_kernel_input(x), spec, generator, check=check_finite, defer=True)
         packed = Packed(spec, tuple(x.shape), x.dtype, **sections)
         packed._pending = pending
@@ -150,16 +183,31 @@ def sections_of(p: Packed) -> dict[str, torch.Tensor]:
 def dequantize_flat(p: Packed, be: str) -> torch.Tensor:
     """Flat fp32 decode of ``p``'s payload (still rotated; padded length if rotated), after ``p.check()``."""
     p.check()
-    n = p.spec.padded_numel(p.numel)
+    return _decode_sections(sections_of(p), p.spec, p.spec.padded_numel(p.numel), be, p.device)
+
+
+def _decode_sections(s: dict[str, torch.Tensor], spec: QuantSpec, n: int, be: str, device: torch.device
+                     ) -> torch.Tensor:
+    """Flat fp32 decode of the sections ``s`` of ``n`` values in ``spec`` (still rotated)."""
+    if spec.kind == "topk":
+        k = spec.selected(n)
+        values = _decode_sections({key: t for key, t in s.items() if key != "indices"}, spec.value, k, be, device)
+        try:
+            return topk.scatter(values, s["indices"], spec, n)
+        except ValueError as err:
+            raise PayloadError(str(err)) from None
     if be == "triton":
-        out = torch.empty(n, dtype=torch.float32, device=p.device)
-        return _triton().dequantize_accumulate(out, [p], accumulate=False)
-    s = sections_of(p)
-    if p.spec.kind == "int":
-        return intq.dequantize_int(s, p.spec, n)
-    if p.spec.kind == "mx":
-        return mx.dequantize_mx(s, p.spec, n)
-    return floatq.dequantize_float(s, p.spec, n)
+        if fused_kernels(spec):
+            out = torch.empty(n, dtype=torch.float32, device=device)
+            return _triton().dequantize_accumulate(out, [Packed(spec, (n,), torch.float32, **s)], accumulate=False)
+        return _lowbit().dequantize(s, spec, n)
+    if spec.kind == "int":
+        return intq.dequantize_int(s, spec, n)
+    if spec.kind == "mx":
+        return mx.dequantize_mx(s, spec, n)
+    if spec.kind == "sign":
+        return signq.dequantize_sign(s, spec, n)
+    return floatq.dequantize_float(s, spec, n)
 
 
 def dequantize(p: Packed, *, backend: str | None = None) -> torch.Tensor:
@@ -171,7 +219,7 @@ def dequantize(p: Packed, *, backend: str | None = None) -> torch.Tensor:
     p.check()
     device = p.codes.device
     be = pick_backend(backend, device, p.spec)
-    if be == "triton" and not p.spec.hadamard:  # the hot path: decode straight into the output's memory
+    if be == "triton" and not p.spec.hadamard and fused_kernels(p.spec):  # the hot path: decode into the output
         out = torch.empty(p.shape, dtype=torch.float32, device=device)
         _triton().dequantize_accumulate(out.view(-1), [p], accumulate=False)
         return out

@@ -33,8 +33,10 @@ import zlib
 import torch
 
 from .base import FLOAT_DTYPES, Packed, PayloadError, QuantSpec
-from .intq import max_scale_bits16
+from .intq import max_scale_bits16, padding_bits_bad
 from .mx import element_params
+from .signq import BF16_INF_BITS
+from .topk import indices_bad
 
 MAGIC = b"NLQT"
 VERSION = 1
@@ -159,6 +161,23 @@ def _value_checks(spec: QuantSpec, numel: int, s: dict[str, torch.Tensor]) -> li
     n = spec.padded_numel(numel)
     codes = s["codes"]
     checks: list[tuple[torch.Tensor, str]] = []
+    if spec.kind == "topk":
+        k = spec.selected(numel)
+        pad = padding_bits_bad(s["indices"], k, spec.bits)
+        if pad is not None:
+            checks.append((pad, "non-zero padding bits after the last top-k index"))
+        bad = indices_bad(s["indices"], spec, numel)
+        if bad is not None:
+            checks.append((bad, "top-k indices out of their chunk's range, duplicated or not ascending"))
+        return checks + _value_checks(spec.value, k, {key: t for key, t in s.items() if key != "indices"})
+    if spec.kind == "sign":
+        pad = padding_bits_bad(codes, n, 1)
+        if pad is not None:
+            checks.append((pad, "non-zero padding bits after the last sign bit"))
+        if s["scales"].numel():
+            bits = s["scales"].to(torch.int32)
+            checks.append((((bits < 0) | (bits >= BF16_INF_BITS)).any(), "sign scale negative or not finite"))
+        return checks
     if spec.kind == "float":
         vals = codes.view(FLOAT_DTYPES[spec.name])
         if vals.numel():
@@ -166,6 +185,10 @@ def _value_checks(spec: QuantSpec, numel: int, s: dict[str, torch.Tensor]) -> li
         return checks
     if spec.bits == 4 and n % 2:
         checks.append(((codes[-1] >> 4) != 0, "non-zero padding nibble"))
+    if spec.kind == "int" and spec.bits in (2, 3):
+        pad = padding_bits_bad(codes, n, spec.bits)
+        if pad is not None:
+            checks.append((pad, "non-zero padding bits after the last code"))
     if spec.kind == "int":
         bits = s["scales"].to(torch.int32)
         # positive, >= 2**-126 (bf16 0x0080), and s * L finite (s <= fp32 max / L)

@@ -23,7 +23,7 @@ def test_known_codecs_lists_the_bases_and_accepts_variants():
     for base in ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8"):
         assert base in names and base in list(names)
     assert "int4:g64" in names and "mxfp8+hadamard" in names and "int8:sym:stochastic" in names
-    assert "int3" not in names and "nonsense" not in names and 4 not in names
+    assert "int5" not in names and "nonsense" not in names and 4 not in names
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8", "int4:g64:sym",
@@ -41,7 +41,7 @@ def test_every_quant_spec_is_a_codec_that_round_trips(name):
 def test_fp32_names_give_the_exact_codec_and_unknown_names_fail():
     assert isinstance(get_codec("fp32"), Fp32Codec) and get_codec("fp32").exact
     with pytest.raises(ValueError, match="unknown codec"):
-        get_codec("int3")
+        get_codec("int5")
 
 
 def test_quant_decode_rejects_wrong_size_spec_padding_and_values():
