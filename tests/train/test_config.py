@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("outer.nope=1", "unknown config key 'outer.nope'"),
         ("outer.group_size=3", "does not divide workers=4"),
         ("outer.algo=sgd", "outer.algo='sgd' is not one of"),
-        ("comm.codec=int3", "comm.codec='int3'"),
+        ("comm.codec=int9", "comm.codec='int9'"),
         ("workers=0", "workers must be an integer >= 1"),
         ("outer.slow_every=0", "outer.slow_every must be an integer >= 1, got 0"),
         ("outer.slow_every=1.5", "outer.slow_every must be an integer >= 1, got 1.5"),
