@@ -283,7 +283,7 @@ def run_plan(runs: list[Run], folder: Path, parallel: int, settings: str) -> lis
     """Train every run, ``parallel`` at once (each with cores ÷ (parallel × workers) threads), printing a line per
     finished run; the measured points of the runs that finished."""
     folder.mkdir(parents=True, exist_ok=True)
-    plan = {"machine": common.machine(), "settings": settings, "runs": [asdict(r) for r in runs]}
+    plan = {"machine": common.machine(), "settings": settings, "args": sys.argv[1:], "runs": [asdict(r) for r in runs]}
     (folder / PLAN).write_text(json.dumps(plan, indent=1) + "\n")
     workers = max(load_config(list(r.overrides)).workers for r in runs)
     threads = max(1, usable_cores() // (parallel * workers))
@@ -303,9 +303,9 @@ def run_plan(runs: list[Run], folder: Path, parallel: int, settings: str) -> lis
     return results
 
 
-def from_runs(folder: Path) -> tuple[list[dict], str, str]:
-    """The measured points of a finished stamp folder (its plan's runs that wrote a summary), its machine and the
-    sentence on its settings."""
+def from_runs(folder: Path) -> tuple[list[dict], str, str, list[str] | None]:
+    """The measured points of a finished stamp folder (its plan's runs that wrote a summary), its machine, the
+    sentence on its settings and the arguments that ran it (None: not recorded)."""
     plan = json.loads((folder / PLAN).read_text())
     results = []
     for entry in plan["runs"]:
@@ -313,7 +313,20 @@ def from_runs(folder: Path) -> tuple[list[dict], str, str]:
         summary = folder / run.name / "summary.json"
         if summary.exists():
             results.append(measure(run, json.loads(summary.read_text())))
-    return results, plan["machine"], plan.get("settings", "")
+    return results, plan["machine"], plan.get("settings", ""), plan.get("args")
+
+
+def _without_out(args: list[str]) -> list[str]:
+    """``args`` less ``--out DIR``, ``--name NAME`` and ``--dry-run`` (a redraw says where it writes)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--name"):
+            skip = True
+        elif arg != "--dry-run" and not arg.startswith(("--out=", "--name=")):
+            kept.append(arg)
+    return kept
 
 
 def report(results: list[dict], skipped: list[str], command: str, machine: str, pictures: list[Path],
@@ -364,10 +377,16 @@ def main() -> int:
     settings = (f"NoLoCo's lossy points: Δ through the codec every round, φ − φ₀ through {args.slow_codec} every "
                 f"{args.slow_every} rounds (`outer.slow_every`); fp32 and `@fused`: one fused message per round.")
     skipped: list[str] = []
+    command = common.command("frontier")
     if args.from_runs:
         if not (args.from_runs / PLAN).exists():
             parser.error(f"{args.from_runs} holds no {PLAN} (not a frontier stamp folder)")
-        results, machine, settings = from_runs(args.from_runs)
+        results, machine, settings, ran = from_runs(args.from_runs)
+        if ran is not None:  # the command that reruns the runs, not the redraw (which the report says it is)
+            where = [*(["--out", str(args.out)] if Path(args.out) != common.RUNS / "frontier" else []),
+                     *(["--name", args.name] if args.name != "frontier" else [])]  # fmt: skip
+            command = common.command("frontier", [*_without_out(ran), *where])
+            settings += f" Redrawn from the runs under `{args.from_runs}`."
     else:
         try:
             runs, skipped = plan_of(args.algos, args.codecs, args.seeds, args.slow_codec, args.slow_every, budget)
@@ -387,7 +406,6 @@ def main() -> int:
     out = common.out_dir(args.out)
     rows = summarize(results)
     pictures = plot(rows, out, args.name)
-    command = common.command("frontier")
     lines, rows = report(results, skipped, command, machine, pictures, settings)
     common.write_report(out, args.name, lines, {"rows": rows, "runs": results}, command=command, machine=machine)
     print("\n".join(lines))
