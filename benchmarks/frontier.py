@@ -279,12 +279,19 @@ def launch(run: Run, folder: Path, threads: int | None) -> dict | None:
     return json.loads(summary.read_text())
 
 
+def write_plan(folder: Path, runs: list[Run], settings: str, args: list[str]) -> Path:
+    """``<folder>/frontier-plan.json`` (folder created): this machine, the settings sentence, the arguments that
+    ran the plan and its runs, so that ``--from-runs`` can redraw the report from the folder alone."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = {"machine": common.machine(), "settings": settings, "args": list(args), "runs": [asdict(r) for r in runs]}
+    (folder / PLAN).write_text(json.dumps(plan, indent=1) + "\n")
+    return folder / PLAN
+
+
 def run_plan(runs: list[Run], folder: Path, parallel: int, settings: str) -> list[dict]:
     """Train every run, ``parallel`` at once (each with cores ÷ (parallel × workers) threads), printing a line per
     finished run; the measured points of the runs that finished."""
-    folder.mkdir(parents=True, exist_ok=True)
-    plan = {"machine": common.machine(), "settings": settings, "args": sys.argv[1:], "runs": [asdict(r) for r in runs]}
-    (folder / PLAN).write_text(json.dumps(plan, indent=1) + "\n")
+    write_plan(folder, runs, settings, sys.argv[1:])
     workers = max(load_config(list(r.overrides)).workers for r in runs)
     threads = max(1, usable_cores() // (parallel * workers))
     started, results = time.monotonic(), []

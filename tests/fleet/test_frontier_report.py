@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import frontier
@@ -85,3 +87,13 @@ def test_a_point_whose_slow_codec_is_unknown_is_skipped_once():
                                      "int4", 4, frontier.TINY)  # fmt: skip
     assert [(r.algo, r.point) for r in runs] == [("noloco", "fp32"), ("diloco", "fp32")]
     assert len(skipped) == 1 and skipped[0].startswith("skipped int4@comm.slow_codec=no-such-codec: comm.slow_codec=")
+
+
+def test_a_redraw_reads_the_finished_runs_of_its_plan_and_the_arguments_that_ran_them(tmp_path):
+    runs = [frontier.Run("noloco", "fp32", 0, ("steps=500",)), frontier.Run("noloco", "int2", 0, ("steps=500",))]
+    frontier.write_plan(tmp_path, runs, "settings.", ["--tiny", "--out", "docs/results", "--codecs", "int2"])
+    (tmp_path / runs[0].name).mkdir()
+    (tmp_path / runs[0].name / "summary.json").write_text(json.dumps(_summary(5.0, 6.4)))  # int2 never finished
+    results, machine, settings, args = frontier.from_runs(tmp_path)
+    assert [(r["point"], r["loss"]) for r in results] == [("fp32", 5.0)] and settings == "settings."
+    assert machine and frontier._without_out(args) == ["--tiny", "--codecs", "int2"]
