@@ -73,7 +73,7 @@ _EXP_ALL_ONES = tl.constexpr(0x7F800000)  # |v| bit patterns >= this are Inf or 
 
 def supports(spec: QuantSpec) -> bool:
     """Whether a Triton kernel exists for ``spec`` (rotation is handled outside the kernels)."""
-    return spec.kind == "int" or (spec.kind == "mx" and spec.bits in (4, 8))
+    return (spec.kind == "int" and spec.bits in (4, 8)) or (spec.kind == "mx" and spec.bits in (4, 8))
 
 
 # ----------------------------------------------------------------------------------------------------
