@@ -198,25 +198,34 @@ def time_tables(data: dict) -> list[str]:
 
 
 def time_plots(data: dict, out: Path, name: str) -> list[str]:
-    """Sync time and idle fraction against N per method (log-log / log-x); returns the file name."""
+    """Sync time and idle fraction against N per method, and the model against the fleet; returns the file name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (left, right, calib) = plt.subplots(1, 3, figsize=(15, 4))
     for method in dict.fromkeys(row["method"] for row in data["rows"]):
         rows = [r for r in data["rows"] if r["method"] == method]
         ns = [r["workers"] for r in rows]
         left.plot(ns, [r["sync_s"] for r in rows], "o-", label=method)
         right.plot(ns, [r["idle_fraction"] for r in rows], "o-", label=method)
-    for p in data["calibration"]:
-        if p["quantity"].startswith("s blocked"):
-            left.plot([p["hosts"]], [p["measured"]], "kx", ms=5)
-    left.set(xscale="log", yscale="log", xlabel="workers N", ylabel="sync time per round (s)",
-             title="sync (x: measured fleet exchanges)")  # fmt: skip
-    right.set(xscale="log", xlabel="workers N", ylabel="idle fraction", title="idle over rounds")
+    left.set(xscale="log", yscale="log", xlabel="workers N", ylabel="sync time per round (s)", title="model: sync")
+    right.set(xscale="log", xlabel="workers N", ylabel="idle fraction", title="model: idle over rounds")
     right.legend(fontsize=7)
+    for transport, marker in (("full", "o"), ("half", "x")):
+        points = [p for p in data["calibration"] if p["transport"] == transport and not p.get("fit")]
+        calib.plot([p["measured"] for p in points], [p["predicted"] for p in points], marker, ls="none",
+                   label=f"fleet runs, transport {transport}")  # fmt: skip
+    span = [p[k] for p in data["calibration"] for k in ("measured", "predicted")]
+    if span:
+        low, high = min(span) * 0.8, max(span) * 1.25
+        calib.plot([low, high], [low, high], "k-", lw=0.8)
+        calib.fill_between([low, high], [low * 0.85, high * 0.85], [low * 1.15, high * 1.15], color="k", alpha=0.1,
+                           label="±15%")  # fmt: skip
+    calib.set(xscale="log", yscale="log", xlabel="measured (s)", ylabel="model (s)",
+              title="model against the real fleet (per exchange or round)")  # fmt: skip
+    calib.legend(fontsize=7)
     fig.tight_layout()
     file = f"{name}.png"
     fig.savefig(out / file, dpi=110)

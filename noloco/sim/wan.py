@@ -286,8 +286,9 @@ def sync_times(method: str, peers: Peers, cfg: WanConfig) -> np.ndarray:
 def simulate_rounds(method: str, peers: Peers, cfg: WanConfig) -> dict:
     """``cfg.rounds`` rounds of compute then exchange, each peer on its own clock; round time and idle fraction.
 
-    Compute per round: ``cfg.compute × slowdown`` (DDP: H steps each followed by an all-reduce). All-reduce and
-    scheduled NoLoCo groups start when their last member is ready; swarm groups are the first ready peers.
+    Compute per round: ``cfg.compute × slowdown`` (DDP: one round of H steps, each followed by an all-reduce).
+    All-reduce and scheduled NoLoCo groups start when their last member is ready; swarm groups are the first ready
+    peers.
     Idle = time not computing (waiting for others, matchmaking, the exchange) over each peer's wall time."""
     n = len(peers)
     compute = cfg.compute * peers.slowdown
@@ -296,7 +297,8 @@ def simulate_rounds(method: str, peers: Peers, cfg: WanConfig) -> dict:
         return _swarm_rounds(peers, compute, nbytes, group_size(method) or 2, cfg)
     clock = np.zeros(n)
     schedule = GroupSchedule(n, group_size(method), cfg.seed) if group_size(method) else None
-    for r in range(cfg.rounds):
+    rounds = 1 if method.startswith("ddp") else cfg.rounds  # DDP: H identical all-reduces a round already
+    for r in range(rounds):
         if method.startswith("ddp"):
             for _ in range(cfg.every):
                 clock = allreduce(method, peers, nbytes, clock + compute / cfg.every, cfg)
@@ -306,8 +308,7 @@ def simulate_rounds(method: str, peers: Peers, cfg: WanConfig) -> dict:
             ready = clock + compute
             for members in schedule.groups(r):
                 clock[members] = group_exchange(peers, members, nbytes, float(ready[members].max()), cfg.overhead)
-    busy = compute * cfg.rounds
-    return _summary(clock, busy, np.full(n, cfg.rounds), peers)
+    return _summary(clock, compute * rounds, np.full(n, rounds), peers)
 
 
 def _swarm_rounds(peers: Peers, compute: np.ndarray, nbytes: float, size: int, cfg: WanConfig) -> dict:
