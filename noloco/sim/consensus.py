@@ -57,7 +57,7 @@ class ConsensusConfig:
 
     def check(self) -> None:
         """Raise ValueError (one line) on a value the study cannot run with."""
-        for name in ("rounds", "every", "batch_size", "seq_len", "dim", "eval_batches", "averaging_trials"):
+        for name in ("rounds", "every", "batch_size", "seq_len", "dim", "n_layers", "eval_batches", "averaging_trials"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.workers or min(self.workers) < 1 or not self.averaging_workers or min(self.averaging_workers) < 1:
@@ -70,6 +70,10 @@ class ConsensusConfig:
                 size = group_size(method, n)
                 if size and n % size:
                     raise ValueError(f"{method}: groups of {size} do not divide {n} workers")
+        if not 256 < self.vocab_size <= 1 << 20:
+            raise ValueError(f"vocab-size must be in (256, {1 << 20}], got {self.vocab_size}")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 < self.pull <= 1:
             raise ValueError(f"pull must be in (0, 1], got {self.pull}")
         if self.relax_rounds < 0:
@@ -194,9 +198,9 @@ def _relax(outer: StackedOuter, rounds: int) -> int | None:
 def run_study(cfg: ConsensusConfig, log=print) -> dict:
     """The whole study: the averaging model (μ = 0 and the rule's μ = 0.5) and every (N, method) training run."""
     cfg.check()
+    corpus = prepare_corpus(cfg.source, vocab_size=cfg.vocab_size)  # first: a data error ends the study at once
     log(f"averaging model: N in {cfg.averaging_workers}, γ = {cfg.pull}, {cfg.averaging_trials} seeds")
     averaging = averaging_study(cfg, 0.0) + averaging_study(cfg, NoLoCoRule().momentum)
-    corpus = prepare_corpus(cfg.source, vocab_size=cfg.vocab_size)
     log(
         f"training: {cfg.source} (vocab {corpus.vocab_size}), N in {cfg.workers}, {cfg.rounds} rounds of "
         f"H = {cfg.every}"
