@@ -106,3 +106,17 @@ def test_pure_pair_averaging_shrinks_the_spread_as_predicted():
     assert averaging_rounds(2, 2, 1.0) == 1
     # groups of 4 mix faster than pairs
     assert averaging_rounds(256, 4, 0.7) < averaging_rounds(256, 2, 0.7)
+
+
+@pytest.mark.gpu
+def test_stacked_workers_on_a_gpu_match_the_cpu():
+    cfg = model_config("tiny", dim=16, n_layers=1, n_heads=2, vocab_size=300, max_seq_len=16)
+    tokens = torch.randint(0, 300, (4, 2, 9), generator=torch.Generator().manual_seed(0))
+    results = []
+    for device in ("cpu", "cuda"):
+        stack = StackedWorkers(LLaMA(cfg, seed=0), 4, lr=1e-3, device=device)
+        outer = StackedOuter(NoLoCoRule(), GroupSchedule(4, 2, seed=0), stack.flat())
+        stack.inner_step(tokens[..., :-1].to(device), tokens[..., 1:].to(device))
+        stack.load_flat(outer.step(stack.flat(), 0))
+        results.append(stack.flat().cpu())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-3, atol=1e-4)
