@@ -22,6 +22,7 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
   host with ``NOLOCO_DRY_RUN=1`` and the service's resolved environment;
 * ``bash scripts/setup.sh``: ``bash -n`` and the packages it installs importable;
 * ``python -m pytest``: ``--collect-only``, except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
+* ``python -m noloco.sim consensus|time``: as written with tiny sizes appended (:data:`SIM_TINY`);
 * long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model;
   ``python -m benchmarks.throttled``, ``benchmarks.overlap_fleet`` (a dozen fleet runs each) and
   ``benchmarks.frontier`` (dozens of runs) run with ``--dry-run``: every run's config is loaded, none is run.
@@ -699,6 +700,27 @@ def python_tool(docs: Docs, cmd, part, step) -> str:
     return part.raw
 
 
+#: sizes appended to ``python -m noloco.sim`` commands (argparse: the last value of an option wins)
+SIM_TINY = {
+    "consensus": ["--workers", "4", "--rounds", "1", "--every", "1", "--eval-batches", "1", "--relax-rounds", "2",
+                  "--dim", "16", "--layers", "1", "--averaging-workers", "4", "--averaging-trials", "1"],
+    "time": ["--workers", "4,8", "--rounds", "1"],
+}  # fmt: skip
+
+
+def sim_study(docs: Docs, cmd, part, step) -> str:
+    """``python -m noloco.sim consensus|time ...``: as written with a tiny size appended, into its own folder; the
+    report it writes is checked."""
+    study = part.argv[3]
+    out = f"runs/sim-{cmd.id.replace(':', '-').replace('/', '-')}"
+    argv = [*part.argv, *SIM_TINY[study], "--out", out, "--name", study]
+    rc, text = docs.python(argv, step.cwd, {**step.env, **part.env}, cmd.id)
+    check(rc, text, shown(argv))
+    report = step.cwd / out / f"{study}.md"
+    assert report.is_file() and "python -m noloco.sim" in report.read_text(), f"no {report}:\n{tail(text)}"
+    return shown(argv)
+
+
 def mkdir(docs: Docs, cmd, part, step) -> str:
     subprocess.run(part.argv, cwd=step.cwd, check=True)
     return part.raw
@@ -1173,6 +1195,7 @@ TABLE = [
     Rule(r"^python -c ", python_tool, "as written (in the runner)"),
     Rule(r"^python -m noloco\.(export|sample) runs/\w+ |^python -m noloco\.sample \w+/ ", python_tool,
          "as written, on the tiny run of the line that names it"),  # fmt: skip
+    Rule(r"^python -m noloco\.sim (consensus|time)( |$)", sim_study, "as written, tiny sizes appended"),
     Rule(r"^mkdir -p \S+$", mkdir, "as written, in the workspace"),
     Rule(r"^pip install -e '?\.(\[\w+\])?'?$", pip_install, "not run: what it installs is installed, editable"),
     Rule(r"^torchrun --nproc-per-node \d+ train\.py ", torchrun, "--nproc-per-node 2, tiny", background=True),

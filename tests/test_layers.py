@@ -24,6 +24,7 @@ FLOORS = {
     "optim": 4,
     "train": 5,
     "fleet": 6,
+    "sim": 7,
 }
 
 

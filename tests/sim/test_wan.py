@@ -1,0 +1,126 @@
+"""The WAN time model: ring, tree and group formulas against hand-computed cases; the fleet calibration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from noloco.fleet.linkmodel import DEFAULT_OVERHEAD, TokenBucket
+from noloco.sim.wan import (
+    WanConfig,
+    calibration,
+    claim_conditions,
+    draw_peers,
+    group_exchange,
+    matchmaking_seconds,
+    payload_bytes,
+    ring_allreduce,
+    simulate_rounds,
+    sync_times,
+    tree_allreduce,
+    uniform_peers,
+)
+
+MB = 1e6
+
+
+def test_ring_of_identical_peers_is_2_n_minus_1_steps_of_m_over_n():
+    n, rate, latency, nbytes = 4, 8e6, 0.01, 4 * MB  # 1 MB/s links
+    got = ring_allreduce(uniform_peers(n, rate, latency), nbytes, overhead=1.0)
+    step = (nbytes / n) / (rate / 8) + 2 * latency  # a chunk, then the hop's two access latencies
+    assert np.allclose(got, 2 * (n - 1) * step)
+    half = ring_allreduce(uniform_peers(n, rate, 0.0), nbytes, overhead=1.0, duplex="half")
+    assert np.allclose(half, 2 * (n - 1) * 2 * (nbytes / n) / (rate / 8))
+
+
+def test_ring_is_paced_by_its_slowest_link_and_waits_for_the_last_ready_peer():
+    peers = uniform_peers(4, 8e6)
+    peers.rate[2] = 4e6  # links 1->2 and 2->3 run at half rate
+    got = ring_allreduce(peers, 4 * MB, overhead=1.0)
+    # steady state: peer 2's uplink needs 2 s a chunk, every step waits for it -> 6 steps of 2 s
+    assert got.max() == pytest.approx(6 * 2.0)
+    late = ring_allreduce(uniform_peers(4, 8e6), 4 * MB, ready=np.array([0.0, 0.0, 5.0, 0.0]), overhead=1.0)
+    assert late.min() >= 5.0 and late.max() == pytest.approx(5.0 + 6 * 1.0, abs=1.0 + 1e-9)
+
+
+def test_tree_of_identical_peers_matches_the_pipelined_hand_count():
+    # 3 peers: 0 the root, 1 and 2 its children; the root's downlink (reduce) and uplink (broadcast) are shared
+    rate, nbytes, chunks = 8e6, 2 * MB, 2
+    got = tree_allreduce(uniform_peers(3, rate), nbytes, overhead=1.0, chunks=chunks)
+    piece = nbytes / chunks / (rate / 2 / 8)  # each child's flow gets half the root's rate: 2 s a piece
+    # reduce: the children send piece 1 (t = 2), piece 2 (t = 4); the broadcast of piece 1 starts as it is reduced
+    # (full duplex: the root's uplink is free), t = 2..4, piece 2 t = 4..6
+    assert got[0] == pytest.approx(2 * piece)
+    assert got[1:] == pytest.approx([3 * piece, 3 * piece])
+    # two peers: one link at the full rate each way
+    two = tree_allreduce(uniform_peers(2, rate), nbytes, overhead=1.0, chunks=1)
+    assert two.max() == pytest.approx(2 * nbytes / (rate / 8))
+
+
+def test_group_exchange_is_two_phases_of_the_linkmodel_buckets():
+    rate, nbytes, latency = 8e6, 2 * MB, 0.02
+    peers = uniform_peers(2, rate, latency)
+    got = group_exchange(peers, [0, 1], nbytes, start=1.0, overhead=1.0)
+    phase = (nbytes / 2 - 16 * 1024) / (rate / 8)  # half the payload each way per phase; the burst is free
+    # the bucket refills its burst during the 2 · latency between the phases (40 kB at 1 MB/s)
+    assert got == pytest.approx(1.0 + 2 * (phase + 2 * latency))
+    # the same through TokenBucket by hand: uplink of member 0 over two phases
+    bucket = TokenBucket(rate)
+    first = bucket.transmit(nbytes / 2, 1.0) + 2 * latency
+    assert bucket.transmit(nbytes / 2, first) + 2 * latency == pytest.approx(got)
+    # a group of 4: each member sends 3/4 of the payload per phase; the slowest member sets the pace
+    four = uniform_peers(4, rate)
+    four.rate[3] = rate / 2
+    t4 = group_exchange(four, [0, 1, 2, 3], nbytes, 0.0, overhead=1.0)
+    assert t4 == pytest.approx(2 * (0.75 * nbytes - 16 * 1024) / (rate / 2 / 8), rel=1e-9, abs=0.2)
+    assert t4 > 2 * (0.75 * nbytes - 16 * 1024) / (rate / 2 / 8) - 1e-9
+
+
+def test_payload_comes_from_the_codec():
+    assert payload_bytes(1000, "fp32") == 4000
+    assert 1_280_000 * 4.1875 / 8 <= payload_bytes(1_280_000, "int4") < 1_280_000 * 4.2 / 8  # 4 bits + 24 per 128
+    with pytest.raises(ValueError, match="codec"):
+        payload_bytes(10, "int3x")
+
+
+def test_pairs_do_not_grow_with_n_while_the_ring_does():
+    cfg = WanConfig(parameters=1_000_000, rounds=2, bandwidth_sigma=0.0, rtt_sigma=0.0)
+    small, large = draw_peers(8, cfg), draw_peers(256, cfg)
+    pairs = [sync_times("noloco-g2", p, cfg).mean() for p in (small, large)]
+    ring = [sync_times("diloco-ring", p, cfg).mean() for p in (small, large)]
+    assert pairs[1] == pytest.approx(pairs[0], rel=1e-6)
+    assert ring[1] > 5 * ring[0]  # 2(N−1) latency-bound steps
+
+
+def test_a_straggler_holds_back_the_all_reduce_and_scheduled_pairs_but_not_the_swarm():
+    cfg = WanConfig(parameters=100_000, compute=1.0, rounds=12, bandwidth=1e9, bandwidth_sigma=0.0, rtt_sigma=0.0,
+                    straggler_fraction=1 / 16, straggler_factor=4.0)  # fmt: skip
+    peers = draw_peers(16, cfg)
+    assert (peers.slowdown == 4).sum() == 1
+    ring = simulate_rounds("diloco-ring", peers, cfg)
+    scheduled = simulate_rounds("noloco-g2", peers, cfg)
+    swarm = simulate_rounds("swarm-g2", peers, cfg)
+    assert ring["round_s_normal"] > 4.0  # everyone waits for the straggler's 4 s of compute
+    assert scheduled["round_s_normal"] > 2.0  # its delay spreads through the pairs
+    assert swarm["round_s_normal"] < 1.0 + matchmaking_seconds(peers, [0, 1], cfg) + 0.5
+    assert swarm["idle_fraction"] < ring["idle_fraction"]
+
+
+def test_calibration_reads_the_fleet_reports_and_fits_one_point_per_report():
+    points = calibration()
+    assert points, "no fleet reports in docs/results"
+    for report in {p["report"] for p in points}:
+        fits = [p for p in points if p["report"] == report and p.get("fit")]
+        assert len(fits) == len({(p["hosts"], p["rate_mbit"]) for p in fits})
+        assert all(p["error"] == pytest.approx(0.0, abs=1e-12) for p in fits)
+    ddp = [p for p in points if p["report"] == "throttled-duplex.json" and p["method"] == "ddp/fp32"]
+    # 4 hosts at 50 Mbit/s: the ring's bytes at the link rate, 2·3/4 · 2.76 MB · 1.07 · 8 / 5e7
+    assert ddp and ddp[0]["link_full"] == pytest.approx(495.936e6 / 120 * DEFAULT_OVERHEAD * 8 / 50e6, rel=1e-3)
+
+
+def test_claim_conditions_vary_what_they_say():
+    rows = claim_conditions(WanConfig(parameters=1_000_000, rounds=1), n=64)
+    names = [r["scenario"] for r in rows]
+    assert "as configured" in names and "10% stragglers 4× slower" in names
+    by = {r["scenario"]: r for r in rows}
+    assert by["10% stragglers 4× slower"]["tree_over_pairs"] > by["no spread, no stragglers"]["tree_over_pairs"]
