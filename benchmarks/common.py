@@ -84,6 +84,19 @@ def machine() -> str:
     return ", ".join(parts)
 
 
+def split_method(method: str) -> list[str]:
+    """The ``/``-separated parts of a method or entry spelling (``algo/codec[/key=value...]``), with the ``/`` inside a
+    top-k codec kept: ``noloco/topk:64/4096+int2/outer.overlap=true`` → ``noloco``, ``topk:64/4096+int2``,
+    ``outer.overlap=true`` (a part that starts with a digit continues the one before it, as ``4096+int2`` does)."""
+    parts: list[str] = []
+    for part in method.split("/"):
+        if parts and part[:1].isdigit():
+            parts[-1] += "/" + part
+        else:
+            parts.append(part)
+    return parts
+
+
 def command(name: str, args: Sequence[str] | None = None) -> str:
     """The command line that reruns benchmark ``name``: ``python -m benchmarks.<name>`` and ``args`` (default: the
     arguments as typed, ``sys.argv[1:]``), each quoted for a POSIX shell where it needs it.

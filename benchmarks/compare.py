@@ -54,7 +54,7 @@ def parse_entry(entry: str) -> list[str]:
     Raises ``ValueError`` with one line for an unknown algorithm, more than two codecs, a codec after an
     override, or an empty part (``noloco//int4``, ``noloco/int4/=3``).
     """
-    algo, *parts = entry.split("/")
+    algo, *parts = common.split_method(entry)
     if algo not in ALGOS:
         hint = " (config overrides common to every run go after --)" if "=" in algo else ""
         raise ValueError(f"entry {entry!r}: {algo!r} is not an algorithm ({', '.join(ALGOS)}){hint}")

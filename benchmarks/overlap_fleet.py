@@ -63,7 +63,7 @@ OVERLAP_KEYS = ("outer.overlap", "outer.fragments")
 
 def blocking_of(method: str) -> str:
     """The blocking counterpart of ``method``: its name without the overlap and fragment keys."""
-    return "/".join(part for part in method.split("/") if not part.startswith(OVERLAP_KEYS))
+    return "/".join(part for part in common.split_method(method) if not part.startswith(OVERLAP_KEYS))
 
 
 def method_of(run_dir: Path) -> str:

@@ -91,7 +91,7 @@ def method_overrides(method: str) -> list[str]:
     step against 1.33 s), so the baselines get the faster of the two. Quantized exchanges keep the
     two-phase reduction, which quantizes each value at most twice; a ring would requantize at every hop.
     """
-    algo, codec, *extra = method.split("/")
+    algo, codec, *extra = common.split_method(method)
     overrides = [f"outer.algo={algo}", f"comm.codec={codec}", f"comm.slow_codec={codec}"]
     if codec == "fp32":
         overrides.append("comm.reduction=ring")

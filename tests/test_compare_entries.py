@@ -87,3 +87,15 @@ def test_a_redrawn_run_is_named_by_its_seed_overlap_rule_and_fragments(tmp_path)
         (run_dir / "summary.json").write_text('{"algo": "noloco", "codec": "int4", "slow_codec": null}')
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(load_config(overrides)))
         assert compare.entry_of_run(run_dir) == entry
+
+
+def test_a_top_k_codec_keeps_its_slash_in_method_spellings():
+    from benchmarks import common, overlap_fleet, throttled
+
+    assert common.split_method("noloco/topk:64/4096+int2/outer.overlap=true") == [
+        "noloco", "topk:64/4096+int2", "outer.overlap=true"]  # fmt: skip
+    assert compare.parse_entry("noloco/topk:64/4096+int2/int4")[1:] == [
+        "comm.codec=topk:64/4096+int2", "comm.slow_codec=int4"]  # fmt: skip
+    assert throttled.method_overrides("noloco/topk:64/4096+int2/outer.slow_every=8")[:2] == [
+        "outer.algo=noloco", "comm.codec=topk:64/4096+int2"]  # fmt: skip
+    assert overlap_fleet.blocking_of("noloco/topk:64/4096+int2/outer.overlap=true") == "noloco/topk:64/4096+int2"
