@@ -15,14 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
         ("outer.nope=1", "unknown config key 'outer.nope'"),
         ("outer.group_size=3", "does not divide workers=4"),
         ("outer.algo=sgd", "outer.algo='sgd' is not one of"),
-        ("comm.codec=int3", "comm.codec='int3'"),
+        ("comm.codec=int5", "comm.codec='int5'"),
+        ("comm.codec=topk:65/64+int2", "top-k K must be in 1..C"),
+        ("comm.codec=topk:64/4096+int2 comm.reduction=ring", "cannot carry the top-k codec"),
+        ("comm.error_feedback_decay=1.5", "comm.error_feedback_decay must be in (0, 1]"),
         ("workers=0", "workers must be an integer >= 1"),
         ("model.preset=huge", "model.preset='huge'"),
     ],
 )
 def test_bad_config_fails_with_clear_message(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        load_config([override])
+        load_config(override.split())
 
 
 def test_missing_data_path_fails(tmp_path):
