@@ -359,11 +359,11 @@ def allreduce_device(
     """
     from noloco.collectives.base import SMALL_MESSAGE_NUMEL
 
-    _check_arguments(x, op, error_feedback)
     requested = get_codec(codec)
     if isinstance(requested, QuantCodec) and requested.spec.sparse:
         raise ValueError(f"allreduce_device does not carry the sparse codec {requested.name!r} (its two-phase owner "
                          "would re-sparsify every sum); use allreduce over a transport")
+    _check_arguments(x, op, error_feedback)
     requested_spec = _wire_spec(requested)
     me, n = dist.get_rank(group), dist.get_world_size(group)
     if me < 0:
