@@ -752,11 +752,22 @@ def main() -> None:
     ap.add_argument("--triton-only", action="store_true", help="GPU: skip the torch baselines")
     ap.add_argument("--kernel-time", action="store_true", help="(always on; kept for old command lines)")
     ap.add_argument("--sweep", action="store_true", help="GPU: tune the kernels' launch configurations first")
+    ap.add_argument("--formats", default=None, metavar="LIST",
+                    help="comma-separated specs to time instead of int4,int8,mxfp4,mxfp8, e.g. "
+                         "int2,int3,sign,topk:64/4096+int2 (the low-bit kernels and top-k)")
     ap.add_argument("--budget", type=float, default=330.0,
                     help="seconds from the start after which no further baseline row is started")
     ap.add_argument("--previous", default=str(common.RESULTS / "kernels.json"),
                     help="JSON of a previous GPU run, for the 'before' columns")
     args = ap.parse_args()
+    if args.formats:
+        from noloco.quant import QuantSpec
+
+        try:
+            FORMATS[:] = [str(QuantSpec.parse(f)) for f in args.formats.split(",")]
+        except ValueError as err:
+            print(f"error: --formats: {err}", file=sys.stderr)
+            sys.exit(2)
     if args.log2n is None:
         args.log2n = 22 if args.cpu else 28
     if not args.cpu and not torch.cuda.is_available():

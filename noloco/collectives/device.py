@@ -353,14 +353,17 @@ def allreduce_device(
         ``allreduce(x, transport, codec=codec, reduction="two_phase", op=op)`` on the same inputs.
 
     Raises:
-        ValueError / TypeError: bad arguments (before any collective).
+        ValueError / TypeError: bad arguments, a sparse (top-k) codec (before any collective).
         PayloadMismatch: members disagree on numel, dtype, op, codec or group size (on every member).
         ValueError: this member's input holds NaN/Inf (quantized codecs); the others raise RemoteFailure.
     """
     from noloco.collectives.base import SMALL_MESSAGE_NUMEL
 
-    _check_arguments(x, op, error_feedback)
     requested = get_codec(codec)
+    if isinstance(requested, QuantCodec) and requested.spec.sparse:
+        raise ValueError(f"allreduce_device does not carry the sparse codec {requested.name!r} (its two-phase owner "
+                         "would re-sparsify every sum); use allreduce over a transport")
+    _check_arguments(x, op, error_feedback)
     requested_spec = _wire_spec(requested)
     me, n = dist.get_rank(group), dist.get_world_size(group)
     if me < 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from noloco.collectives import REDUCTIONS, known_codecs
+from noloco.collectives import REDUCTIONS, get_codec, known_codecs
 from noloco.optim.overlap import OVERLAP_RULES, check_overlap_steps, overlap_rule
 
 ALGOS = ("noloco", "diloco", "avg", "ddp")
@@ -252,8 +252,16 @@ def validate(cfg: DictConfig) -> None:
     for key in ("codec", "slow_codec"):
         value = cfg.comm[key]
         if value is not None:
-            _require(value in known_codecs(), f"comm.{key}={value!r} is not a codec ({', '.join(known_codecs())}, ...)")
+            _require(value in known_codecs(), f"comm.{key}={value!r} is not a codec: {_codec_error(value)}")
+            _require(not (cfg.comm.reduction in ("ring", "naive_ring") and get_codec(value).name.startswith("topk")),
+                     f"comm.reduction={cfg.comm.reduction} cannot carry the top-k codec comm.{key}={value!r}; "
+                     "use two_phase or allgather")
     _require(cfg.comm.reduction in REDUCTIONS, f"comm.reduction={cfg.comm.reduction!r} is not one of {REDUCTIONS}")
+    decay = cfg.comm.error_feedback_decay
+    _require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1,
+             f"comm.error_feedback_decay must be in (0, 1], got {decay!r}")
+    _require(decay == 1,
+             f"comm.error_feedback_decay={decay} is not taken by the outer optimizers yet; use 1.0")
     for key in ("recv_timeout", "group_timeout", "startup_timeout"):
         _require(cfg.comm[key] > 0, f"comm.{key} must be > 0 seconds, got {cfg.comm[key]}")
     ratio = cfg.comm.max_norm_ratio
@@ -373,3 +381,12 @@ def _validate_wandb(wandb) -> None:
             f"log.wandb.project={wandb.project!r} needs wandb, which is not installed: pip install 'noloco[wandb]' "
             "(or drop log.wandb.project)",
         )
+
+
+def _codec_error(name: object) -> str:
+    """Why ``name`` is not a codec: the parser's own one-line message."""
+    try:
+        get_codec(name)
+    except ValueError as err:
+        return str(err)
+    return "not a codec"

@@ -43,7 +43,8 @@ from noloco.quant import dequantize, quantize
 
 from .helpers import exact_mean, rel_error
 
-CODECS = ["int4", "int8", "mxfp4", "fp32", "int4:naive", "int8:g64:sym", "bf16", "int4+hadamard"]
+CODECS = ["int4", "int8", "mxfp4", "fp32", "int4:naive", "int8:g64:sym", "bf16", "int4+hadamard", "int2", "int3",
+          "sign"]
 
 
 def _inputs(world: int, numel: int, seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:

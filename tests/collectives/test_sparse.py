@@ -80,3 +80,10 @@ def test_error_feedback_over_many_calls_tracks_the_sum_of_means(codec, reduction
     assert torch.equal(outs[0], outs[1])
     assert gap <= residual + 1e-3  # what is missing from the running sum is what the residuals still hold
     assert residual < 20 * numel**0.5  # bounded: a leak would grow with the number of calls
+
+
+def test_device_path_refuses_sparse_codecs_before_any_collective():
+    from noloco.collectives import allreduce_device
+
+    with pytest.raises(ValueError, match="does not carry the sparse codec"):
+        allreduce_device(torch.randn(5000), codec="topk:8/256+int2")  # no process group needed: refused first

@@ -20,8 +20,9 @@ from noloco.quant import Packed, PayloadError, QuantSpec, dequantize, quantize
 from .fuzzing import fuzz_settings, mutate, peak_python_allocation, record
 
 SPECS = ["int4", "int8", "int4:g64", "int4:sym", "int4:naive", "mxfp4", "mxfp6", "mxfp8", "bf16", "fp16", "fp32",
-         "int4+hadamard", "int8+hadamard", "mxfp4+hadamard", "bf16+hadamard"]  # fmt: skip
-EXAMPLES_PER_SPEC = 270  # x 15 specs = 4,050 cases
+         "int4+hadamard", "int8+hadamard", "mxfp4+hadamard", "bf16+hadamard", "int2", "int3", "sign:g16",
+         "topk:8/64+int2", "topk:8/64+dct+sign", "topk:3/16+fp32"]  # fmt: skip
+EXAMPLES_PER_SPEC = 270  # x 21 specs = 5,670 cases
 MAX_NUMEL = 1 << 12
 
 
