@@ -51,11 +51,14 @@ def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
     def check(state: dict, rank: int) -> None:
         where = f"{folder}/worker_{rank}"
         vocab = checkpoint.state_vocab_size(state)
+        if vocab is not None and not 2 <= vocab <= cfg.data.max_vocab_size:  # before a model is built from it
+            raise checkpoint.CheckpointError(f"{where}: a vocabulary of {vocab}, not in [2, data.max_vocab_size="
+                                             f"{cfg.data.max_vocab_size}] (raise it if this is right)")  # fmt: skip
         if vocab not in layouts:
             with torch.device("meta"):  # shapes only: nothing allocated
                 model = build_model(cfg, vocab or cfg.data.vocab_size)
-                opt, _ = build_inner_optimizer(cfg, model)
-            layouts[vocab] = checkpoint.Layout.of(model, opt, outer=cfg.outer.algo != "ddp")
+                opt, schedule = build_inner_optimizer(cfg, model)
+            layouts[vocab] = checkpoint.Layout.of(model, opt, outer=cfg.outer.algo != "ddp", schedule=schedule)
         layouts[vocab].check(state, step, where)
         if isinstance(state.get("sampler"), dict):
             stream_ends[rank] = [int(s) for s in state["sampler"].get("ends", [])]

@@ -293,7 +293,7 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
     )
     if ctx.resume_from is not None:  # checked as a whole (noloco.train.cli) before the run wrote anything
         state = checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step)
-        layout = checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm))
+        layout = checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm), schedule=schedule)
         layout.check(state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
         worker.load(state)
     else:
