@@ -105,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             others = [o for o in args.overrides if not o.startswith("resume=")]
             cfg = load_config(others, [str(saved), *args.config])
             cfg.resume = str(resume_from)
-            if resume_step >= cfg.steps:
+            if resume_step == cfg.steps and not (run_dir / "summary.json").exists():  # killed before its summary
+                print(f"note: the checkpoint is the run's last step ({resume_step}) and {run_dir}/summary.json is "
+                      "missing: writing the summary from it", file=sys.stderr)  # fmt: skip
+            elif resume_step >= cfg.steps:
                 raise ConfigError(
                     f"resume: checkpoint is at step {resume_step}, run has steps={cfg.steps}; raise steps= to continue"
                 )

@@ -9,6 +9,7 @@ after.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -47,3 +48,30 @@ def test_a_name_that_is_not_a_single_folder_name_is_refused(tmp_path, capsys, ke
     _one_error_line(capsys.readouterr().err, f"{key}=")
     assert _snapshot(root) == before
     assert not Path("/tmp/noloco-absolute-name").exists()
+
+
+TINY = ("workers=2", "threads=1", "steps=10", "outer.every=5", "checkpoint.every=5", "log.tensorboard=false",
+        "log.plot=false")  # fmt: skip
+
+
+def test_a_run_killed_between_its_last_checkpoint_and_its_summary_gets_the_summary_on_resume(
+    smoke_overrides, data_cache, tmp_path, capsys
+):
+    """The last checkpoint holds everything the summary needs: resuming it writes ``summary.json`` (the same
+    final losses, bytes and rejections) instead of asking for more steps; once written, a resume is refused."""
+    common = [*smoke_overrides, f"data.cache_dir={data_cache}", f"run.dir={tmp_path}", "run.name=r", *TINY]
+    assert main(common) == 0
+    run_dir = tmp_path / "r"
+    complete = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").unlink()  # what a kill after the final checkpoint leaves
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main([f"resume={run_dir}/checkpoints/latest", "log.progress=false"]) == 0
+    assert "summary.json is missing: writing the summary" in capsys.readouterr().err
+    again = json.loads((run_dir / "summary.json").read_text())
+    for key in ("final_eval_loss_per_worker", "bytes_sent_by_worker", "bytes_received_by_worker", "steps",
+                "norm_rejections_by_worker", "consensus_distance", "unigram_eval_loss"):  # fmt: skip
+        assert again[key] == complete[key], key
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics  # no step trained twice, nothing cut
+    assert main([f"resume={run_dir}/checkpoints/latest", "log.progress=false"]) == 2
+    _one_error_line(capsys.readouterr().err, "raise steps= to continue")
