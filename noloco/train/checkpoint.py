@@ -36,6 +36,7 @@ step folder are removed, the last complete checkpoint is left as it was.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import logging
@@ -241,19 +242,49 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor], sha) -> Iterable[bytes 
             yield chunk
 
 
+class DiskFull(CheckpointError):
+    """No space left to write a checkpoint; the message says how much it needed and which checkpoint is intact."""
+
+
+def _disk_full(run_dir: Path, step: int, what: str, need: int) -> DiskFull:
+    folder = step_dir(run_dir, step)
+    try:
+        free = shutil.disk_usage(folder if folder.exists() else Path(run_dir)).free
+    except OSError:
+        free = 0
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    try:
+        intact = (f"the previous checkpoint (step {resolve(latest)[2]}) is intact: free space and resume with "
+                  f"python train.py resume={latest}")  # fmt: skip
+    except CheckpointError:
+        intact = "there is no earlier complete checkpoint"
+    return DiskFull(f"no space left on the disk of {folder} writing {what}: it needs {need / 1e6:,.1f} MB, "
+                    f"{free / 1e6:,.1f} MB are free; step {step}'s checkpoint is incomplete, {intact}")  # fmt: skip
+
+
 def save_worker(run_dir: Path, step: int, rank: int, state: dict) -> Path:
-    """Write one worker's state for ``step``; returns the JSON file's path."""
+    """Write one worker's state for ``step``; returns the JSON file's path. :class:`DiskFull` (a
+    :class:`CheckpointError`) if the disk fills up: the files being written are removed, the previous
+    checkpoint is left as it was."""
     folder = step_dir(run_dir, step)
     with _WRITES.lock:
         _WRITES.folders.add(folder)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = flatten(state, tensors)
     sha = hashlib.sha256()
-    atomic_write(folder / f"worker_{rank}.safetensors", safetensors_chunks(tensors, sha))
-    faults.fire("checkpoint.mid", step, rank)
-    meta = {"format": FORMAT, "step": step, "rank": rank, "sha256": sha.hexdigest(), "state": skeleton}
-    path = folder / f"worker_{rank}.json"
-    atomic_write(path, json.dumps(meta).encode())
+    blob = folder / f"worker_{rank}.safetensors"
+    try:
+        atomic_write(blob, safetensors_chunks(tensors, sha))
+        faults.fire("checkpoint.mid", step, rank)
+        meta = {"format": FORMAT, "step": step, "rank": rank, "sha256": sha.hexdigest(), "state": skeleton}
+        path = folder / f"worker_{rank}.json"
+        text = json.dumps(meta).encode()
+        atomic_write(path, text)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        need = sum(t.numel() * t.element_size() for t in tensors.values()) + len(json.dumps(skeleton))
+        raise _disk_full(run_dir, step, f"worker {rank}'s state", need) from None
     return path
 
 
@@ -284,8 +315,13 @@ def mark_complete(run_dir: Path, step: int, config_yaml: str, keep: int) -> Path
     """Write the config and the COMPLETE marker, move ``latest``, prune old and stale checkpoints."""
     folder = step_dir(run_dir, step)
     with _Commit():
-        atomic_write(folder / "config.yaml", config_yaml.encode())
-        atomic_write(folder / COMPLETE, str(step).encode())
+        try:
+            atomic_write(folder / "config.yaml", config_yaml.encode())
+            atomic_write(folder / COMPLETE, str(step).encode())
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise _disk_full(run_dir, step, "its config.yaml and COMPLETE marker", len(config_yaml) + 16) from None
         latest = folder.parent / "latest"
         tmp_link = folder.parent / f".latest.{os.getpid()}.link.tmp"
         if tmp_link.is_symlink() or tmp_link.exists():

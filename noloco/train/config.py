@@ -307,8 +307,15 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
     from noloco.train.model import PRESETS
 
+    limit = cfg.model.max_memory_gb
+    _require(limit == "auto" or (isinstance(limit, (int, float)) and not isinstance(limit, bool)
+                                 and 0 < limit < math.inf), f"model.max_memory_gb must be auto or a number of GB > 0, "
+             f"got {limit!r}")  # fmt: skip
     _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
     _validate_names(cfg)
+    stall = cfg.run.stall_timeout
+    _require(isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < math.inf,
+             f"run.stall_timeout must be a number of seconds >= 0 (0: off), got {stall!r}")  # fmt: skip
     _validate_peer(cfg.peer)
 
 
