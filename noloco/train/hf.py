@@ -189,6 +189,36 @@ def config_parameters(config, where) -> int:
             + sizes.get("positions", 0) * h)  # fmt: skip
 
 
+def check_weight_shapes(auto, config, folder: Path) -> None:
+    """ConfigError naming the first tensor of the folder's safetensors weights whose shape is not the one
+    ``config.json`` gives it (read from the files' headers and a model built on the ``meta`` device: nothing is
+    loaded). Pickled ``.bin`` weights are left to transformers' own check."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+            (["model.safetensors"] if (folder / "model.safetensors").is_file() else [])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{index}: not a weights index ({_first_line(exc)})") from None
+    if not files:
+        return
+    with _BUILD, torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in auto.from_config(config).state_dict().items()}
+    for name in files:
+        path = folder / str(name)
+        try:
+            with safe_open(str(path), framework="pt") as blob:
+                stored = {key: tuple(blob.get_slice(key).get_shape()) for key in blob.keys()}
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ConfigError(f"{path}: not a safetensors file ({_first_line(exc)})") from None
+        for key, shape in stored.items():
+            expected = shapes.get(key)
+            if expected is not None and expected != shape:
+                raise ConfigError(f"{path}: {key} has shape {shape}, {folder}/config.json makes it {expected} "
+                                  "(the weights are not this config's model)")  # fmt: skip
+
+
 def build_hf_model(cfg, vocab_size: int) -> HFCausalLM:
     """The ``model.source=hf`` model of ``cfg`` for a tokenizer of ``vocab_size`` tokens, in fp32.
 
@@ -221,9 +251,13 @@ def build_hf_model(cfg, vocab_size: int) -> HFCausalLM:
                        what=f"model of {folder}/config.json")  # fmt: skip
     meta = torch.get_default_device().type == "meta"
     auto = transformers.AutoModelForCausalLM
+    if weights and not meta:
+        check_weight_shapes(auto, config, folder)
+    verbosity = transformers.logging.get_verbosity()
     try:
         with _BUILD, torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.run.seed))
+            transformers.logging.set_verbosity_error()  # its load report is not our one line
             if weights and not meta:
                 model = auto.from_pretrained(folder, config=config, dtype=torch.float32, local_files_only=True)
             else:
@@ -231,6 +265,8 @@ def build_hf_model(cfg, vocab_size: int) -> HFCausalLM:
     except Exception as exc:  # noqa: BLE001 - a pickled .bin (UnpicklingError), shapes that disagree, bad values
         raise ConfigError(f"model.hf_path={cfg.model.hf_path!r}: not a causal LM transformers can build or load "
                           f"({type(exc).__name__}: {_first_line(exc)})") from None  # fmt: skip
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     rows = model.get_input_embeddings().weight.shape[0]
     if rows < vocab_size:
         raise ConfigError(f"model.hf_path={cfg.model.hf_path!r}: its embedding has {rows} rows, the tokenizer has "
