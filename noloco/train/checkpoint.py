@@ -771,7 +771,8 @@ class Layout:
                 continue
             where = f"algorithm/{key}"
             _keys(feedback, where, {"version", "contribution", "result"})
-            if feedback["version"] != 1 or (feedback["contribution"] is None) != (feedback["result"] is None):
+            if not _is_int(feedback["version"]) or feedback["version"] != 1 or \
+                    (feedback["contribution"] is None) != (feedback["result"] is None):
                 raise _Malformed(f"{where}: not an error-feedback state")
             for part in ("contribution", "result"):
                 if feedback[part] is not None:
