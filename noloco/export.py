@@ -67,9 +67,12 @@ def run_config(folder: Path) -> DictConfig:
 
 
 def build(cfg: DictConfig, vocab: int) -> torch.nn.Module:
+    """One model of the run (its size checked against ``model.max_memory_gb`` for one model, not every worker's)."""
     from noloco.train.loop import build_model
 
-    return build_model(cfg, vocab)
+    one = cfg.copy()
+    one.workers = 1
+    return build_model(one, vocab)
 
 
 def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -9,9 +9,12 @@ Examples::
 
 Exit status: 0 done (also when a streamed dataset ran out and ended the run early, ``data.stream_end=stop``:
 ``summary.json`` says so under ``stopped``); 2 a bad config, data or checkpoint (one ``error:`` line; a
-refused resume leaves the run folder as it was); 130 interrupted (Ctrl-C: every worker stops at one step
-and saves it, and the last line says how to resume; a second Ctrl-C quits at once, keeping the last
-complete checkpoint).
+refused resume leaves the run folder as it was; also a full disk during a checkpoint, which keeps the previous
+one); 3 stalled (no worker finished a step within ``run.stall_timeout`` seconds: every thread's stack is in
+``<run>/stall-<pid>.txt``, the last complete checkpoint is kept); 130 interrupted (Ctrl-C: every worker stops at
+one step and saves it, and the last line says how to resume; a second Ctrl-C quits at once, keeping the last
+complete checkpoint). Resuming a run's last checkpoint when its ``summary.json`` is missing (a kill between the
+two) writes the summary.
 """
 
 from __future__ import annotations

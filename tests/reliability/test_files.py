@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,15 +89,33 @@ ROOT = Path(__file__).resolve().parents[2]
 REFUSAL_FIGURES: dict[str, tuple[float, float, float]] = {}  # case → (seconds, peak RSS MB, above the baseline)
 
 
+_HIGH_WATER = (
+    "import atexit, os, runpy, sys\n"
+    "def peak():\n"
+    "    with open('/proc/self/status') as f, open(os.environ['NOLOCO_TEST_HWM'], 'w') as out:\n"
+    "        out.write(next(l for l in f if l.startswith('VmHWM')).split()[1])\n"
+    "atexit.register(peak)\n"
+    "target, sys.argv = sys.argv[1], sys.argv[1:]\n"
+    "if target == '-m':\n"
+    "    sys.argv = sys.argv[1:]\n"
+    "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+    "else:\n"
+    "    runpy.run_path(target, run_name='__main__')\n"
+)
+
+
 def _run_measured(args: list[str], env: dict | None = None) -> tuple[int, str, float, float]:
-    """Run ``python args`` in the repository: (exit status, stderr, seconds, peak resident set in MB)."""
-    started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, **(env or {})})  # fmt: skip
-    err = proc.stderr.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, err, time.perf_counter() - started, usage.ru_maxrss / 1024
+    """Run ``python args`` in the repository: (exit status, stderr, seconds, peak resident set in MB).
+
+    The peak is the process's own ``VmHWM`` read at exit (``ru_maxrss`` would count the forking parent's pages)."""
+    with tempfile.NamedTemporaryFile(suffix=".hwm") as hwm:
+        started = time.perf_counter()
+        env = {**os.environ, **(env or {}), "NOLOCO_TEST_HWM": hwm.name}
+        proc = subprocess.run([sys.executable, "-c", _HIGH_WATER, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env=env)  # fmt: skip
+        seconds = time.perf_counter() - started
+        text = Path(hwm.name).read_text().strip()
+    return proc.returncode, proc.stderr.decode(), seconds, int(text) / 1024 if text else float("nan")
 
 
 def _llama_config(folder: Path, **sizes) -> Path:
