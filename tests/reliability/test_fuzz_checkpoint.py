@@ -155,3 +155,28 @@ def test_the_tokenizer_entry_count_bounds_every_mutated_file(tmp_path):
         record("tokenizer entry count", True)
 
     case()
+
+
+def test_model_sizes_of_a_config_json_are_an_estimate_or_one_config_error():
+    """:func:`noloco.train.hf.config_parameters` on sizes of every JSON type: a parameter count (an int, each
+    size an integer in [1, 2^31)) or a ConfigError naming the key, never another exception."""
+    from types import SimpleNamespace
+
+    from noloco.train.config import ConfigError
+    from noloco.train.hf import _SIZE_KEYS, config_parameters
+
+    keys = [k for names in _SIZE_KEYS.values() for k in names]
+
+    @fuzz_settings(400)
+    @given(sizes=st.dictionaries(st.sampled_from(keys), _JSON, max_size=6))
+    def case(sizes):
+        try:
+            count = config_parameters(SimpleNamespace(**sizes), "fuzz")
+        except ConfigError as exc:
+            assert "config.json has" in str(exc)
+            record("HF config.json sizes", False)
+            return
+        assert isinstance(count, int) and count >= 0
+        record("HF config.json sizes", True)
+
+    case()
