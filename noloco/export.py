@@ -57,13 +57,22 @@ def run_config(folder: Path) -> DictConfig:
     saved = folder / "config.yaml"
     if not saved.is_file():
         raise checkpoint.CheckpointError(f"{saved}: missing: the checkpoint is damaged")
-    return _merge(default_config(), OmegaConf.load(saved), str(saved))
+    try:
+        loaded = OmegaConf.load(saved)
+    except Exception as exc:  # noqa: BLE001 - yaml errors of every kind
+        raise checkpoint.CheckpointError(f"{saved}: cannot parse: {str(exc).splitlines()[0]}") from None
+    if not isinstance(loaded, DictConfig):
+        raise checkpoint.CheckpointError(f"{saved}: not a mapping of config keys")
+    return _merge(default_config(), loaded, str(saved))
 
 
 def build(cfg: DictConfig, vocab: int) -> torch.nn.Module:
+    """One model of the run (its size checked against ``model.max_memory_gb`` for one model, not every worker's)."""
     from noloco.train.loop import build_model
 
-    return build_model(cfg, vocab)
+    one = cfg.copy()
+    one.workers = 1
+    return build_model(one, vocab)
 
 
 def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -137,12 +146,13 @@ def run_tokenizer(cfg: DictConfig, run_dir: Path, override=None):
     """The tokenizer the run trained with (see the module docstring for where it is looked for)."""
     from noloco.train.hf import corpus_tokenizer, load_tokenizer
 
+    bound = cfg.data.max_vocab_size
     if override:
-        return load_tokenizer(override)
+        return load_tokenizer(override, bound)
     if (run_dir / "tokenizer.json").is_file():
-        return load_tokenizer(run_dir / "tokenizer.json")
+        return load_tokenizer(run_dir / "tokenizer.json", bound)
     if cfg.data.get("tokenizer"):
-        return load_tokenizer(cfg.data.tokenizer)
+        return load_tokenizer(cfg.data.tokenizer, bound)
     from noloco.train.run import load_corpus
 
     try:

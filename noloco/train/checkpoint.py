@@ -36,6 +36,7 @@ step folder are removed, the last complete checkpoint is left as it was.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import logging
@@ -241,19 +242,49 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor], sha) -> Iterable[bytes 
             yield chunk
 
 
+class DiskFull(CheckpointError):
+    """No space left to write a checkpoint; the message says how much it needed and which checkpoint is intact."""
+
+
+def _disk_full(run_dir: Path, step: int, what: str, need: int) -> DiskFull:
+    folder = step_dir(run_dir, step)
+    try:
+        free = shutil.disk_usage(folder if folder.exists() else Path(run_dir)).free
+    except OSError:
+        free = 0
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    try:
+        intact = (f"the previous checkpoint (step {resolve(latest)[2]}) is intact: free space and resume with "
+                  f"python train.py resume={latest}")  # fmt: skip
+    except CheckpointError:
+        intact = "there is no earlier complete checkpoint"
+    return DiskFull(f"no space left on the disk of {folder} writing {what}: it needs {need / 1e6:,.1f} MB, "
+                    f"{free / 1e6:,.1f} MB are free; step {step}'s checkpoint is incomplete, {intact}")  # fmt: skip
+
+
 def save_worker(run_dir: Path, step: int, rank: int, state: dict) -> Path:
-    """Write one worker's state for ``step``; returns the JSON file's path."""
+    """Write one worker's state for ``step``; returns the JSON file's path. :class:`DiskFull` (a
+    :class:`CheckpointError`) if the disk fills up: the files being written are removed, the previous
+    checkpoint is left as it was."""
     folder = step_dir(run_dir, step)
     with _WRITES.lock:
         _WRITES.folders.add(folder)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = flatten(state, tensors)
     sha = hashlib.sha256()
-    atomic_write(folder / f"worker_{rank}.safetensors", safetensors_chunks(tensors, sha))
-    faults.fire("checkpoint.mid", step, rank)
-    meta = {"format": FORMAT, "step": step, "rank": rank, "sha256": sha.hexdigest(), "state": skeleton}
-    path = folder / f"worker_{rank}.json"
-    atomic_write(path, json.dumps(meta).encode())
+    blob = folder / f"worker_{rank}.safetensors"
+    try:
+        atomic_write(blob, safetensors_chunks(tensors, sha))
+        faults.fire("checkpoint.mid", step, rank)
+        meta = {"format": FORMAT, "step": step, "rank": rank, "sha256": sha.hexdigest(), "state": skeleton}
+        path = folder / f"worker_{rank}.json"
+        text = json.dumps(meta).encode()
+        atomic_write(path, text)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        need = sum(t.numel() * t.element_size() for t in tensors.values()) + len(json.dumps(skeleton))
+        raise _disk_full(run_dir, step, f"worker {rank}'s state", need) from None
     return path
 
 
@@ -284,8 +315,13 @@ def mark_complete(run_dir: Path, step: int, config_yaml: str, keep: int) -> Path
     """Write the config and the COMPLETE marker, move ``latest``, prune old and stale checkpoints."""
     folder = step_dir(run_dir, step)
     with _Commit():
-        atomic_write(folder / "config.yaml", config_yaml.encode())
-        atomic_write(folder / COMPLETE, str(step).encode())
+        try:
+            atomic_write(folder / "config.yaml", config_yaml.encode())
+            atomic_write(folder / COMPLETE, str(step).encode())
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise _disk_full(run_dir, step, "its config.yaml and COMPLETE marker", len(config_yaml) + 16) from None
         latest = folder.parent / "latest"
         tmp_link = folder.parent / f".latest.{os.getpid()}.link.tmp"
         if tmp_link.is_symlink() or tmp_link.exists():
@@ -363,6 +399,12 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path, int]:
     real = folder.resolve()
     if step is None or real.parent.name != "checkpoints":
         raise CheckpointError(f"resume={path}: not a checkpoint folder (expected <run>/checkpoints/step_NNNNNN)")
+    # every link resolved: the folder must be in its own run's checkpoints/ (a checkpoints/ that is a link into
+    # another run would resume, write into and prune that run)
+    run = Path(os.path.abspath(folder)).parent.parent
+    if real != run.resolve() / "checkpoints" / folder.name:
+        raise CheckpointError(f"resume={path}: leads to {real}, outside its run {run} (a link in the way); "
+                              "refusing to follow it")  # fmt: skip
     marker = folder / COMPLETE
     if not marker.is_file():
         raise CheckpointError(f"resume={path}: checkpoint is incomplete (no {COMPLETE} marker)")
@@ -518,16 +560,25 @@ class Layout:
     numel: int  # flat parameter count: slow weights, momentum, residuals
     outer: bool  # an outer algorithm (slow weights, rule, φ₀) rather than DDP
     vocab_size: int | None = None
+    opt_settings: list[dict] | None = None  # the optimizer's param groups as the run builds them (less params)
+    schedule_keys: set[str] | None = None  # the LR schedule's state_dict keys
 
     @classmethod
-    def of(cls, model: torch.nn.Module, opt: torch.optim.Optimizer, outer: bool) -> Layout:
+    def of(cls, model: torch.nn.Module, opt: torch.optim.Optimizer, outer: bool,
+           schedule: torch.optim.lr_scheduler.LRScheduler | None = None) -> Layout:  # fmt: skip
+        """``schedule``: the run's LR schedule; with it, every plain value of the optimizer's and the schedule's
+        state is checked too (learning rates finite and within the run's, settings the run's own)."""
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         entries = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         by_index = [p for group in opt.param_groups for p in group["params"]]
-        groups = [list(g["params"]) for g in opt.state_dict()["param_groups"]]
+        built = opt.state_dict()["param_groups"]
+        groups = [list(g["params"]) for g in built]
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
-        return cls(entries, set(entries) - params, [tuple(p.shape) for p in by_index], groups, numel, outer, vocab)
+        settings = None if schedule is None else [{k: v for k, v in g.items() if k != "params"} for g in built]
+        keys = None if schedule is None else set(schedule.state_dict())
+        return cls(entries, set(entries) - params, [tuple(p.shape) for p in by_index], groups, numel, outer, vocab,
+                   settings, keys)  # fmt: skip
 
     def check(self, state: dict, step: int, where: str = "checkpoint") -> None:
         """:class:`CheckpointError` naming the first entry of ``state`` this run cannot load."""
@@ -561,20 +612,57 @@ class Layout:
         schedule = state["schedule"]
         if not isinstance(schedule, dict) or schedule.get("last_epoch") != step:
             raise _Malformed(f"schedule: not at step {step}")
+        if self.opt_settings is not None:
+            self._check_schedule(state["inner_opt"]["param_groups"], schedule, step)
         self._check_algorithm(state["algorithm"], step)
         counter = state["counter"]
-        if not isinstance(counter, dict) or not all(isinstance(k, str) and _is_int(v) and v >= 0
-                                                    for k, v in counter.items()):  # fmt: skip
+        if not isinstance(counter, dict) or not all(isinstance(k, str) and _is_count(v) for k, v in counter.items()):
             raise _Malformed("counter: not a mapping of byte counts")
         wall = state["wall_seconds"]
-        if not isinstance(wall, (int, float)) or isinstance(wall, bool) or not math.isfinite(wall) or wall < 0:
-            raise _Malformed(f"wall_seconds: {wall!r}")
+        if not _is_number(wall) or not 0 <= wall <= MAX_SECONDS:
+            raise _Malformed(f"wall_seconds: {wall!r} (not a number of seconds in [0, {MAX_SECONDS:.0e}])")
         history = state["eval_history"]
         if not isinstance(history, list) or not all(
-            isinstance(h, (list, tuple)) and len(h) == 2 and _is_int(h[0]) and isinstance(h[1], (int, float))
-            and not isinstance(h[1], bool) for h in history
+            isinstance(h, (list, tuple)) and len(h) == 2 and _is_int(h[0]) and 0 <= h[0] <= step
+            and _is_number(h[1]) and 0 <= h[1] <= MAX_LOSS for h in history
         ):  # fmt: skip
-            raise _Malformed("eval_history: not a list of (step, loss)")
+            raise _Malformed(f"eval_history: not a list of (step <= {step}, finite loss in [0, {MAX_LOSS:.0e}])")
+
+    def _check_schedule(self, groups: list, schedule: dict, step: int) -> None:
+        """Every plain value of the optimizer's param groups and of the LR schedule: the settings (betas, eps,
+        weight decay, peak learning rate, flags) are those the run builds from its config, the current learning
+        rate is finite and within [0, peak], and the schedule's own fields agree with it."""
+        for index, (group, built) in enumerate(zip(groups, self.opt_settings, strict=True)):
+            where = f"inner_opt/param_groups/{index}"
+            _keys(group, where, set(built) | {"params"})
+            for key, expected in built.items():
+                value = group[key]
+                if key == "lr":
+                    peak = group["initial_lr"]
+                    if not (_is_number(value) and _is_number(peak) and 0 <= value <= peak):
+                        raise _Malformed(f"{where}/lr: {value!r} is not a learning rate in [0, {peak!r}]")
+                elif key in ("fused", "foreach"):  # device-dependent (a GPU run's checkpoint resumes on CPU)
+                    if value is not None and not isinstance(value, bool):
+                        raise _Malformed(f"{where}/{key}: {value!r}, not true, false or null")
+                elif not _same(value, expected):
+                    hint = " (inner.lr)" if key == "initial_lr" else ""
+                    raise _Malformed(f"{where}/{key}: {value!r}, this run builds {expected!r}{hint} from its config "
+                                     "(the optimizer's settings do not change on resume)")  # fmt: skip
+        n = len(self.opt_settings)
+        _keys(schedule, "schedule", self.schedule_keys)
+        if schedule["base_lrs"] != [g["initial_lr"] for g in groups]:
+            raise _Malformed(f"schedule/base_lrs: {str(schedule['base_lrs'])[:80]}, not the groups' peak rates")
+        if not (isinstance(schedule["_last_lr"], list) and len(schedule["_last_lr"]) == n
+                and all(a == g["lr"] and _is_number(a) for a, g in zip(schedule["_last_lr"], groups))):  # fmt: skip
+            raise _Malformed(f"schedule/_last_lr: {str(schedule['_last_lr'])[:80]}, not the groups' learning rates")
+        if schedule["lr_lambdas"] != [None] * n:  # a dict here would be set on the schedule's functions
+            raise _Malformed(f"schedule/lr_lambdas: {str(schedule['lr_lambdas'])[:80]}, expected {[None] * n}")
+        count = schedule["_step_count"]
+        if not (_is_int(count) and 1 <= count <= step + 1):
+            raise _Malformed(f"schedule/_step_count: {count!r}, not a step count in [1, {step + 1}]")
+        for key in self.schedule_keys - {"base_lrs", "last_epoch", "_last_lr", "lr_lambdas", "_step_count"}:
+            if not isinstance(schedule[key], bool):
+                raise _Malformed(f"schedule/{key}: {schedule[key]!r}, not true or false")
 
     def _check_optimizer(self, opt) -> None:
         _keys(opt, "inner_opt", {"state", "param_groups"})
@@ -665,10 +753,16 @@ class Layout:
                     raise _Malformed("algorithm/reference: cannot rebuild the initial weights from it")
             else:
                 _tensor(reference, "algorithm/reference", n)
-            if not _is_int(algo.get("nonfinite_events", 0)) or algo.get("nonfinite_events", 0) < 0:
+            if not _is_count(algo.get("nonfinite_events", 0)):
                 raise _Malformed("algorithm/nonfinite_events: not a count")
-            if not isinstance(algo.get("norm_rejections", {}), dict):
-                raise _Malformed("algorithm/norm_rejections: not a mapping")
+            rejections = algo.get("norm_rejections", {})
+            by_rank = rejections.get("by_rank", {}) if isinstance(rejections, dict) else None
+            if not (isinstance(rejections, dict) and set(rejections) <= {"contributions", "results", "by_rank"}
+                    and all(_is_count(v) for k, v in rejections.items() if k != "by_rank")
+                    and isinstance(by_rank, dict) and len(by_rank) <= 2**16
+                    and all(isinstance(k, str) and k.isdigit() and _is_count(v)
+                            for k, v in by_rank.items())):  # fmt: skip
+                raise _Malformed("algorithm/norm_rejections: not a mapping of counts (and of counts by rank)")
         if algo["inner_step"] != step or not _is_int(algo["inner_step"]):
             raise _Malformed(f"algorithm: at inner step {algo['inner_step']!r}, the checkpoint is of step {step}")
         for key in ("feedback", "slow_feedback"):
@@ -677,11 +771,38 @@ class Layout:
                 continue
             where = f"algorithm/{key}"
             _keys(feedback, where, {"version", "contribution", "result"})
-            if feedback["version"] != 1 or (feedback["contribution"] is None) != (feedback["result"] is None):
+            if not _is_int(feedback["version"]) or feedback["version"] != 1 or \
+                    (feedback["contribution"] is None) != (feedback["result"] is None):
                 raise _Malformed(f"{where}: not an error-feedback state")
             for part in ("contribution", "result"):
                 if feedback[part] is not None:
                     _tensor(feedback[part], f"{where}/{part}", n)
+
+
+#: the bounds of plain values in a worker's state: ten years of seconds; a held-out loss (cross-entropy: ln of the
+#: vocabulary at the start of a run, under 15 for a vocabulary of a million); counts that fit an int64
+MAX_SECONDS = 3.2e8
+MAX_LOSS = 1e4
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _same(value, expected) -> bool:
+    """``value`` read from a file is ``expected`` (a setting the run builds): same kind, equal."""
+    if expected is None or isinstance(expected, bool):
+        return value is expected
+    if isinstance(expected, (int, float)):
+        return _is_number(value) and value == expected
+    if isinstance(expected, (list, tuple)):
+        return (isinstance(value, (list, tuple)) and len(value) == len(expected)
+                and all(_same(v, e) for v, e in zip(value, expected)))  # fmt: skip
+    return type(value) is type(expected) and value == expected
+
+
+def _is_count(value) -> bool:
+    return _is_int(value) and 0 <= value < 2**63
 
 
 def _keys(node, where: str, required: set, optional: Iterable = ()) -> None:

@@ -9,9 +9,12 @@ Examples::
 
 Exit status: 0 done (also when a streamed dataset ran out and ended the run early, ``data.stream_end=stop``:
 ``summary.json`` says so under ``stopped``); 2 a bad config, data or checkpoint (one ``error:`` line; a
-refused resume leaves the run folder as it was); 130 interrupted (Ctrl-C: every worker stops at one step
-and saves it, and the last line says how to resume; a second Ctrl-C quits at once, keeping the last
-complete checkpoint).
+refused resume leaves the run folder as it was; also a full disk during a checkpoint, which keeps the previous
+one); 3 stalled (no worker finished a step within ``run.stall_timeout`` seconds: every thread's stack is in
+``<run>/stall-<pid>.txt``, the last complete checkpoint is kept); 130 interrupted (Ctrl-C: every worker stops at
+one step and saves it, and the last line says how to resume; a second Ctrl-C quits at once, keeping the last
+complete checkpoint). Resuming a run's last checkpoint when its ``summary.json`` is missing (a kill between the
+two) writes the summary.
 """
 
 from __future__ import annotations
@@ -51,11 +54,14 @@ def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
     def check(state: dict, rank: int) -> None:
         where = f"{folder}/worker_{rank}"
         vocab = checkpoint.state_vocab_size(state)
+        if vocab is not None and not 2 <= vocab <= cfg.data.max_vocab_size:  # before a model is built from it
+            raise checkpoint.CheckpointError(f"{where}: a vocabulary of {vocab}, not in [2, data.max_vocab_size="
+                                             f"{cfg.data.max_vocab_size}] (raise it if this is right)")  # fmt: skip
         if vocab not in layouts:
             with torch.device("meta"):  # shapes only: nothing allocated
                 model = build_model(cfg, vocab or cfg.data.vocab_size)
-                opt, _ = build_inner_optimizer(cfg, model)
-            layouts[vocab] = checkpoint.Layout.of(model, opt, outer=cfg.outer.algo != "ddp")
+                opt, schedule = build_inner_optimizer(cfg, model)
+            layouts[vocab] = checkpoint.Layout.of(model, opt, outer=cfg.outer.algo != "ddp", schedule=schedule)
         layouts[vocab].check(state, step, where)
         if isinstance(state.get("sampler"), dict):
             stream_ends[rank] = [int(s) for s in state["sampler"].get("ends", [])]
@@ -102,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             others = [o for o in args.overrides if not o.startswith("resume=")]
             cfg = load_config(others, [str(saved), *args.config])
             cfg.resume = str(resume_from)
-            if resume_step >= cfg.steps:
+            if resume_step == cfg.steps and not (run_dir / "summary.json").exists():  # killed before its summary
+                print(f"note: the checkpoint is the run's last step ({resume_step}) and {run_dir}/summary.json is "
+                      "missing: writing the summary from it", file=sys.stderr)  # fmt: skip
+            elif resume_step >= cfg.steps:
                 raise ConfigError(
                     f"resume: checkpoint is at step {resume_step}, run has steps={cfg.steps}; raise steps= to continue"
                 )

@@ -300,6 +300,11 @@ def validate(cfg: DictConfig) -> None:
     _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
     data = cfg.data
     _require(data.seq_len >= 2 and data.batch_size >= 1, "data.seq_len must be >= 2 and data.batch_size >= 1")
+    _require(isinstance(data.max_vocab_size, int) and data.max_vocab_size >= 2,
+             f"data.max_vocab_size must be an integer >= 2, got {data.max_vocab_size!r}")  # fmt: skip
+    _require(isinstance(data.vocab_size, int) and 2 <= data.vocab_size <= data.max_vocab_size,
+             f"data.vocab_size={data.vocab_size!r} is not in [2, data.max_vocab_size={data.max_vocab_size}] "
+             "(raise data.max_vocab_size for a larger vocabulary)")  # fmt: skip
     if data.source == "files":
         _require(bool(data.path), "data.source=files needs data.path")
         import glob
@@ -315,8 +320,32 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
     from noloco.train.model import PRESETS
 
+    limit = cfg.model.max_memory_gb
+    _require(limit == "auto" or (isinstance(limit, (int, float)) and not isinstance(limit, bool)
+                                 and 0 < limit < math.inf), f"model.max_memory_gb must be auto or a number of GB > 0, "
+             f"got {limit!r}")  # fmt: skip
     _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
+    _validate_names(cfg)
+    stall = cfg.run.stall_timeout
+    _require(isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < math.inf,
+             f"run.stall_timeout must be a number of seconds >= 0 (0: off), got {stall!r}")  # fmt: skip
     _validate_peer(cfg.peer)
+
+
+def _single_component(value) -> bool:
+    """A name that is one path component of its own: not empty, no separator, not ``.`` or ``..``."""
+    text = str(value)
+    return bool(text) and text not in (".", "..") and "/" not in text and "\\" not in text and "\0" not in text
+
+
+def _validate_names(cfg: DictConfig) -> None:
+    """``run.name``, ``peer.run_id`` and ``peer.name`` become folder names under ``run.dir``: each must be a single
+    path component (``../x``, ``a/../../x`` or an absolute path would write outside ``run.dir``)."""
+    for key, value in (("run.name", cfg.run.name), ("peer.run_id", cfg.peer.run_id), ("peer.name", cfg.peer.name)):
+        if value is None and key != "peer.run_id":
+            continue
+        _require(_single_component(value), f"{key}={value!r} must be a single folder name (no '/', not '.' or "
+                 "'..'): it names a folder under run.dir")  # fmt: skip
 
 
 def _validate_peer(peer) -> None:

@@ -553,15 +553,17 @@ def prepare_corpus(
     *,
     tokenizer: str | None = None,
     hf: dict | None = None,
+    max_vocab: int = MAX_VOCAB,
 ) -> TokenizedCorpus:
     """Load, split, train the tokenizer and tokenize, reusing the cache when the inputs match.
 
-    ``tokenizer`` (``data.tokenizer``) and ``hf`` (``data.source=hf``: :func:`noloco.train.hf.corpus_options`)."""
+    ``tokenizer`` (``data.tokenizer``, at most ``max_vocab`` tokens: ``data.max_vocab_size``) and ``hf``
+    (``data.source=hf``: :func:`noloco.train.hf.corpus_options`)."""
 
     if tokenizer or (hf and hf.get("streaming")):  # a user tokenizer or a streamed dataset: noloco/train/hf.py
         from noloco.train import hf as hf_adapters
 
-        return hf_adapters.prepare_corpus(source, path, vocab_size, eval_fraction, cache_dir, tokenizer, hf)
+        return hf_adapters.prepare_corpus(source, path, vocab_size, eval_fraction, cache_dir, tokenizer, hf, max_vocab)
     if not 256 < vocab_size <= MAX_VOCAB:
         raise DataError(f"data.vocab_size must be in (256, {MAX_VOCAB}], got {vocab_size}")
     if not 0 < eval_fraction < 1:

@@ -32,6 +32,49 @@ class DeviceError(ValueError):
     """A device or precision this machine cannot provide; the message is one line for the user."""
 
 
+#: bytes a worker holds per parameter at the least: fp32 weights, gradients and AdamW's two moments
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+def available_memory(name: str) -> tuple[int, str]:
+    """(bytes, what they are) a model on device ``name`` can use: the memory of the GPUs it runs on (``cuda``: all
+    visible ones, ``cuda:N``: that one), else the host memory available now (``MemAvailable``)."""
+    if name.startswith("cuda") or (name == "auto" and torch.cuda.is_available()):
+        indices = [int(name[5:])] if name.startswith("cuda:") else range(torch.cuda.device_count())
+        total = sum(torch.cuda.get_device_properties(i).total_memory for i in indices)
+        return total, f"the memory of {len(indices)} GPU(s)"
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "the host memory available"
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host memory"
+
+
+def check_model_memory(cfg, parameters: int, buffers: int = 0, bytes_per_parameter: int = TRAINING_BYTES_PER_PARAMETER,
+                       copies: int = 1, what: str = "model") -> None:  # fmt: skip
+    """ConfigError unless ``copies`` models of ``parameters`` (each holding ``bytes_per_parameter`` a parameter and
+    ``buffers`` fp32 values) fit in ``model.max_memory_gb`` (``auto``: :func:`available_memory` of ``cfg.device``).
+
+    Called with sizes read from a config or a file, before anything of that size is allocated."""
+    from noloco.train.config import ConfigError
+
+    need = copies * (parameters * bytes_per_parameter + 4 * buffers)
+    limit = cfg.model.get("max_memory_gb", "auto")
+    if limit == "auto":
+        have, source = available_memory(str(cfg.device))
+        key = "set model.max_memory_gb to"
+    else:
+        have, source = int(float(limit) * 2**30), f"model.max_memory_gb={limit}"
+        key = "raise model.max_memory_gb to"
+    if need > have:
+        raise ConfigError(f"the {what} ({parameters:,} parameters{f' × {copies} workers' if copies > 1 else ''}) "
+                          f"needs at least {need / 2**30:,.1f} GB, more than {source} ({have / 2**30:,.1f} GB): "
+                          f"make it smaller or {key} a larger bound if it fits")  # fmt: skip
+
+
 def check_device(name: str) -> None:
     """Raise :class:`DeviceError` unless ``name`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) can run here."""
     if name in ("auto", "cpu"):

@@ -162,6 +162,63 @@ def loads_weights(model_cfg, folder: Path) -> bool:
     return bool(mode)
 
 
+#: the largest config.json read (real ones are a few KB)
+MAX_CONFIG_BYTES = 1 << 20
+_SIZE_KEYS = {"vocab": ("vocab_size",), "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+              "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+              "inner": ("intermediate_size", "n_inner", "ffn_dim", "hidden_dim"),
+              "positions": ("max_position_embeddings", "n_positions", "max_seq_len")}  # fmt: skip
+
+
+def config_parameters(config, where) -> int:
+    """An upper estimate of a transformers config's parameter count from its sizes (embeddings in and out, per layer
+    attention 4·h² and a gated MLP 3·h·inner, position embeddings), each size checked to be an integer in
+    [1, 2^31); ConfigError naming the key if one is not. Nothing is built."""
+    sizes = {}
+    for name, keys in _SIZE_KEYS.items():
+        value = _config_value(config, *keys)
+        if value is None:
+            continue
+        if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**31):
+            raise ConfigError(f"model.hf_path={where!r}: config.json has {keys[0]}={value!r}, not an integer in "
+                              "[1, 2^31)")  # fmt: skip
+        sizes[name] = value
+    h = sizes.get("hidden", 1)
+    inner = sizes.get("inner", 4 * h)
+    return (2 * sizes.get("vocab", 1) * h + sizes.get("layers", 1) * (4 * h * h + 3 * h * inner)
+            + sizes.get("positions", 0) * h)  # fmt: skip
+
+
+def check_weight_shapes(auto, config, folder: Path) -> None:
+    """ConfigError naming the first tensor of the folder's safetensors weights whose shape is not the one
+    ``config.json`` gives it (read from the files' headers and a model built on the ``meta`` device: nothing is
+    loaded). Pickled ``.bin`` weights are left to transformers' own check."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+            (["model.safetensors"] if (folder / "model.safetensors").is_file() else [])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{index}: not a weights index ({_first_line(exc)})") from None
+    if not files:
+        return
+    with _BUILD, torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in auto.from_config(config).state_dict().items()}
+    for name in files:
+        path = folder / str(name)
+        try:
+            with safe_open(str(path), framework="pt") as blob:
+                stored = {key: tuple(blob.get_slice(key).get_shape()) for key in blob.keys()}
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ConfigError(f"{path}: not a safetensors file ({_first_line(exc)})") from None
+        for key, shape in stored.items():
+            expected = shapes.get(key)
+            if expected is not None and expected != shape:
+                raise ConfigError(f"{path}: {key} has shape {shape}, {folder}/config.json makes it {expected} "
+                                  "(the weights are not this config's model)")  # fmt: skip
+
+
 def build_hf_model(cfg, vocab_size: int) -> HFCausalLM:
     """The ``model.source=hf`` model of ``cfg`` for a tokenizer of ``vocab_size`` tokens, in fp32.
 
@@ -172,6 +229,10 @@ def build_hf_model(cfg, vocab_size: int) -> HFCausalLM:
     transformers = _transformers("model.source=hf")
     folder = model_folder(cfg.model.hf_path)
     weights = loads_weights(cfg.model, folder)
+    size = (folder / "config.json").stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"model.hf_path={cfg.model.hf_path!r}: its config.json is {size:,} bytes, not a model config "
+                          f"(at most {MAX_CONFIG_BYTES:,})")  # fmt: skip
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ...
@@ -183,18 +244,29 @@ def build_hf_model(cfg, vocab_size: int) -> HFCausalLM:
     limit = _config_value(config, "max_position_embeddings", "n_positions")
     if isinstance(limit, int) and cfg.data.seq_len > limit:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}")
+    from noloco.train.device import check_model_memory
+    from noloco.train.loop import workers_per_process
+
+    check_model_memory(cfg, config_parameters(config, cfg.model.hf_path), copies=workers_per_process(cfg),
+                       what=f"model of {folder}/config.json")  # fmt: skip
     meta = torch.get_default_device().type == "meta"
     auto = transformers.AutoModelForCausalLM
+    if weights and not meta:
+        check_weight_shapes(auto, config, folder)
+    verbosity = transformers.logging.get_verbosity()
     try:
         with _BUILD, torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.run.seed))
+            transformers.logging.set_verbosity_error()  # its load report is not our one line
             if weights and not meta:
                 model = auto.from_pretrained(folder, config=config, dtype=torch.float32, local_files_only=True)
             else:
                 model = auto.from_config(config, dtype=torch.float32)
-    except (ValueError, OSError, KeyError) as exc:
-        raise ConfigError(f"model.hf_path={cfg.model.hf_path!r}: not a causal LM transformers can build "
-                          f"({_first_line(exc)})") from None  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - a pickled .bin (UnpicklingError), shapes that disagree, bad values
+        raise ConfigError(f"model.hf_path={cfg.model.hf_path!r}: not a causal LM transformers can build or load "
+                          f"({type(exc).__name__}: {_first_line(exc)})") from None  # fmt: skip
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     rows = model.get_input_embeddings().weight.shape[0]
     if rows < vocab_size:
         raise ConfigError(f"model.hf_path={cfg.model.hf_path!r}: its embedding has {rows} rows, the tokenizer has "
@@ -257,8 +329,22 @@ def _folder_eos(folder: Path) -> str | None:
     return None
 
 
-def load_tokenizer(spec) -> UserTokenizer:
-    """``data.tokenizer``: a tokenizers JSON file or a transformers tokenizer folder; DataError (one line) if not."""
+def count_entries(path: Path, limit: int) -> int:
+    """An upper bound on the entries of a tokenizers JSON file, read 16 MiB at a time without parsing it: every
+    vocabulary entry (``"token": id``) and every key of an added token holds a ``":``. Stops past ``limit``."""
+    count, tail = 0, b""
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            count += (tail + chunk[:1]).count(b'":') + chunk.count(b'":')
+            tail = chunk[-1:]
+            if count > limit:
+                break
+    return count
+
+
+def load_tokenizer(spec, max_vocab: int = D.MAX_VOCAB) -> UserTokenizer:
+    """``data.tokenizer``: a tokenizers JSON file or a transformers tokenizer folder; DataError (one line) if not,
+    or if it holds more than ``max_vocab`` tokens (``data.max_vocab_size``), found before it is parsed."""
     from tokenizers import Tokenizer
 
     path = Path(os.path.expanduser(str(spec)))
@@ -279,10 +365,18 @@ def load_tokenizer(spec) -> UserTokenizer:
     elif not path.is_file():
         raise DataError(f"data.tokenizer={spec}: no such file or folder")
     if path.is_file():
+        entries = count_entries(path, 2 * max_vocab + 100_000)  # added tokens: about 8 keys each
+        if entries > 2 * max_vocab + 100_000:
+            raise DataError(f"data.tokenizer={spec}: holds more than {entries:,} entries, over twice "
+                            f"data.max_vocab_size={max_vocab:,} (raise it if this tokenizer is right)")  # fmt: skip
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
             raise DataError(f"data.tokenizer={spec}: not a tokenizers JSON file ({_first_line(exc)})") from None
+    size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if size > max_vocab:
+        raise DataError(f"data.tokenizer={spec}: a vocabulary of {size:,} tokens, more than data.max_vocab_size="
+                        f"{max_vocab:,} (raise it if this tokenizer is right)")  # fmt: skip
     for name in ([eos] if eos else []) + list(EOT_CANDIDATES):
         token_id = tokenizer.token_to_id(name)
         if token_id is not None:
@@ -321,7 +415,7 @@ def corpus_options(data) -> dict:
             "streaming": bool(data.get("streaming", False)),
             "sample": int(data.get("stream_sample") or 10000),
         }
-    return {"tokenizer": data.get("tokenizer"), "hf": hf}
+    return {"tokenizer": data.get("tokenizer"), "hf": hf, "max_vocab": data.get("max_vocab_size") or D.MAX_VOCAB}
 
 
 def resolve_files(spec) -> list[str]:
@@ -484,12 +578,13 @@ def prepare_corpus(
     cache_dir,
     tokenizer: str | None = None,
     hf: dict | None = None,
+    max_vocab: int = D.MAX_VOCAB,
 ) -> TokenizedCorpus:
     """:func:`noloco.train.data.prepare_corpus` with a user tokenizer (``data.tokenizer``) or a streamed
     ``data.source=hf`` (a :class:`StreamingCorpus`); the same split, tokenization and cache otherwise."""
     if not 0 < eval_fraction < 1:
         raise DataError(f"data.eval_fraction must be in (0, 1), got {eval_fraction}")
-    user = load_tokenizer(tokenizer) if tokenizer else None
+    user = load_tokenizer(tokenizer, max_vocab) if tokenizer else None
     if user is None and not 256 < vocab_size <= D.MAX_VOCAB:
         raise DataError(f"data.vocab_size must be in (256, {D.MAX_VOCAB}], got {vocab_size}")
     streaming = bool(hf and hf.get("streaming"))

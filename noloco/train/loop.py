@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +26,13 @@ from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, OuterAlgorithm, Periodi
 from noloco.optim.algorithms import copy_flat_into
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
+from noloco.train.config import ConfigError
 from noloco.train.data import BatchSampler, TokenizedCorpus, eval_batches
 from noloco.train.device import (
     CompiledForward,
     autocast,
     backward,
+    check_model_memory,
     flops_per_token,
     local_index,
     peak_tflops,
@@ -40,12 +43,14 @@ from noloco.train.device import (
 )
 from noloco.train.metrics import MetricsLogger
 from noloco.train.model import LLaMA, model_config
+from noloco.train.stall import StallWatch
 from noloco.train.stream_end import StreamEnd
 
 logger = logging.getLogger(__name__)
 
 
-MODEL_SOURCE_KEYS = ("preset", "source", "hf_path", "hf_weights")  # model.* keys that are not ModelConfig fields
+# model.* keys that are not ModelConfig fields
+MODEL_SOURCE_KEYS = ("preset", "source", "hf_path", "hf_weights", "max_memory_gb")
 
 
 @dataclass
@@ -72,7 +77,21 @@ def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
     overrides = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in MODEL_SOURCE_KEYS}
     if overrides.get("max_seq_len") is None:
         overrides["max_seq_len"] = max(1024, cfg.data.seq_len)
-    return LLaMA(model_config(cfg.model.preset, vocab_size=vocab_size, **overrides), seed=cfg.run.seed)
+    try:
+        mcfg = model_config(cfg.model.preset, vocab_size=vocab_size, **overrides)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
+    for key in ("dim", "n_layers", "n_heads", "hidden_dim", "max_seq_len", "vocab_size"):
+        value = getattr(mcfg, key)
+        if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**31):
+            raise ConfigError(f"model.{key}={value!r} is not an integer in [1, 2^31)")
+    check_model_memory(cfg, mcfg.num_parameters(), mcfg.buffer_numel(), copies=workers_per_process(cfg))
+    return LLaMA(mcfg, seed=cfg.run.seed)
+
+
+def workers_per_process(cfg: DictConfig) -> int:
+    """Workers whose models one process holds: all of them on the local backend, one elsewhere."""
+    return int(cfg.workers) if cfg.get("backend", "local") == "local" else 1
 
 
 def build_inner_optimizer(
@@ -158,10 +177,24 @@ class RunContext:
     progress: object | None = None
     stop_after: int | None = None  # testing hook: return after this step, as if killed
     stop: object | None = None  # Ctrl-C: the step every worker stops at (checkpoint.LocalStop / StoreStop)
+    watch: StallWatch | None = None  # run.stall_timeout: made by the first worker that reports (mark)
 
     def should_stop(self, rank: int, step: int) -> bool:
         """Ctrl-C: True once worker ``rank`` finished the step every worker of the run stops (and saves) at."""
         return checkpoint.stop_here(self.stop, rank, step, self.run_dir)
+
+    def mark(self, rank: int, step: int, doing: str) -> None:
+        """Worker ``rank`` finished ``step`` and now does ``doing``, for the stall detector (``run.stall_timeout``)."""
+        timeout = self.cfg.run.get("stall_timeout", 0)
+        if not timeout:
+            return
+        with _WATCH_LOCK:
+            if self.watch is None:
+                self.watch = StallWatch(timeout, self.run_dir)
+        self.watch.mark(rank, step, doing)
+
+
+_WATCH_LOCK = threading.Lock()
 
 
 @dataclass
@@ -295,7 +328,7 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
     )
     if ctx.resume_from is not None:  # checked as a whole (noloco.train.cli) before the run wrote anything
         state = checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step)
-        layout = checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm))
+        layout = checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm), schedule=schedule)
         layout.check(state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
         worker.load(state)
     else:
@@ -307,8 +340,12 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
 
 def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
     """One worker's whole run on ``backend``, on a CUDA stream of its own on a GPU; returns its final numbers."""
-    with worker_stream(worker_device(str(ctx.cfg.device), local_index(backend.rank))):
-        return _train(ctx, backend)
+    try:
+        with worker_stream(worker_device(str(ctx.cfg.device), local_index(backend.rank))):
+            return _train(ctx, backend)
+    finally:
+        if ctx.watch is not None:  # finished, or failed: the stall detector no longer waits for it
+            ctx.watch.done(backend.rank)
 
 
 def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
@@ -321,7 +358,10 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
         worker.history.append((worker.start, worker.evaluate()))
         log.first(worker.history[-1][1])
     step = worker.start
+    every = getattr(algo, "period", 0)
     for step in range(worker.start + 1, cfg.steps + 1):
+        exchange = bool(every) and (algo.inner_step + 1) % every == 0
+        ctx.mark(worker.rank, step - 1, f"step {step} and its outer exchange" if exchange else f"step {step}")
         loss, lr, outer_round, outer_seconds = inner_step(cfg, worker, step, stream_end)
         log.add(step, loss, lr, outer_round, outer_seconds)
         last = step == cfg.steps or (stream_end is not None and stream_end.stopped is not None)  # a stream ran out
@@ -329,12 +369,14 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
         stop = ctx.should_stop(worker.rank, step)  # Ctrl-C: every worker stops and saves at one step
         checkpointed = stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
         if evaluated:
+            ctx.mark(worker.rank, step, "the held-out evaluation")
             worker.history.append((step, worker.evaluate()))
             log.evaluated(worker.history[-1][1])
         if evaluated or checkpointed or step % log.flush_every == 0 or algo.last_round is not None:
             log.flush()
         backend.after_step(step, algo)
         if checkpointed:
+            ctx.mark(worker.rank, step, "its checkpoint (writing, then waiting for every worker's)")
             saving = time.perf_counter()
             save_checkpoint(ctx, backend, worker, step, log.wall())
             log.checkpoint_seconds += time.perf_counter() - saving

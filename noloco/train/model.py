@@ -35,6 +35,16 @@ class ModelConfig:
         if self.hidden_dim is None:
             self.hidden_dim = 64 * math.ceil(8 * self.dim / 3 / 64)
 
+    def num_parameters(self) -> int:
+        """Parameters of the model this config builds (tied embeddings counted once), without building it."""
+        d, h, v = self.dim, self.hidden_dim, self.vocab_size
+        per_block = 4 * d * d + 3 * d * h + 2 * d  # qkv + out, gate_up + down, two RMSNorms
+        return v * d * (1 if self.tie_embeddings else 2) + self.n_layers * per_block + d
+
+    def buffer_numel(self) -> int:
+        """Values of its buffers (the rotary cos/sin tables: ``max_seq_len`` × head dim)."""
+        return self.max_seq_len * (self.dim // self.n_heads)
+
 
 PRESETS: dict[str, dict] = {
     # CPU default: a few million parameters, trains in minutes on 2 cores.

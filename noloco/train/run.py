@@ -195,6 +195,8 @@ def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False, check_shards: b
     if check_shards and hasattr(corpus, "check_shards"):
         world = cfg.workers * cfg.inner.processes  # the shards the stream is cut into (as build_worker cuts it)
         corpus.check_shards(range(world), world)
+    with torch.device("meta"):  # sizes from the config and the tokenizer checked before the run folder exists
+        params = build_model(cfg, corpus.vocab_size).num_parameters()
     run_dir.mkdir(parents=True, exist_ok=True)
     if getattr(corpus, "tokenizer_path", None) and Path(corpus.tokenizer_path).is_file():
         shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")  # export and sample read it here
@@ -202,7 +204,6 @@ def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False, check_shards: b
     # LOCAL_WORLD_SIZE of them on this host (set by torchrun and by the local launcher)
     per_process = cfg.workers if cfg.backend == "local" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(cfg.threads or max(1, usable_cores() // per_process))
-    params = build_model(cfg, corpus.vocab_size).num_parameters()
     if not quiet:
         print(
             f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers ({cfg.backend}) · "

@@ -186,6 +186,77 @@ def test_inconsistent_state_refused(run_copy, capsys, edit, match):
     _refused(capsys, run_copy, match=match)
 
 
+def _plain_leaves(node, path: tuple = ()):
+    """Every plain value (not a tensor reference) of a worker JSON, with its path: ("d", key) through a
+    ``__dict__``, ("t", i) through a ``__tuple__``, ("l", i) through a list, ("o", key) through the top object."""
+    if isinstance(node, dict) and "__dict__" in node:
+        for key, value in node["__dict__"]:
+            yield from _plain_leaves(value, (*path, ("d", key)))
+    elif isinstance(node, dict) and "__tuple__" in node:
+        for i, value in enumerate(node["__tuple__"]):
+            yield from _plain_leaves(value, (*path, ("t", i)))
+    elif isinstance(node, dict) and "__tensor__" not in node:
+        for key, value in node.items():
+            yield from _plain_leaves(value, (*path, ("o", key)))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _plain_leaves(value, (*path, ("l", i)))
+    elif not isinstance(node, dict):
+        yield path, node
+
+
+def _set_leaf(node, path: tuple, value) -> None:
+    *head, (kind, last) = path
+    for step_kind, key in head:
+        node = _child(node, step_kind, key)
+    if kind == "d":
+        node["__dict__"] = [[k, value if k == last else v] for k, v in node["__dict__"]]
+    else:
+        (node["__tuple__"] if kind == "t" else node)[last] = value
+
+
+def _child(node, kind: str, key):
+    if kind == "d":
+        return dict((k, v) for k, v in node["__dict__"])[key]
+    return node["__tuple__"][key] if kind == "t" else node[key]
+
+
+def _hostile_values(value) -> list:
+    """Values no field of that kind may hold: out of range, non-finite, or of another type."""
+    if isinstance(value, bool) or value is None:
+        return ["x", 1]
+    if isinstance(value, float):
+        return [float("nan"), -1.0, 1e300]
+    if isinstance(value, int):
+        return [-1, 10**30, "x"]
+    return ["x", 7]
+
+
+def _every_plain_field(folder: Path) -> list[tuple[str, tuple, object]]:
+    meta = json.loads((folder / "worker_0.json").read_text())
+    return [("/".join(str(k) for _, k in path), path, bad)
+            for path, value in _plain_leaves(meta) for bad in _hostile_values(value)]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_every_plain_field_of_a_worker_json_out_of_range_is_refused(run_copy, capsys):
+    """Generated from the checkpoint itself: every plain value of a worker's JSON (metadata, optimizer settings
+    and learning rates, LR schedule, counters, clocks, eval history, markers), set in turn to NaN, negative, huge or
+    another type, is refused with one line, the run folder left byte-identical (issue #32: an lr of NaN, -1 or
+    1e300 was trained with, or wrote files before a traceback)."""
+    folder = _step10(run_copy)
+    original = (folder / "worker_0.json").read_bytes()
+    cases = _every_plain_field(folder)
+    assert len(cases) > 150  # every field of the real file, not a hand-picked few
+    refused: dict[str, str] = {}
+    for name, path, bad in cases:
+        _rewrite(folder, 0, edit_meta=lambda m, path=path, bad=bad: _set_leaf(m, path, bad))
+        refused[f"{name}={bad!r}"] = _refused(capsys, run_copy)
+        (folder / "worker_0.json").write_bytes(original)
+    assert any("inner_opt/param_groups/0/lr" in line for line in refused.values())
+    assert main([f"resume={run_copy}/checkpoints/latest", "log.progress=false"]) == 0  # restored: resumes
+
+
 def test_changed_seed_refused(run_copy, capsys):
     """φ₀ is rebuilt from run.seed: resuming with another seed would silently change every round's φ − φ₀."""
     _refused(capsys, run_copy, "run.seed=1", match="not those of run.seed=1")
@@ -271,6 +342,19 @@ def test_latest_pointing_into_another_run_is_not_followed(run_copy, tmp_path, ca
         theirs = _snapshot(other)
         _refused(capsys, run_copy, match="refusing to follow it")
         assert _snapshot(other) == theirs
+
+
+def test_checkpoints_folder_that_is_a_link_into_another_run_is_refused(run_copy, tmp_path, capsys):
+    """Every link on the way is resolved, not only ``latest``: a ``checkpoints/`` that leads into another run
+    would resume that run and write into and prune it."""
+    other = tmp_path / "other"
+    shutil.copytree(run_copy, other, symlinks=True)
+    shutil.rmtree(run_copy / "checkpoints")
+    (run_copy / "checkpoints").symlink_to(other / "checkpoints")
+    theirs = _snapshot(other)
+    _refused(capsys, run_copy, match="outside its run")
+    _refused(capsys, run_copy, target=str(run_copy / "checkpoints" / "step_000010"), match="outside its run")
+    assert _snapshot(other) == theirs
 
 
 def test_step_folder_that_is_a_link_is_refused(run_copy, tmp_path, capsys):

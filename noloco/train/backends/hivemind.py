@@ -286,9 +286,17 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
     validator = RunRecordValidator.create(key, peer.run_id, record_ttl_bound(cfg), identity)
     say("noloco peer: starting its DHT node and p2p daemon (" + (f"joining through {len(peer.initial_peers)} "
         "initial peer(s)" if peer.initial_peers else "a new swarm: no peer.initial_peers") + ")")  # fmt: skip
-    dht = start_peer_dht(list(peer.initial_peers), list(peer.host_maddrs), list(peer.announce_maddrs),
-                         startup_timeout=cfg.comm.startup_timeout, record_validators=[validator],
-                         identity=identity)  # fmt: skip
+    from hivemind.p2p import P2PDaemonError
+
+    try:
+        dht = start_peer_dht(list(peer.initial_peers), list(peer.host_maddrs), list(peer.announce_maddrs),
+                             startup_timeout=cfg.comm.startup_timeout, record_validators=[validator],
+                             identity=identity)  # fmt: skip
+    except P2PDaemonError as exc:  # a bootstrap peer that has exited, an address nobody listens on
+        where = f"none of peer.initial_peers={list(peer.initial_peers)} answered" if peer.initial_peers else \
+            f"its p2p daemon could not start on peer.host_maddrs={list(peer.host_maddrs)}"
+        reason = (str(exc).strip().splitlines() or ["P2PDaemonError"])[0][:200]
+        raise ConfigError(f"noloco peer: {where} (is the bootstrap peer still running?): {reason}") from None
     endpoint = None
     try:
         endpoint = SwarmEndpoint.from_dht(dht, peer.run_id, key, max_message_bytes=int(peer.max_message_mb * 2**20),
