@@ -11,9 +11,11 @@ loopback, the short matchmaking windows of tests/swarm) and, except ``honest``, 
   encoding a few values too many, or its first messages and then nothing;
 - ``sybils:K``: K identities of one key holder (no daemon each), ready and listed live every round.
 
-It prints, per case, the rounds each honest peer joined out of its rounds and the seconds its 200 training steps
-took. ``--ab N`` adds N paired runs of the honest swarm, alternating this tree with ``--base`` (another checkout of
-the project, e.g. ``git worktree add /tmp/base <commit>``), each pair started back to back.
+The attacker starts once both honest peers train (peer ``a`` waits for one live peer, which would otherwise be the
+attacker: its first rounds would then pair it with ``a`` alone, and a 2-member group whose other member fails is
+skipped). It prints, per case, the rounds each honest peer joined out of its rounds and the seconds its 200
+training steps took. ``--ab N`` adds N paired runs of the honest swarm, alternating this tree with ``--base``
+(another checkout of the project, e.g. ``git archive <commit> | tar -x -C /tmp/base``), each pair back to back.
 
 Usage: ``python -m benchmarks.hostile_swarm [--cases honest sybils:8 ...] [--ab 3 --base /tmp/base] [--out DIR]``;
 writes ``DIR/hostile_swarm.md`` and ``.json`` (DIR: ``runs/benchmarks/hostile_swarm/``).
@@ -91,6 +93,9 @@ def run_case(case: str, cache: Path, tree: Path = ROOT) -> dict:
                 time.sleep(0.2)
             first = json.loads(maddrs.read_text())["maddrs"][0]
             b = peer("b", "peer.rank=1", f'peer.initial_peers=["{first}"]')
+            metrics = run_dir / "swarm" / "peer-b" / "metrics.jsonl"
+            while case != "honest" and not metrics.exists() and b.poll() is None and time.monotonic() < deadline + 120:
+                time.sleep(0.2)  # the attacker comes once both train: a waits for one peer, which must be b
             if case != "honest":
                 start("attacker", [sys.executable, str(ROOT / "tests" / "swarm" / "hostile.py"), *_attack_args(case),
                                    "--target", str(maddrs), "--out", str(run_dir / "attacker.json")],

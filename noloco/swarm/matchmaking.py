@@ -442,6 +442,7 @@ class SwarmMatchmaking(GroupSource):
         self.retry_wait = float(confirm_timeout if retry_wait is None else retry_wait)
         self._invalid: list[tuple[str, int]] = []  # (peer, round) it sent an invalid payload in; settled next round
         self._invalid_strikes: dict[str, int] = {}  # peer -> invalid payloads it sent (never reset)
+        self._failed_in: dict[str, set[str]] = {}  # failed group id -> its culprits (SwarmMatchmaking.retry)
         self._retries: dict[str, tuple[str, set[str], int]] = {}  # retry group id -> (failed group id, culprits, round)
 
     @property
@@ -625,6 +626,7 @@ class SwarmMatchmaking(GroupSource):
         expected = self.expected(round_index) if self.expected is not None else set()
         mine = self._announce(round_index)
         claimed: frozenset[str] = frozenset()
+        stale: str | None = None  # the group of a draw whose members disagreed, closed once the redraw differs
         for attempt in range(2):
             # Attempt 0 may read the window early (all expected peers in); if members then disagree on
             # the group, attempt 1 reads the closed window, which every member sees alike, and also leaves
@@ -632,6 +634,8 @@ class SwarmMatchmaking(GroupSource):
             # between peers that saw a no-show a different number of times).
             gathered = self._gather(round_index, record, deadline, mine, expected if attempt == 0 else set(), claimed)
             if gathered is None:
+                if stale is not None:
+                    self.endpoint.close_group(stale)
                 return None
             in_window, start, mine = gathered
             names = {e.peer: e.name for e in in_window}
@@ -640,6 +644,9 @@ class SwarmMatchmaking(GroupSource):
                            if self.peer_id in g)  # fmt: skip
             group_id = _digest("group", self.run_id, round_index, repr(start), *members)
             record.partners = [names[m] for m in members if m != self.peer_id]
+            if stale is not None and stale != group_id:
+                self.endpoint.close_group(stale)
+            stale = None
             transport = self.endpoint.open_group(group_id, round_index, members)
             outside = [p for p in [*names, *self._window_excluded] if p not in members]
             try:
@@ -647,7 +654,9 @@ class SwarmMatchmaking(GroupSource):
                               window_peers=outside)  # fmt: skip
             except _Mismatch as exc:
                 claimed = self._claimed_exclusions(round_index, members, names)
-                self.endpoint.close_group(group_id)
+                # kept open until the redraw: if it draws the same group, a member that confirmed it meanwhile
+                # may already be sending its data (closing and reopening would refuse it)
+                stale = group_id
                 record.outcome = f"confirm failed: {exc}"
                 continue
             except Exception as exc:  # noqa: BLE001 - unreachable, refused or silent member: draw again without it
@@ -656,6 +665,8 @@ class SwarmMatchmaking(GroupSource):
                 return self._fallback(round_index, record, deadline, names, start, members)
             record.outcome = "joined"
             return Group(transport, list(range(len(members))), round_index, [names[m] for m in members])
+        if stale is not None:
+            self.endpoint.close_group(stale)
         return None
 
     def _fallback(self, round_index: int, record: RoundRecord, deadline: float, names: dict[str, str], start: float,
@@ -664,7 +675,8 @@ class SwarmMatchmaking(GroupSource):
 
         The members of this peer's group that sent nothing at all are left out; to every other peer of the window
         this peer posts ``retry/<window>``, waits until its first confirmation deadline plus ``max(0.5, slack)``
-        (so that a peer whose group timed out is in as well), then draws among itself and the peers whose
+        (so that a peer whose group timed out is in as well; if less than ``confirm_timeout / 2`` of the round's
+        matchmaking time would be left, it skips the round instead), then draws among itself and the peers whose
         ``retry`` arrived, and confirms that group. Identities that never answer (no daemon, or never confirming)
         send no ``retry`` and are drawn around within the round; peers whose retry sets differ compute different
         group ids and skip the round, as before.
@@ -680,7 +692,9 @@ class SwarmMatchmaking(GroupSource):
         for peer in names:
             if peer != self.peer_id and peer not in failed:
                 self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
-        draw_at = min(deadline, self._confirm_by + max(0.5, self.slack))
+        draw_at = self._confirm_by + max(0.5, self.slack)
+        if deadline - draw_at < self.confirm_timeout / 2:  # no time left to confirm a redraw (a member that gives up
+            return None  # while the other confirmed would make the other's data be refused, and strike it)
         while time.monotonic() < draw_at:
             time.sleep(min(0.05, max(0.0, draw_at - time.monotonic())))
         claims: dict[str, bytes | None] = {p: self.endpoint.take_control(channel, p, tag, 0.0) for p in names
@@ -832,6 +846,7 @@ class SwarmMatchmaking(GroupSource):
             with self._penalty_lock:
                 self._invalid.append((transport.last_from, group.round))
         culprits.discard(self.peer_id)
+        self._failed_in[transport.group_id] = culprits  # their data in this group resets no strikes (release)
         survivors = [m for m in transport.members if m not in culprits]
         if not culprits or len(survivors) < 2:
             return None
@@ -865,7 +880,7 @@ class SwarmMatchmaking(GroupSource):
         if isinstance(transport, SwarmTransport):
             delivered = self.endpoint.delivered_from(group_id)
             with self._penalty_lock:
-                for peer in delivered:
+                for peer in delivered - self._failed_in.pop(group_id, set()):
                     self._mute_strikes.pop(peer, None)
                 silent = (transport.waited_on | transport.refused_by) - delivered
                 retried = self._retries.pop(group_id, None)
