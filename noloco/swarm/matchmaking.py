@@ -662,7 +662,8 @@ class SwarmMatchmaking(GroupSource):
             except Exception as exc:  # noqa: BLE001 - unreachable, refused or silent member: draw again without it
                 self.endpoint.close_group(group_id)
                 record.outcome = f"confirm failed: {exc}"
-                return self._fallback(round_index, record, deadline, names, start, members)
+                return self._fallback(round_index, record, deadline, names, start, members,
+                                      unreachable=isinstance(exc, CommError))  # fmt: skip
             record.outcome = "joined"
             return Group(transport, list(range(len(members))), round_index, [names[m] for m in members])
         if stale is not None:
@@ -670,16 +671,17 @@ class SwarmMatchmaking(GroupSource):
         return None
 
     def _fallback(self, round_index: int, record: RoundRecord, deadline: float, names: dict[str, str], start: float,
-                  failed_group: list[str]) -> Group | None:  # fmt: skip
+                  failed_group: list[str], unreachable: bool = False) -> Group | None:  # fmt: skip
         """A second draw in the same window among the peers whose first group failed to confirm too.
 
         The members of this peer's group that sent nothing at all are left out; to every other peer of the window
         this peer posts ``retry/<window>``, waits until its first confirmation deadline plus ``max(0.5, slack)``
-        (so that a peer whose group timed out is in as well; if less than ``confirm_timeout / 2`` of the round's
-        matchmaking time would be left, it skips the round instead), then draws among itself and the peers whose
-        ``retry`` arrived, and confirms that group. Identities that never answer (no daemon, or never confirming)
-        send no ``retry`` and are drawn around within the round; peers whose retry sets differ compute different
-        group ids and skip the round, as before.
+        (so that a peer whose group timed out is in as well; if the failure was a member that could not be reached,
+        which fails every group at once, only ``max(1, 2 slack) + max(0.5, slack)`` seconds; if less than
+        ``min(1, confirm_timeout / 2)`` of the round's matchmaking time would be left, it skips the round), then
+        draws among itself and the peers whose ``retry`` arrived, and confirms that group. Identities that never
+        answer (no daemon, or never confirming) send no ``retry`` and are drawn around within the round; peers whose
+        retry sets differ compute different group ids and skip the round, as before.
         """
         channel = f"r{round_index}"
         tag = "retry/" + _digest("retry", self.run_id, round_index, repr(start), size=8)
@@ -692,9 +694,12 @@ class SwarmMatchmaking(GroupSource):
         for peer in names:
             if peer != self.peer_id and peer not in failed:
                 self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
-        draw_at = self._confirm_by + max(0.5, self.slack)
-        if deadline - draw_at < self.confirm_timeout / 2:  # no time left to confirm a redraw (a member that gives up
-            return None  # while the other confirmed would make the other's data be refused, and strike it)
+        # a member that could not be reached failed the group at once (as it does every honest peer drawn with an
+        # identity that has no daemon): draw soon; a silent one only at the confirmation deadline
+        wait = max(1.0, 2 * self.slack) if unreachable else 0.0
+        draw_at = min(self._confirm_by, time.monotonic() + wait) + max(0.5, self.slack)
+        if deadline - draw_at < min(1.0, self.confirm_timeout / 2):  # no time left to confirm a redraw (a member
+            return None  # that gives up while the other confirmed would make the other's data be refused)
         while time.monotonic() < draw_at:
             time.sleep(min(0.05, max(0.0, draw_at - time.monotonic())))
         claims: dict[str, bytes | None] = {p: self.endpoint.take_control(channel, p, tag, 0.0) for p in names
@@ -794,13 +799,16 @@ class SwarmMatchmaking(GroupSource):
         left_out = json.dumps(sorted(self._window_excluded)[:MAX_CLAIMED]).encode()
         for peer in window_peers:  # first: they hear from this peer even if a member of its group is unreachable
             self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
-        for member in others:
+        unreachable: list[CommError] = []
+        for member in others:  # every reachable member hears from this peer, even when another is unreachable
             try:
                 self.endpoint.send_control(channel, round_index, member, tag, left_out,
                                            max(0.1, confirm_by - time.monotonic()))  # fmt: skip
-            except CommError:
+            except CommError as exc:
                 self._silent.append((member, round_index))  # unreachable: gone, or refusing us
-                raise
+                unreachable.append(exc)
+        if unreachable:
+            raise unreachable[0]
         waiting = set(others)
         while waiting:
             for member in list(waiting):
