@@ -45,6 +45,13 @@ class GroupSource(ABC):
     def release(self, group: Group) -> None:  # noqa: B027 - optional hook
         """Called once the round's exchange is over (successful or not)."""
 
+    def retry(self, group: Group, error: BaseException) -> Group | None:
+        """After ``group``'s exchange failed with ``error``: a group of the members that delivered, identical on
+        each of them, to run the round's exchange again (released like any group), or ``None`` to skip the round
+        (the default)."""
+        del group, error
+        return None
+
 
 class ScheduledGroups(GroupSource):
     """Groups of a fixed world, drawn from a seeded schedule: every member computes the same ones."""

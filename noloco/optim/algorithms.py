@@ -645,10 +645,27 @@ class OuterAlgorithm(Algorithm):
             info = OuterRoundInfo(round=round_index, group=[], skipped="no partner", fragment=fragment)
             return _RoundResult(info, None, guarded)
         rejected_before = self.norm_rejections.total
+
+        def exchange(formed) -> tuple[torch.Tensor, torch.Tensor | None]:
+            transport = faults.exchange_transport(formed.transport, link, self.inner_step, rank)
+            return self._exchange(formed if transport is formed.transport else replace(formed, transport=transport),
+                                  fast, guarded, part, slow)  # fmt: skip
+
+        members = group.peer_ids or group.members
         try:
-            transport = faults.exchange_transport(group.transport, link, self.inner_step, rank)
-            means = self._exchange(group if transport is group.transport else replace(group, transport=transport),
-                                   fast, guarded, part, slow)  # fmt: skip
+            try:
+                means = exchange(group)
+            except CommAborted:
+                raise
+            except (CommError, ValueError) as exc:
+                # a member failed: the source may regroup those that delivered (an open swarm) for one more try
+                retry = self.groups.retry(group, exc) if self.skip_failed_rounds else None
+                if retry is None:
+                    raise
+                try:
+                    means, members = exchange(retry), retry.peer_ids or retry.members
+                finally:
+                    self.groups.release(retry)
         except CommAborted:
             raise
         except (CommError, ValueError) as exc:
@@ -659,8 +676,8 @@ class OuterAlgorithm(Algorithm):
             return _RoundResult(info, None, guarded)
         finally:
             self.groups.release(group)
-        info = OuterRoundInfo(round=round_index, group=group.peer_ids or group.members,
-                              rejected=self.norm_rejections.total - rejected_before, fragment=fragment)  # fmt: skip
+        info = OuterRoundInfo(round=round_index, group=members, rejected=self.norm_rejections.total - rejected_before,
+                              fragment=fragment)  # fmt: skip
         return _RoundResult(info, means, guarded)
 
     def _exchange(self, group, fast: torch.Tensor, guarded: bool, part: slice | None = None,

@@ -742,7 +742,8 @@ class SwarmTransport(Transport):
     Every payload is bound to (run, round, group id, sender, receiver, tag) and authenticated.
     ``counter`` is the endpoint's (all bytes this peer moved for exchanges). :attr:`waited_on` holds the
     members a ``recv`` timed out waiting for, :attr:`refused_by` those a ``send`` to failed (refused,
-    unreachable); matchmaking strikes those of them that delivered no data at all.
+    unreachable); matchmaking strikes those of them that delivered no data at all. :attr:`last_from` is the
+    member whose payload ``recv`` returned last: a payload that then fails to decode or validate is its.
     """
 
     def __init__(self, endpoint: SwarmEndpoint, group_id: str, round_index: int, members: list[str]):
@@ -753,6 +754,7 @@ class SwarmTransport(Transport):
         self.counter = endpoint.counter
         self.waited_on: set[str] = set()
         self.refused_by: set[str] = set()
+        self.last_from: str | None = None  # the member whose payload recv returned last (what is being decoded)
 
     def send(self, dst: int, tag: str, payload: bytes) -> None:
         self._check_peer(dst)
@@ -764,8 +766,11 @@ class SwarmTransport(Transport):
 
     def recv(self, src: int, tag: str, timeout: float) -> bytes:
         self._check_peer(src)
+        self.last_from = None
         try:
-            return self.endpoint.take(self.group_id, self.members[src], tag, timeout)
+            payload = self.endpoint.take(self.group_id, self.members[src], tag, timeout)
+            self.last_from = self.members[src]
+            return payload
         except CommTimeout:
             self.waited_on.add(self.members[src])
             raise

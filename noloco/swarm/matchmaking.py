@@ -73,6 +73,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import statistics
 import threading
 import time
@@ -244,8 +245,39 @@ def _signed_by(peer: str, text: bytes, signature: str) -> bool:
     return verify(peer, SIGNATURE_DOMAIN + text, bytes.fromhex(signature))
 
 
-def signed_entries(found, text: Callable[[str, dict], bytes], endpoint: SwarmEndpoint, seen: set,
-                   what: str) -> list[tuple[str, dict]]:  # fmt: skip
+#: Longest peer name a record may carry (it goes into logs, metrics and the summary).
+MAX_NAME_CHARS = 64
+#: Most seconds a record's time may lie ahead of this peer's clock (peers' clocks differ a little); a time
+#: further ahead, or older than the record's lifetime plus this, is not a time an honest peer writes.
+MAX_CLOCK_SKEW = 30.0
+
+
+def record_time_error(t: object, now: float, lifetime: float) -> str | None:
+    """Why ``t`` (a record's time field, seconds of the DHT clock) is not one an honest peer writes, or None.
+
+    It must be a real number (not a bool), finite, at most :data:`MAX_CLOCK_SKEW` ahead of ``now`` and at most
+    ``lifetime + MAX_CLOCK_SKEW`` behind it (a record does not outlive its expiry). A NaN time once broke the
+    window search of every peer (every round skipped); an infinite one kept a peer "live" for ever.
+    """
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return f"time is a {type(t).__name__}, not a number"
+    if not math.isfinite(t):
+        return f"time {t!r} is not finite"
+    if t > now + MAX_CLOCK_SKEW or t < now - float(lifetime) - MAX_CLOCK_SKEW:
+        return f"time {t:.6g} is {t - now:+.6g} s from now"
+    return None
+
+
+def name_error(name: object) -> str | None:
+    """Why a record's peer ``name`` is refused (not a string, empty, too long, control characters), or None."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS or not name.isprintable():
+        return f"name {str(name)[:32]!r} is not a printable string of 1..{MAX_NAME_CHARS} characters"
+    return None
+
+
+def signed_entries(found, text: Callable[[str, dict], bytes], endpoint: SwarmEndpoint, seen: set, what: str,
+                   check: Callable[[str, dict], str | None] | None = None,
+                   on_invalid: Callable[[str, str], None] | None = None) -> list[tuple[str, dict]]:  # fmt: skip
     """``(peer, value)`` for the subkeys of a DHT dictionary record that the peer named by the subkey signed.
 
     ``text(peer, value)`` is the entry's canonical text (raising ``KeyError``/``TypeError``/``ValueError`` if
@@ -253,6 +285,11 @@ def signed_entries(found, text: Callable[[str, dict], bytes], endpoint: SwarmEnd
     it by ``peer`` itself (the key its libp2p id names). Other entries are ignored and counted on
     ``endpoint`` as ``unauthenticated`` (malformed, or a bad MAC: not a key holder) or ``forged`` (a key
     holder's entry under another peer's subkey), each (peer, stamp) once (``seen`` remembers them).
+
+    Every field of an authentic entry is still untrusted: ``check(peer, value)`` says why one is refused (a
+    NaN or absurd time, a bad name), or None; such entries are dropped and counted as ``invalid_record``
+    (each once), or, with ``on_invalid(peer, reason)``, handed to it to count (matchmaking strikes the peer
+    that signed it).
     """
     if found is None or not isinstance(found.value, dict):
         return []
@@ -264,16 +301,23 @@ def signed_entries(found, text: Callable[[str, dict], bytes], endpoint: SwarmEnd
             data = text(str(peer), value)
             if hmac.compare_digest(str(value["mac"]), endpoint.key.mac(data).hex()):
                 reason = None if _signed_by(str(peer), data, value["sig"]) else "forged"
-        except (TypeError, KeyError, ValueError, AttributeError):
+        except (TypeError, KeyError, ValueError, AttributeError, OverflowError):
             pass
+        detail = "with a bad MAC" if reason == "unauthenticated" else "not signed by the peer it names"
+        if reason is None and check is not None:
+            problem = check(str(peer), value)
+            if problem is not None:
+                reason, detail = "invalid_record", problem
         if reason is None:
             good.append((str(peer), value))
             continue
-        stamp = (str(peer), repr(value.get("t")) if isinstance(value, dict) else None)
+        stamp = (str(peer), repr(value.get("t"))[:64] if isinstance(value, dict) else None)
         if stamp not in seen:  # count each bad entry once
             seen.add(stamp)
-            detail = "with a bad MAC" if reason == "unauthenticated" else "not signed by the peer it names"
-            endpoint.count_rejection(reason, f"{what} {detail}", str(peer))
+            if reason == "invalid_record" and on_invalid is not None:
+                on_invalid(str(peer), f"{what} {detail}")  # counts it, with the strike
+            else:
+                endpoint.count_rejection(reason, f"{what} {detail}", str(peer))
     return good
 
 
@@ -295,6 +339,8 @@ class RoundRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     fragment: int | None = None
+    redrawn: bool = False  # formed by the second draw among the peers whose first group failed to confirm
+    retried: bool = False  # exchanged again among the members that delivered, after one failed (SwarmMatchmaking.retry)
 
 
 class SwarmMatchmaking(GroupSource):
@@ -327,6 +373,9 @@ class SwarmMatchmaking(GroupSource):
             counted).
         strikes_before_penalty: strikes of one kind in a row before the first penalty.
         max_penalty_rounds: the longest penalty.
+        retry_wait: seconds the members of a failed exchange wait for each other's confirmation of the retry among
+            those that delivered (:meth:`retry`; default ``confirm_timeout``; a member may notice the failure up to
+            one receive timeout after another).
         cycle: swarm rounds come in cycles of this many (``outer.fragments``: round ``r`` exchanges fragment
             ``(r + 1) mod cycle``); a peer catching up skips whole cycles, so that its swarm round is congruent
             to its own round modulo ``cycle`` (see :meth:`form`).
@@ -352,6 +401,7 @@ class SwarmMatchmaking(GroupSource):
         strikes_before_penalty: int = STRIKES_BEFORE_PENALTY,
         max_penalty_rounds: int = MAX_PENALTY_ROUNDS,
         cycle: int = 1,
+        retry_wait: float | None = None,
     ):
         if group_size is not None and group_size < 2:
             raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
@@ -379,6 +429,7 @@ class SwarmMatchmaking(GroupSource):
         self.max_penalty_rounds = int(max_penalty_rounds)
         self._strikes: dict[str, int] = {}  # peer -> silent rounds with this peer since it last confirmed
         self._mute_strikes: dict[str, int] = {}  # peer -> exchanges it sent nothing in since it last sent data
+        self._record_strikes: dict[str, int] = {}  # peer -> DHT records it signed with refused fields
         self._mute: list[tuple[str, int]] = []  # (peer, round) it confirmed and sent no data in; settled next round
         self._penalty_lock = threading.Lock()  # release() may run in an overlapped exchange's thread
         self._late: dict[str, int] = {}
@@ -387,6 +438,12 @@ class SwarmMatchmaking(GroupSource):
         self._heard: set[tuple[str, int]] = set()  # (peer, round) whose join this peer took
         self._excluded: set[tuple[str, int]] = set()  # (peer, round) exclusions already counted
         self._window_excluded: list[str] = []  # penalized peers of the window being drawn
+        self._confirm_by = 0.0  # monotonic deadline of the latest confirmation
+        self.retry_wait = float(confirm_timeout if retry_wait is None else retry_wait)
+        self._invalid: list[tuple[str, int]] = []  # (peer, round) it sent an invalid payload in; settled next round
+        self._invalid_strikes: dict[str, int] = {}  # peer -> invalid payloads it sent (never reset)
+        self._failed_in: dict[str, set[str]] = {}  # failed group id -> its culprits (SwarmMatchmaking.retry)
+        self._retries: dict[str, tuple[str, set[str], int]] = {}  # retry group id -> (failed group id, culprits, round)
 
     @property
     def ready_ttl(self) -> float:
@@ -416,7 +473,11 @@ class SwarmMatchmaking(GroupSource):
             mute, self._mute = self._mute, []
             for peer, round_index in dict.fromkeys(mute):
                 self._strike(self._mute_strikes, peer, round_index, "no_data", f"confirmed round {round_index} "
-                             "but sent no data")  # fmt: skip
+                             "but did not deliver its data")  # fmt: skip
+            invalid, self._invalid = self._invalid, []
+            for peer, round_index in dict.fromkeys(invalid):
+                self._strike(self._invalid_strikes, peer, round_index, "invalid_data", f"sent an invalid payload "
+                             f"in round {round_index}")  # fmt: skip
 
     def _strike(self, strikes_of: dict[str, int], peer: str, round_index: int, reason: str, what: str) -> None:
         """Count one strike of ``peer`` in ``strikes_of``; from ``strikes_before_penalty`` in a row, leave it out."""
@@ -431,6 +492,16 @@ class SwarmMatchmaking(GroupSource):
         until = ((round_index + length) // length + 1) * length - 1
         self._banned_until[peer] = max(self._banned_until.get(peer, -1), until)
         self.endpoint.count_rejection(reason, f"{what}; left out until round {until} (strike {strikes})", peer)
+
+    def _strike_record(self, round_index: int, peer: str, what: str) -> None:
+        """Strike ``peer`` for a record it signed whose fields are refused (``invalid_record``; once per record)."""
+        with self._penalty_lock:
+            self._strike(self._record_strikes, peer, round_index, "invalid_record", what)
+
+    def strike_record(self, peer: str, what: str) -> None:
+        """:meth:`_strike_record` in the round this peer matches in now (or next): for the registry's entries."""
+        matching = self.matching
+        self._strike_record(self.next_round if matching is None else matching, peer, what)
 
     def penalized(self, peer: str, round_index: int) -> bool:
         """Whether ``peer`` is left out of this peer's draw in swarm round ``round_index``."""
@@ -471,8 +542,12 @@ class SwarmMatchmaking(GroupSource):
             float(value["t"])  # a time that does not parse is malformed
             return self._text(round_index, peer, value["t"], str(value["name"]))
 
+        def check(peer: str, value: dict) -> str | None:
+            return record_time_error(value["t"], get_dht_time(), self.ready_ttl) or name_error(value["name"])
+
         found = self.dht.get(f"{self.run_id}/ready/{round_index}", latest=True)
-        entries = signed_entries(found, text, self.endpoint, self._bad_entries, "DHT announcement")
+        entries = signed_entries(found, text, self.endpoint, self._bad_entries, "DHT announcement", check,
+                                 functools.partial(self._strike_record, round_index))  # fmt: skip
         self.endpoint.note_peers(peer for peer, _ in entries)
         return [Announcement(peer, float(value["t"]), str(value["name"])) for peer, value in entries]
 
@@ -551,6 +626,7 @@ class SwarmMatchmaking(GroupSource):
         expected = self.expected(round_index) if self.expected is not None else set()
         mine = self._announce(round_index)
         claimed: frozenset[str] = frozenset()
+        stale: str | None = None  # the group of a draw whose members disagreed, closed once the redraw differs
         for attempt in range(2):
             # Attempt 0 may read the window early (all expected peers in); if members then disagree on
             # the group, attempt 1 reads the closed window, which every member sees alike, and also leaves
@@ -558,6 +634,8 @@ class SwarmMatchmaking(GroupSource):
             # between peers that saw a no-show a different number of times).
             gathered = self._gather(round_index, record, deadline, mine, expected if attempt == 0 else set(), claimed)
             if gathered is None:
+                if stale is not None:
+                    self.endpoint.close_group(stale)
                 return None
             in_window, start, mine = gathered
             names = {e.peer: e.name for e in in_window}
@@ -566,6 +644,9 @@ class SwarmMatchmaking(GroupSource):
                            if self.peer_id in g)  # fmt: skip
             group_id = _digest("group", self.run_id, round_index, repr(start), *members)
             record.partners = [names[m] for m in members if m != self.peer_id]
+            if stale is not None and stale != group_id:
+                self.endpoint.close_group(stale)
+            stale = None
             transport = self.endpoint.open_group(group_id, round_index, members)
             outside = [p for p in [*names, *self._window_excluded] if p not in members]
             try:
@@ -573,16 +654,80 @@ class SwarmMatchmaking(GroupSource):
                               window_peers=outside)  # fmt: skip
             except _Mismatch as exc:
                 claimed = self._claimed_exclusions(round_index, members, names)
-                self.endpoint.close_group(group_id)
+                # kept open until the redraw: if it draws the same group, a member that confirmed it meanwhile
+                # may already be sending its data (closing and reopening would refuse it)
+                stale = group_id
                 record.outcome = f"confirm failed: {exc}"
                 continue
-            except Exception as exc:  # noqa: BLE001 - unreachable, refused or silent member: skip the round
+            except Exception as exc:  # noqa: BLE001 - unreachable, refused or silent member: draw again without it
                 self.endpoint.close_group(group_id)
                 record.outcome = f"confirm failed: {exc}"
-                return None
+                return self._fallback(round_index, record, deadline, names, start, members,
+                                      unreachable=isinstance(exc, CommError))  # fmt: skip
             record.outcome = "joined"
             return Group(transport, list(range(len(members))), round_index, [names[m] for m in members])
+        if stale is not None:
+            self.endpoint.close_group(stale)
         return None
+
+    def _fallback(self, round_index: int, record: RoundRecord, deadline: float, names: dict[str, str], start: float,
+                  failed_group: list[str], unreachable: bool = False) -> Group | None:  # fmt: skip
+        """A second draw in the same window among the peers whose first group failed to confirm too.
+
+        The members of this peer's group that sent nothing at all are left out; to every other peer of the window
+        this peer posts ``retry/<window>``, waits until its first confirmation deadline plus ``max(0.5, slack)``
+        (so that a peer whose group timed out is in as well; if the failure was a member that could not be reached,
+        which fails every group at once, only ``max(1, 2 slack) + max(0.5, slack)`` seconds; if less than
+        ``min(1, confirm_timeout / 2)`` of the round's matchmaking time would be left, it skips the round), then
+        draws among itself and the peers whose ``retry`` arrived, and confirms that group. Identities that never
+        answer (no daemon, or never confirming) send no ``retry`` and are drawn around within the round; peers whose
+        retry sets differ compute different group ids and skip the round, as before.
+        """
+        channel = f"r{round_index}"
+        tag = "retry/" + _digest("retry", self.run_id, round_index, repr(start), size=8)
+        failed = {m for m in failed_group if m != self.peer_id and (m, round_index) not in self._heard
+                  and not self.endpoint.control_tags(channel, m)}  # sent nothing at all (a join for another group is
+        # something: an honest member whose view of the window differed falls back too)
+        # the retry lists the peers this one leaves out (penalized): a peer that does not penalize them yet
+        # leaves them out of this redraw too, so that both draw the same group (a claim counts for this redraw only)
+        left_out = json.dumps(sorted(failed | set(self._window_excluded))[:MAX_CLAIMED]).encode()
+        for peer in names:
+            if peer != self.peer_id and peer not in failed:
+                self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
+        # a member that could not be reached failed the group at once (as it does every honest peer drawn with an
+        # identity that has no daemon): draw soon; a silent one only at the confirmation deadline
+        wait = max(1.0, 2 * self.slack) if unreachable else 0.0
+        draw_at = min(self._confirm_by, time.monotonic() + wait) + max(0.5, self.slack)
+        if deadline - draw_at < min(1.0, self.confirm_timeout / 2):  # no time left to confirm a redraw (a member
+            return None  # that gives up while the other confirmed would make the other's data be refused)
+        while time.monotonic() < draw_at:
+            time.sleep(min(0.05, max(0.0, draw_at - time.monotonic())))
+        claims: dict[str, bytes | None] = {p: self.endpoint.take_control(channel, p, tag, 0.0) for p in names
+                                           if p != self.peer_id and p not in failed}  # fmt: skip
+        back = {p for p, claim in claims.items() if claim is not None}
+        for claim in [c for c in claims.values() if c is not None]:
+            try:
+                listed = json.loads(claim.decode())
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                continue
+            if isinstance(listed, list):
+                back -= {p for p in listed[:MAX_CLAIMED] if isinstance(p, str) and p != self.peer_id}
+        if not back:
+            return None
+        members = next(g for g in draw_groups(sorted(back | {self.peer_id}), self.group_size, self.seed, round_index)
+                       if self.peer_id in g)  # fmt: skip
+        group_id = _digest("group", self.run_id, round_index, repr(start), "retry", *members)
+        transport = self.endpoint.open_group(group_id, round_index, members)
+        try:
+            self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=False)
+        except Exception as exc:  # noqa: BLE001 - the retry failed as well: skip the round
+            self.endpoint.close_group(group_id)
+            record.outcome = f"redraw failed: {exc}"
+            return None
+        record.partners = [names[m] for m in members if m != self.peer_id]
+        record.outcome = "joined"
+        record.redrawn = True
+        return Group(transport, list(range(len(members))), round_index, [names[m] for m in members])
 
     def _claimed_exclusions(self, round_index: int, members: list[str], names: dict[str, str]) -> frozenset[str]:
         """Peers of the window that the other members of this peer's group said (in their ``join``) they leave out.
@@ -647,20 +792,23 @@ class SwarmMatchmaking(GroupSource):
         Members that sent nothing at all by the deadline are remembered (:meth:`_settle` strikes them).
         """
         channel = f"r{round_index}"
-        confirm_by = min(deadline, time.monotonic() + self.confirm_timeout)
+        confirm_by = self._confirm_by = min(deadline, time.monotonic() + self.confirm_timeout)
         others = [m for m in members if m != self.peer_id]
         tag = f"join/{group_id}"
         # the join says whom this peer left out of the window (a member whose penalties differ redraws with them)
         left_out = json.dumps(sorted(self._window_excluded)[:MAX_CLAIMED]).encode()
-        for member in others:
+        for peer in window_peers:  # first: they hear from this peer even if a member of its group is unreachable
+            self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
+        unreachable: list[CommError] = []
+        for member in others:  # every reachable member hears from this peer, even when another is unreachable
             try:
                 self.endpoint.send_control(channel, round_index, member, tag, left_out,
                                            max(0.1, confirm_by - time.monotonic()))  # fmt: skip
-            except CommError:
+            except CommError as exc:
                 self._silent.append((member, round_index))  # unreachable: gone, or refusing us
-                raise
-        for peer in window_peers:
-            self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
+                unreachable.append(exc)
+        if unreachable:
+            raise unreachable[0]
         waiting = set(others)
         while waiting:
             for member in list(waiting):
@@ -678,6 +826,56 @@ class SwarmMatchmaking(GroupSource):
             if waiting:
                 time.sleep(0.02)
 
+    def retry(self, group: Group, error: BaseException) -> Group | None:
+        """After ``group``'s exchange failed: the group of the members that delivered, confirmed by each of them.
+
+        The *culprits* are the members this peer waited for in vain (a ``recv`` timed out), could not send to,
+        and the one whose payload failed to decode or validate (non-finite values, wrong size, a header that
+        disagrees: ``error`` is a ``ValueError`` raised on the payload :attr:`SwarmTransport.last_from` returned;
+        an error marker, :class:`~noloco.collectives.protocol.RemoteFailure`, blames nobody: its sender only
+        reports a failure). The others (at least two, this peer included) form a group whose id hashes the failed
+        group's and the survivors; each confirms it with a ``join`` (within :attr:`retry_wait`, as members notice
+        a failure up to one receive timeout apart), and the round's exchange runs again over it. Members that
+        saw different culprits compute different ids, never confirm each other, and skip the round: honest
+        members either all apply the same result over the same members, or skip.
+
+        A member whose payload was invalid is struck at once (``invalid_data``); one that delivered part of its
+        data and then nothing is struck (``no_data``) when the retry without it delivers in full (so an honest
+        member that stopped because another failed is not blamed).
+        """
+        from noloco.collectives.protocol import RemoteFailure
+
+        transport = group.transport
+        if not isinstance(transport, SwarmTransport) or group.transport.group_id not in self._open:
+            return None
+        culprits = set(transport.waited_on | transport.refused_by)
+        if isinstance(error, ValueError) and not isinstance(error, RemoteFailure) and transport.last_from:
+            culprits.add(transport.last_from)
+            with self._penalty_lock:
+                self._invalid.append((transport.last_from, group.round))
+        culprits.discard(self.peer_id)
+        self._failed_in[transport.group_id] = culprits  # their data in this group resets no strikes (release)
+        survivors = [m for m in transport.members if m not in culprits]
+        if not culprits or len(survivors) < 2:
+            return None
+        names = dict(zip(transport.members, group.peer_ids or transport.members, strict=False))
+        group_id = _digest("retry", transport.group_id, *survivors)
+        record = self._open[transport.group_id][0]
+        retry = self.endpoint.open_group(group_id, group.round, survivors)
+        try:
+            self._confirm(group.round, group_id, survivors, names, time.monotonic() + self.retry_wait,
+                          fast_mismatch=False)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the others saw it differently, or are gone: skip the round
+            logger.warning("swarm: round %d: retry without %s failed: %s", group.round,
+                           ", ".join(names[c] for c in sorted(culprits)), exc)  # fmt: skip
+            self.endpoint.close_group(group_id)
+            return None
+        record.retried = True
+        record.partners = [names[m] for m in survivors if m != self.peer_id]
+        self._retries[group_id] = (transport.group_id, culprits, group.round)
+        self._open[group_id] = (record, time.monotonic(), self.counter.state_dict())
+        return Group(retry, list(range(len(survivors))), group.round, [names[m] for m in survivors])
+
     def release(self, group: Group) -> None:
         """Close the round's group; members that sent no data and that this peer waited for are noted.
 
@@ -690,9 +888,12 @@ class SwarmMatchmaking(GroupSource):
         if isinstance(transport, SwarmTransport):
             delivered = self.endpoint.delivered_from(group_id)
             with self._penalty_lock:
-                for peer in delivered:
+                for peer in delivered - self._failed_in.pop(group_id, set()):
                     self._mute_strikes.pop(peer, None)
                 silent = (transport.waited_on | transport.refused_by) - delivered
+                retried = self._retries.pop(group_id, None)
+                if retried is not None and not silent and delivered >= set(transport.members) - {self.peer_id}:
+                    silent = retried[1]  # the retry without them delivered in full: they were the ones that failed
                 self._mute.extend((peer, group.round) for peer in sorted(silent))
         transport.close()
         if group_id in self._open:
@@ -712,8 +913,10 @@ class PeerRegistry:
     their subkey did not sign as ``forged`` (:func:`signed_entries`).
     """
 
-    def __init__(self, dht, endpoint: SwarmEndpoint, name: str, ttl: float = 120.0):
+    def __init__(self, dht, endpoint: SwarmEndpoint, name: str, ttl: float = 120.0,
+                 on_invalid: Callable[[str, str], None] | None = None):  # fmt: skip
         self.dht, self.endpoint, self.name, self.ttl = dht, endpoint, name, float(ttl)
+        self.on_invalid = on_invalid  # told of (and counts) each authentic entry whose fields are refused
         self._bad_entries: set[tuple[str, object]] = set()
 
     def _text(self, peer: str, step: int, next_round: int, t: float, name: str) -> bytes:
@@ -734,8 +937,15 @@ class PeerRegistry:
             float(value["t"])  # a time that does not parse is malformed
             return self._text(peer, int(value["step"]), int(value["round"]), value["t"], str(value["name"]))
 
+        def check(peer: str, value: dict) -> str | None:
+            for key in ("step", "round"):
+                if isinstance(value[key], bool) or not isinstance(value[key], int):
+                    return f"{key} is a {type(value[key]).__name__}, not an integer"
+            return record_time_error(value["t"], get_dht_time(), self.ttl) or name_error(value["name"])
+
         found = self.dht.get(f"{self.endpoint.run_id}/peers", latest=True)
-        entries = signed_entries(found, text, self.endpoint, self._bad_entries, "registry entry")
+        entries = signed_entries(found, text, self.endpoint, self._bad_entries, "registry entry", check,
+                                 self.on_invalid)  # fmt: skip
         self.endpoint.note_peers(peer for peer, _ in entries)
         out = [{"peer": peer, "name": str(value["name"]), "step": int(value["step"]), "round": int(value["round"]),
                 "t": float(value["t"])}

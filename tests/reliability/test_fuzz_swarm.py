@@ -251,3 +251,75 @@ def test_forged_peer_states_with_valid_compression_are_bounded():
         check_state(header + slow_z + vel_z + (trailing if velocity == "none" else b""), "swarm decode_state (forged)")
 
     run()
+
+
+# ------------------------------------------------------------------ DHT records signed by a key holder
+class _Rejections:
+    """Where :func:`signed_entries` counts what it drops (a real endpoint's ``count_rejection``, without a daemon)."""
+
+    def __init__(self):
+        self.key, self.counts, self.invalid = KEY, {}, []
+
+    def count_rejection(self, reason: str, detail: str, src: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+
+class _Item:
+    def __init__(self, value):
+        self.value = value
+
+
+class _Found:
+    def __init__(self, entries: dict):
+        self.value = {peer: _Item(v) for peer, v in entries.items()}
+
+
+_ANY = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**30), 10**30), st.booleans(),
+                 st.none(), st.text(max_size=80), st.binary(max_size=8),
+                 st.lists(st.integers(), max_size=3))  # fmt: skip
+
+
+@given(times=st.lists(_ANY, min_size=1, max_size=6), names=st.lists(_ANY, min_size=6, max_size=6))
+@fuzz_settings(300)
+def test_key_holder_announcements_with_any_time_or_name_are_dropped_or_usable(times, names):
+    """Announcements a key holder signed (MAC and Ed25519 signature valid) with any value in ``t`` and ``name``:
+    :func:`signed_entries` returns only entries with a finite time near now and a printable name, counts each other
+    one as ``invalid_record`` (and hands it to ``on_invalid``), never raises; the window search then finds a window
+    for every time it kept (a NaN time once raised StopIteration there and skipped every round)."""
+    from noloco.swarm import matchmaking as mm
+    from noloco.swarm.identity import PeerIdentity
+
+    now = mm.get_dht_time()
+    endpoint, entries = _Rejections(), {}
+    for i, t in enumerate([now, *times]):
+        identity = _IDENTITIES[i % len(_IDENTITIES)] if i else PeerIdentity.generate()
+        name = "honest" if i == 0 else names[i - 1]
+        text = "|".join(map(str, ("ready", "fuzz", 3, identity.peer_id, t, name))).encode()
+        entries[identity.peer_id] = {"t": t, "name": name, "mac": KEY.mac(text).hex(),
+                                     "sig": identity.sign(mm.SIGNATURE_DOMAIN + text).hex()}  # fmt: skip
+
+    def text_of(peer: str, value) -> bytes:
+        float(value["t"])
+        return "|".join(map(str, ("ready", "fuzz", 3, peer, value["t"], str(value["name"])))).encode()
+
+    def check(peer: str, value) -> str | None:
+        return mm.record_time_error(value["t"], mm.get_dht_time(), 60.0) or mm.name_error(value["name"])
+
+    good = mm.signed_entries(_Found(entries), text_of, endpoint, set(), "announcement", check,
+                          lambda peer, why: endpoint.invalid.append(peer))  # fmt: skip
+    record("dht_record", len(good) == len(entries))
+    kept = [float(v["t"]) for _, v in good]
+    assert len(good) >= 1 and all(abs(t - now) <= 60 + 2 * mm.MAX_CLOCK_SKEW for t in kept)
+    assert all(isinstance(v["name"], str) and v["name"].isprintable() for _, v in good)
+    assert len(good) + endpoint.counts.get("unauthenticated", 0) + len(endpoint.invalid) == len(entries)
+    for t in kept:
+        assert next(w for w in mm.windows(kept, 3.0) if w[0] <= t <= w[1])
+
+
+_IDENTITIES = []
+
+
+def setup_module(module):
+    from noloco.swarm.identity import PeerIdentity
+
+    module._IDENTITIES.extend(PeerIdentity.generate() for _ in range(7))

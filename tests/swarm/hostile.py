@@ -16,6 +16,12 @@ did to ``--out`` (JSON, rewritten as it goes; ``"ready": true`` once the attack 
   lists itself live, but never confirms a group.
 - ``mute`` (key holder): lists itself live, announces and confirms like an honest peer, then sends no
   data in the exchange and holds its group open for ``--hold`` seconds (its partners wait for it).
+- ``bad-time`` (key holder): like ``silent``, but every announcement carries a NaN, infinite, negative or
+  absurd time (MAC'd and signed), and its registry entry an infinite one.
+- ``bad-data`` (key holder): confirms like an honest peer, then sends (``--mode``) contributions with NaN int4
+  scales (fp32: NaN values), ones encoding a few values too many, or its first messages and then nothing.
+- ``sybils`` (key holder): ``--identities`` identities on its one DHT node (no daemon each), every one listed
+  live and ready in every round the honest peers are in, none ever confirming.
 - ``flood`` (key holder): requests the target's full state as fast as it is answered.
 - ``forge`` (key holder, its own libp2p identity): stores records under the *honest peers'* subkeys,
   with a valid run-key MAC (it has the key) but signed with its own identity: registry entries saying
@@ -260,6 +266,111 @@ def silent(args, stats: Stats) -> None:
         dht.shutdown()
 
 
+BAD_TIMES = (float("nan"), float("inf"), -1.0, 1e300, float("-inf"))
+
+
+def bad_time(args, stats: Stats) -> None:
+    """Ready in every round the honest peers announce in, with a NaN, infinite, negative or absurd time (signed
+    and MAC'd like an honest record), and listed live with an infinite time (it would never expire)."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from noloco.swarm import PeerRegistry, SwarmMatchmaking
+    from noloco.swarm.matchmaking import sign_record
+
+    _, dht, endpoint = _key_holder(args)
+    try:
+        mm = SwarmMatchmaking(dht, endpoint, "bad-time", window=args.window)
+        registry = PeerRegistry(dht, endpoint, "bad-time")
+        announced: set[int] = set()
+        stats["ready"] = True
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline and len(announced) < args.count:
+            live = registry.live()
+            front = max((e["round"] for e in live if e["round"] >= 0), default=0)
+            t = float("inf")
+            text = registry._text(endpoint.peer_id, front * args.every, front, t, "bad-time")
+            value = {"step": front * args.every, "round": front, "t": t, "name": "bad-time",
+                     **sign_record(endpoint, text)}  # fmt: skip
+            dht.store(f"{args.run_id}/peers", value, get_dht_time() + 60, subkey=endpoint.peer_id)
+            for r in (front, front + 1):
+                if r not in announced and mm._ready(r):  # an honest peer is ready for r: announce a bad time
+                    t = BAD_TIMES[len(announced) % len(BAD_TIMES)]
+                    value = {"t": t, "name": "bad-time", **sign_record(endpoint, mm._text(r, endpoint.peer_id, t,
+                                                                                           "bad-time"))}  # fmt: skip
+                    dht.store(f"{args.run_id}/ready/{r}", value, get_dht_time() + mm.ready_ttl, subkey=endpoint.peer_id)
+                    announced.add(r)
+                    stats["rounds_announced"] = len(announced)
+            stats.save()
+            time.sleep(args.pause)
+    finally:
+        endpoint.close()
+        dht.shutdown()
+
+
+def _sybil_validator(args, identities: dict):
+    """A validator that signs each record with the identity its subkey names (the key holder holds them all)."""
+    from noloco.swarm.dht import _TRAILER, RunRecordValidator, record_owner
+
+    def make(key, identity):
+        class Sybils(RunRecordValidator.create(key, args.run_id, 600, identity).__class__):
+            def sign_value(self, record) -> bytes:
+                signed = self._signed_bytes(record)
+                owner = identities.get(record_owner(record.subkey), identity)
+                signature = owner.sign(b"noloco-dht-sig/2" + signed)
+                return bytes(record.value) + _TRAILER + signature + key.mac(b"noloco-dht/2", signed)
+
+        return Sybils(key, args.run_id, 600, identity)
+
+    return make
+
+
+def sybils(args, stats: Stats) -> None:
+    """``--identities`` Ed25519 identities of one key holder, all on its one DHT node (no daemon each): each lists
+    itself live and announces itself ready in every round the honest peers announce in; none ever confirms."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from noloco.swarm import PeerIdentity, PeerRegistry, SwarmMatchmaking
+    from noloco.swarm.matchmaking import SIGNATURE_DOMAIN
+
+    fakes = [PeerIdentity.generate() for _ in range(args.identities)]
+    by_id = {i.peer_id: i for i in fakes}
+    key, dht, endpoint = _key_holder(args, validator=_sybil_validator(args, by_id))
+    try:
+        mm = SwarmMatchmaking(dht, endpoint, "sybil", window=args.window)
+        registry = PeerRegistry(dht, endpoint, "sybil")
+
+        def signed(identity, text: bytes) -> dict:
+            return {"mac": key.mac(text).hex(), "sig": identity.sign(SIGNATURE_DOMAIN + text).hex()}
+
+        announced: set[int] = set()
+        stats["ready"], stats["identities"] = True, len(fakes)
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline and len(announced) < args.count:
+            live = [e for e in registry.live() if e["peer"] not in by_id]
+            front = max((e["round"] for e in live if e["round"] >= 0), default=0)
+            now = get_dht_time()
+            for n, fake in enumerate(fakes):  # listed live: the honest peers expect them
+                name, step = f"sybil-{n}", front * args.every
+                text = f"alive|{args.run_id}|{fake.peer_id}|{step}|{front}|{now}|{name}".encode()
+                value = {"step": step, "round": front, "t": now, "name": name, **signed(fake, text)}
+                dht.store(f"{args.run_id}/peers", value, now + 60, subkey=fake.peer_id, return_future=True)
+            for r in (front, front + 1):
+                if r not in announced and any(e.peer not in by_id for e in mm._ready(r)):
+                    now = get_dht_time()
+                    for n, fake in enumerate(fakes):
+                        name = f"sybil-{n}"
+                        text = "|".join(map(str, ("ready", args.run_id, r, fake.peer_id, now, name))).encode()
+                        dht.store(f"{args.run_id}/ready/{r}", {"t": now, "name": name, **signed(fake, text)},
+                                  now + mm.ready_ttl, subkey=fake.peer_id, return_future=True)  # fmt: skip
+                    announced.add(r)
+                    stats["rounds_announced"] = len(announced)
+            stats.save()
+            time.sleep(args.pause)
+    finally:
+        endpoint.close()
+        dht.shutdown()
+
+
 def flood(args, stats: Stats) -> None:
     from noloco.swarm import STATE_SERVICE
 
@@ -315,6 +426,100 @@ def mute(args, stats: Stats) -> None:
                 time.sleep(0.1)
             group_id = group.transport.group_id
             stats.bump("data_received", len({src for (g, src, _) in endpoint._inbox if g == group_id}))  # who sent
+            mm.release(group)
+            stats.save()
+    finally:
+        endpoint.close()
+        dht.shutdown()
+
+
+def _bad_messages(args, endpoint, group, stats: Stats) -> None:
+    """In a confirmed group, the round's first reduction (``delta``, two-phase): learn the call from a partner's
+    message to this member, then send every partner a contribution with NaN scales (``nan``), one encoding a
+    few values too many (``long``), or a valid one followed by nothing (``partial``: no reduced segment)."""
+    from dataclasses import replace
+
+    import torch
+
+    from noloco.collectives import get_codec
+    from noloco.collectives.message import message_layout
+    from noloco.collectives.protocol import HEADER_BYTES, PHASE_GATHER, PHASE_REDUCE, Header
+    from noloco.collectives.two_phase import segment_bounds
+
+    members, me, gid = group.transport.members, group.transport.rank, group.transport.group_id
+    suffix, found, deadline = f"/p{PHASE_REDUCE}/s{me}/h0", None, time.monotonic() + 20
+    while found is None and time.monotonic() < deadline:  # the first reduction's message of any partner
+        found = next(((src, tag) for (g, src, tag) in list(endpoint._inbox) if g == gid and tag.endswith(suffix)), None)
+        time.sleep(0.02)
+    if found is None:
+        stats["last_error"] = "no partner sent anything"
+        return
+    raw = endpoint.take(gid, found[0], found[1], 1)
+    seen, call = Header.unpack(raw), found[1][: -len(suffix)]  # e.g. outer/r3/delta/two_phase
+    bounds = segment_bounds(seen.numel, seen.group_size)
+    size = len(raw) - HEADER_BYTES  # the honest codec: the one whose message for that segment has this size
+    codec = next(c for c in map(get_codec, (args.codec, "int4", "fp32", "int8", "bf16"))
+                 if c.nbytes(bounds[me][1] - bounds[me][0]) == size)  # fmt: skip
+    stats["call"], stats["codec"] = call, codec.name
+
+    def message(phase: int, segment: int) -> bytes:
+        numel = bounds[segment][1] - bounds[segment][0]
+        extra = 3 if args.mode == "long" else 0
+        body, _ = codec.encode_message(torch.full((numel + extra,), 1e-3), HEADER_BYTES)
+        raw = bytearray(body.numpy().tobytes())
+        if args.mode == "nan":
+            layout = message_layout(codec.spec, numel)[0] if hasattr(codec, "spec") else ()
+            sections = {name: (dtype, count, offset) for name, dtype, count, offset in layout}
+            dtype, count, offset = sections.get("scales", (torch.float32, numel, 0))  # fp32: every value NaN
+            size = torch.empty(0, dtype=dtype).element_size()  # scales may be stored as raw 16-bit words
+            floats = {2: torch.float16, 4: torch.float32}[size]
+            nan = torch.full((count,), float("nan"), dtype=floats).view(torch.uint8).numpy().tobytes()
+            raw[HEADER_BYTES + offset : HEADER_BYTES + offset + len(nan)] = nan
+        raw[:HEADER_BYTES] = replace(seen, phase=phase, sender=me, segment=segment).pack()
+        return bytes(raw)
+
+    for k, dst in enumerate(members):
+        if dst != endpoint.peer_id:
+            endpoint.send_frame("data", group.round, gid, dst, f"{call}/p{PHASE_REDUCE}/s{k}/h0",
+                                message(PHASE_REDUCE, k))  # fmt: skip
+    stats.bump("bad_contributions")
+    if args.mode != "partial":
+        for dst in members:
+            if dst != endpoint.peer_id:
+                endpoint.send_frame("data", group.round, gid, dst, f"{call}/p{PHASE_GATHER}/s{me}/h0",
+                                    message(PHASE_GATHER, me))  # fmt: skip
+
+
+def bad_data(args, stats: Stats) -> None:
+    """Ready, listed live and confirming every round like an honest peer, then sends bad data (``--mode``)."""
+    from noloco.swarm import PeerRegistry, SwarmMatchmaking
+
+    _, dht, endpoint = _key_holder(args)
+    registry = PeerRegistry(dht, endpoint, "bad-data")
+
+    def front() -> int:
+        return max((e["round"] for e in registry.live() if e["round"] >= 0), default=0)
+
+    try:
+        mm = SwarmMatchmaking(dht, endpoint, "bad-data", window=args.window, slack=0.5, confirm_timeout=4, timeout=8,
+                              front=front)  # fmt: skip
+        mm._settle = lambda: None  # it never strikes anyone: it wants to be in every group
+        stats["ready"] = True
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline and stats.get("groups", 0) < args.count:
+            round_index = front()
+            registry.publish(round_index * args.every, round_index)  # listed live: the honest peers expect it
+            group = mm.form(round_index, 8)
+            if group is None:
+                stats.bump("no_group")
+                stats.save()
+                continue
+            stats.bump("groups")
+            try:
+                _bad_messages(args, endpoint, group, stats)
+            except Exception as exc:  # noqa: BLE001 - a partner refused: it left the group
+                stats["last_error"] = str(exc)[:200]
+            time.sleep(1.0)
             mm.release(group)
             stats.save()
     finally:
@@ -402,8 +607,8 @@ def forge(args, stats: Stats) -> None:
         dht.shutdown()
 
 
-ATTACKS = {"streams": streams, "dht-junk": dht_junk, "ahead": ahead, "silent": silent, "flood": flood,
-           "mute": mute, "forge": forge}  # fmt: skip
+ATTACKS = {"streams": streams, "dht-junk": dht_junk, "ahead": ahead, "silent": silent, "bad-time": bad_time,
+           "flood": flood, "mute": mute, "forge": forge, "sybils": sybils, "bad-data": bad_data}  # fmt: skip
 
 
 def main() -> None:
@@ -421,6 +626,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--window", type=float, default=3.0)
+    parser.add_argument("--identities", type=int, default=8, help="sybils: identities of the one key holder")
+    parser.add_argument("--mode", choices=["nan", "long", "partial"], default="nan", help="bad-data: what it sends")
+    parser.add_argument("--codec", default="int4", help="bad-data: the honest peers' comm.codec")
     parser.add_argument("--hold", type=float, default=10.0, help="mute: seconds a confirmed group is held open")
     parser.add_argument("--no-trailer", action="store_true", help="dht-junk: plain junk values (for a tree before #14)")
     args = parser.parse_args()

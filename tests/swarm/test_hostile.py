@@ -218,3 +218,69 @@ def test_a_key_holder_forging_other_peers_records_has_them_refused(swarm):
         assert s["rejected_messages"].get("dht_forged", 0) >= 1, s["rejected_messages"]
         assert "no live peers" not in s["round_outcomes"], s["round_outcomes"]  # nobody believed "finished"
         _check_trained(s, min_joined=s["rounds"] * 2 // 3)
+
+
+def test_a_key_holder_announcing_nan_or_absurd_times_is_dropped_and_struck(swarm):
+    """Attack 8: ready in every round with a NaN, infinite, negative or absurd time (MAC'd and signed), listed
+    live with an infinite time. Before the check, a NaN time broke every peer's window search (0 of 20 rounds)."""
+    steps, every = 200, 10
+    _pair(swarm, steps, every)
+    stats_path = swarm.attacker("bad-time", "bad-time", "a", "--seconds", "120", "--count", "100", "--pause", "0.2",
+                                "--every", str(every), key=swarm.key)  # fmt: skip
+    stats, a, b = _outcome(swarm, ("a", "b"), stats_path, 200)
+    print(
+        f"attack 8: attacker {stats}; a {a['round_outcomes']}; a rejected {a['rejected_messages']}; "
+        f"rounds joined a={a['rounds_joined']}/{a['rounds']} b={b['rounds_joined']}/{b['rounds']}"
+    )
+    assert stats.get("rounds_announced", 0) >= 5, stats
+    for s in (a, b):
+        assert s["rejected_messages"].get("invalid_record", 0) >= 2, s["rejected_messages"]
+        assert not any(o.startswith("error") for o in s["round_outcomes"]), s["round_outcomes"]
+        _check_trained(s, min_joined=s["rounds"] - 2)
+
+
+@pytest.mark.parametrize("identities", [8])
+def test_sybil_identities_of_one_key_holder_are_drawn_around(swarm, identities):
+    """Attack 9: one key holder lists ``identities`` identities (no daemon each), ready in every round and never
+    confirming. Before the retry draw, 8 of them brought the honest peers to 0 of 20 rounds (4: 1 of 20)."""
+    steps, every = 200, 10
+    _pair(swarm, steps, every)
+    stats_path = swarm.attacker("sybils", "sybils", "a", "--seconds", "150", "--count", "100", "--pause", "0.2",
+                                "--every", str(every), "--identities", str(identities), key=swarm.key)  # fmt: skip
+    stats, a, b = _outcome(swarm, ("a", "b"), stats_path, 300)
+    print(
+        f"attack 9 ({identities} sybils): attacker {stats}; a {a['round_outcomes']}; a rejected "
+        f"{a['rejected_messages']}; rounds joined a={a['rounds_joined']}/{a['rounds']} "
+        f"b={b['rounds_joined']}/{b['rounds']}"
+    )
+    assert stats.get("rounds_announced", 0) >= 5, stats
+    for s in (a, b):
+        assert s["rejected_messages"].get("no_confirm", 0) >= 1, s["rejected_messages"]
+        _check_trained(s, min_joined=s["rounds"] // 2)
+
+
+@pytest.mark.parametrize("mode", ["nan", "long", "partial"])
+def test_a_key_holder_sending_bad_data_is_struck_and_the_others_average_without_it(swarm, mode):
+    """Attack 10: confirms every round, then sends contributions with NaN int4 scales, encoding a few values too
+    many, or its first messages and then nothing. Before the retry, every round of its group failed and it was
+    never struck; now the honest members run the round again among themselves, and it is left out."""
+    steps, every = 200, 10
+    _pair(swarm, steps, every, "comm.recv_timeout=6")
+    stats_path = swarm.attacker("bad-data", "bad-data", "a", "--seconds", "150", "--count", "100", "--mode", mode,
+                                "--every", str(every), key=swarm.key)  # fmt: skip
+    stats, a, b = _outcome(swarm, ("a", "b"), stats_path, 300)
+    print(
+        f"attack 10 ({mode}): attacker {stats}; a {a['round_outcomes']}; a rejected {a['rejected_messages']}; "
+        f"b rejected {b['rejected_messages']}; rounds joined a={a['rounds_joined']}/{a['rounds']} "
+        f"b={b['rounds_joined']}/{b['rounds']}; retried a={a.get('rounds_retried')} b={b.get('rounds_retried')}"
+    )
+    assert stats.get("bad_contributions", 0) >= 1, stats
+    rejected = [s["rejected_messages"] for s in (a, b)]
+    reason = "no_data" if mode == "partial" else "invalid_data"
+    assert sum(r.get(reason, 0) for r in rejected) >= 2, rejected
+    assert max(r.get("penalized", 0) for r in rejected) >= 1, rejected
+    assert sum(s.get("rounds_retried", 0) for s in (a, b)) >= 1, (a.get("rounds_retried"), b.get("rounds_retried"))
+    for s in (a, b):
+        # lost: rounds where it was the only partner (a 2-member group: skipped), and ones where the honest
+        # peers' penalties of it differed and the redraw did not reconcile them
+        _check_trained(s, min_joined=s["rounds"] - 5)

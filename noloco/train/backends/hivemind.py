@@ -118,7 +118,9 @@ class HivemindBackend(Backend):
             expected=self._expected, front=self._front, others=self._others, alone_after=cfg.peer.live_timeout,
             penalty_rounds=cfg.peer.penalty_rounds, strikes_before_penalty=cfg.peer.strikes_before_penalty,
             max_penalty_rounds=cfg.peer.max_penalty_rounds, cycle=int(cfg.outer.fragments),
+            retry_wait=float(cfg.comm.recv_timeout) + float(cfg.peer.confirm_timeout),
         )  # fmt: skip
+        self.registry.on_invalid = self.matchmaking.strike_record  # a bad registry entry strikes its signer
         self.state = StateServer(interval=cfg.peer.state_interval, concurrency=cfg.peer.state_concurrency,
                                  burst=cfg.peer.state_burst)  # fmt: skip
         self.state.register(endpoint, STATE_SERVICE)
@@ -237,6 +239,13 @@ class ShownRounds(GroupSource):
 
     def release(self, group: Group) -> None:
         self.matchmaking.release(group)
+
+    def retry(self, group: Group, error: BaseException) -> Group | None:
+        self.progress.status(f"round {group.round}: a member failed, retrying with those that delivered")
+        try:
+            return self.matchmaking.retry(group, error)
+        finally:
+            self.progress.status(None)
 
 
 def round_note(record) -> str:
@@ -512,6 +521,8 @@ def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, co
         "rounds": len(rounds),
         "rounds_joined": len(joined),
         "failed_rounds": len(rounds) - len(joined),
+        "rounds_redrawn": sum(r.redrawn for r in joined),  # formed by a second draw without the silent
+        "rounds_retried": sum(r.retried for r in joined),  # exchanged again without the members that failed
         "round_outcomes": [r.outcome for r in rounds],
         "partners": [r.partners for r in joined],
         "bytes_sent": result.bytes_sent,
