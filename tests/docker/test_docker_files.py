@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from noloco.fleet import entrypoint
 
@@ -169,3 +171,50 @@ def test_throttling_without_net_admin_fails_clearly(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/sbin/tc")
     with pytest.raises(entrypoint.EnvError, match="cap_add: \\[NET_ADMIN\\]"):
         entrypoint._apply_tc(entrypoint.tc_commands(10_000_000, "eth0"))
+
+
+def _runtime_stage(text: str) -> str:
+    return text[text.index(" AS runtime") :]
+
+
+def test_every_named_volume_mount_point_is_created_in_the_image_and_owned_by_its_user():
+    """A new named volume takes the owner of the image's folder it is mounted on; a folder the image lacks comes
+    up owned by root, and the non-root user cannot write to it (the bootstrap's /identity did exactly that)."""
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    named = set(compose["volumes"])
+    targets = {
+        mount.split(":")[1]
+        for service in compose["services"].values()
+        for mount in service.get("volumes", [])
+        if mount.split(":")[0] in named
+    }
+    assert targets >= {"/data", "/identity"}, targets
+    runtime = _runtime_stage((DOCKER / "Dockerfile").read_text())
+    made = {p for line in re.findall(r"mkdir -p ([^;&\\\n]+)", runtime) for p in line.split()}
+    owned = {p for line in re.findall(r"chown noloco:noloco ([^;&\\\n]+)", runtime) for p in line.split()}
+    volumes = set(json.loads(re.search(r"^VOLUME (\[.*\])$", runtime, re.M).group(1)))
+    for target in sorted(targets):
+        assert target in made and target in owned, f"{target}: not created and given to the image's user"
+        assert target in volumes, f"{target}: not declared as a VOLUME"
+
+
+def test_no_package_the_image_removes_is_needed_by_one_it_installs():
+    """``apt-get purge libcap2-bin`` took iproute2 (and with it ``tc``) away on bookworm: a package the runtime
+    stage removes must not be a dependency of one it installs (Debian's metadata, through this host's apt)."""
+    runtime = _runtime_stage((DOCKER / "Dockerfile").read_text())
+    installed = re.findall(r"apt-get [^;]*install -y --no-install-recommends ([a-z0-9 .+-]+)", runtime)
+    assert installed, "no apt-get install in the runtime stage"
+    installed = installed[0].split()
+    assert {"tini", "iproute2"} <= set(installed), installed
+    removed = {p for line in re.findall(r"apt-get (?:-y )?(?:purge|remove|autoremove)[^;&\\\n]*", runtime)
+               for p in line.split()[2:] if not p.startswith("-")}  # fmt: skip
+    if shutil.which("apt-cache") is None:
+        pytest.skip("apt-cache not available to read Debian's dependencies")
+    done = subprocess.run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
+                           "--no-breaks", "--no-replaces", "--no-enhances", *installed],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0 or "Depends:" not in done.stdout:
+        pytest.skip(f"apt-cache knows no {installed} here (run apt-get update): {done.stderr.strip()[:200]}")
+    needed = {line.split(":", 1)[1].strip().strip("<>") for line in done.stdout.splitlines() if "Depends:" in line}
+    assert "libcap2-bin" in needed  # what makes this check meaningful on bookworm
+    assert not removed & needed, f"the runtime stage removes {sorted(removed & needed)}, which {installed} need"
