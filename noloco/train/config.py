@@ -224,6 +224,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(exc)) from None
     _require(cfg.precision in ("auto", "bf16", "fp32"), f"precision={cfg.precision!r} is not one of auto, bf16, fp32")
     _require(isinstance(cfg.compile, bool), f"compile must be true or false, got {cfg.compile!r}")
+    _require(isinstance(cfg.run.overwrite, bool), f"run.overwrite must be true or false, got {cfg.run.overwrite!r}")
     _require(cfg.log.flush_every is None or cfg.log.flush_every >= 1, "log.flush_every must be >= 1 (or null)")
     _validate_wandb(cfg.log.wandb)
     outer = cfg.outer

@@ -167,6 +167,49 @@ def default_run_name(cfg: DictConfig) -> str:
     return f"{cfg.outer.algo}-{cfg.comm.codec}-w{cfg.workers}-{stamp}"
 
 
+#: what a run writes into its folder (``noloco-fleet``'s ``fleet.h<i>.log`` of the launch under way are not in it)
+RUN_ENTRIES = ("config.yaml", "summary.json", "summary.rank*.json", "metrics*.jsonl", "rounds.jsonl", "checkpoints",
+               "tensorboard", "curves.png", "tokenizer.json", "maddrs.json", "wandb", "peer-*",
+               "fleet.json")  # fmt: skip
+
+
+def run_entries(folder: Path) -> list[Path]:
+    """The entries of ``folder`` that belong to a run (:data:`RUN_ENTRIES`), sorted; [] for a new folder."""
+    if not folder.is_dir():
+        return []
+    return sorted({path for pattern in RUN_ENTRIES for path in folder.glob(pattern)})
+
+
+def new_run_folder(cfg: DictConfig, folder: Path | None = None) -> Path:
+    """The folder of a new (not resumed) run: ``folder``, else ``run.dir/run.name`` (default: a timestamped name,
+    numbered ``-2``, ``-3``, ... when a run of the same second has it).
+
+    A folder that already holds a run is refused with a ConfigError naming the choices (resume it, another
+    ``run.name``, ``run.overwrite=true``), so that two runs never share a folder; with ``run.overwrite`` the
+    old run's entries (:data:`RUN_ENTRIES`) are deleted first. Nothing is created here.
+    """
+    from noloco.train.config import ConfigError
+
+    if folder is None and not cfg.run.name:  # a default name is never taken: -2, -3, ... within one second
+        base = Path(cfg.run.dir) / default_run_name(cfg)
+        folder = next(path for path in (base.with_name(f"{base.name}-{n}") if n > 1 else base for n in range(1, 10**6))
+                      if not path.exists())  # fmt: skip
+    folder = Path(folder or Path(cfg.run.dir) / cfg.run.name)
+    old = run_entries(folder)
+    if old and not cfg.run.get("overwrite", False):
+        names = ", ".join(p.name for p in old[:3]) + (", ..." if len(old) > 3 else "")
+        resume = (f"resume it with resume={folder}, " if (folder / "checkpoints" / "latest").exists()
+                  else "")  # fmt: skip
+        raise ConfigError(f"run folder {folder} already holds a run ({names}): {resume}pick another run.name=, "
+                          f"or replace it with run.overwrite=true")  # fmt: skip
+    for path in old:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return folder
+
+
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity (taskset, cgroups' cpusets, ``noloco-fleet
     --cpus-per-host``) where the OS reports one, else ``os.cpu_count()``."""

@@ -382,7 +382,10 @@ def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say, 
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     say(f"noloco peer {name}: peer id {endpoint.peer_id}")
     say("noloco peer: others join with peer.initial_peers='[" + ",".join(f'"{m}"' for m in maddrs) + "]'")
-    folder = folder or Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}"
+    if folder is None:  # a new peer: its folder must not hold another run (run.overwrite)
+        from noloco.train.run import new_run_folder
+
+        folder = new_run_folder(cfg, Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (folder / "maddrs.json").write_text(json.dumps({"peer_id": endpoint.peer_id, "maddrs": maddrs}))
