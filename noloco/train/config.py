@@ -301,6 +301,8 @@ def validate(cfg: DictConfig) -> None:
         cfg.eval.every = outer.every
     _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
+    final = cfg.checkpoint.final
+    _require(isinstance(final, bool), f"checkpoint.final must be true or false, got {final!r}")
     from noloco.train.model import PRESETS
 
     _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")

@@ -325,7 +325,8 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
         last = step == cfg.steps or (stream_end is not None and stream_end.stopped is not None)  # a stream ran out
         evaluated = step % cfg.eval.every == 0 or last
         stop = ctx.should_stop(worker.rank, step)  # Ctrl-C: every worker stops and saves at one step
-        checkpointed = stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
+        periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+        checkpointed = stop or (cfg.checkpoint.final if last else periodic)  # (final=false: none of the last step)
         if evaluated:
             worker.history.append((step, worker.evaluate()))
             log.evaluated(worker.history[-1][1])

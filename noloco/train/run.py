@@ -354,12 +354,18 @@ def finish(cfg: DictConfig, summary: RunSummary, quiet: bool = False) -> dict:
     """Write ``summary.json`` and ``curves.png``, print the table; returns the summary as a dict."""
     run_dir = Path(summary.run_dir)
     out = summary.to_dict()
+    out["disk_bytes"] = folder_bytes(run_dir)  # everything the run wrote so far (summary.json and curves.png: KBs)
     (run_dir / "summary.json").write_text(json.dumps(out, indent=1))
     if cfg.log.plot:
         plot_runs([run_dir], run_dir / "curves.png", title=run_dir.name)
     if not quiet:
         print(format_summary(out), flush=True)
     return out
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (links not followed): what a run keeps on disk."""
+    return sum(p.lstat().st_size for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def format_summary(s: dict) -> str:
@@ -378,7 +384,8 @@ def format_summary(s: dict) -> str:
         f"algo {s['algo']} · codec {s['codec']} · {s['steps']} steps · unigram baseline loss "
         f"{s['unigram_eval_loss']:.4f}"
         + (f" · consensus distance {s['consensus_distance']:.2e}" if s["consensus_distance"] is not None else ""),
-        f"wall {s['wall_seconds']:.1f} s · {s['tokens_per_second']:,.0f} tokens/s · results in {s['run_dir']}",
+        f"wall {s['wall_seconds']:.1f} s · {s['tokens_per_second']:,.0f} tokens/s · results in {s['run_dir']}"
+        + (f" ({s['disk_bytes'] / 1e6:.1f} MB on disk)" if s.get("disk_bytes") is not None else ""),
     ]
     if s.get("stopped"):
         lines.append(describe(s["stopped"]))

@@ -86,3 +86,22 @@ def test_export_names_the_path_it_was_given(tiny_overrides, tmp_path):
                            str(tmp_path / "x")], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "resume=" not in done.stderr and str(tmp_path / "empty" / "checkpoints") in done.stderr, done.stderr
+
+
+def test_checkpoint_keys_say_what_is_written_and_the_summary_counts_the_disk(tiny_config, tmp_path, capsys):
+    """checkpoint.every=0 with checkpoint.final=false writes no checkpoint; final=true only the last step's; the
+    summary and the closing table give the bytes the run folder holds."""
+    from noloco.train.backends.local import launch
+    from noloco.train.run import folder_bytes
+
+    common = ("workers=2", "threads=1", "steps=6", "outer.every=3", "checkpoint.every=0", "log.plot=false")
+    none = launch(tiny_config(*common, "checkpoint.final=false", "run.name=none"))
+    assert not (tmp_path / "none" / "checkpoints").exists() or not any((tmp_path / "none" / "checkpoints").iterdir())
+    assert none["checkpoint_bytes_per_worker"] is None
+    summary_bytes = (tmp_path / "none" / "summary.json").stat().st_size
+    assert 0 < none["disk_bytes"] == folder_bytes(tmp_path / "none") - summary_bytes
+    assert f"({none['disk_bytes'] / 1e6:.1f} MB on disk)" in capsys.readouterr().out
+
+    final = launch(tiny_config(*common, "run.name=final"), quiet=True)
+    assert sorted(p.name for p in (tmp_path / "final" / "checkpoints").iterdir()) == ["latest", "step_000006"]
+    assert final["disk_bytes"] > none["disk_bytes"] + 2 * final["checkpoint_bytes_per_worker"] * 0.99
