@@ -87,3 +87,17 @@ def test_a_redrawn_run_is_named_by_its_seed_overlap_rule_and_fragments(tmp_path)
         (run_dir / "summary.json").write_text('{"algo": "noloco", "codec": "int4", "slow_codec": null}')
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(load_config(overrides)))
         assert compare.entry_of_run(run_dir) == entry
+
+
+def test_the_default_title_names_the_budget_and_an_earlier_report_is_not_overwritten(tmp_path):
+    assert compare.report_title(None, []) == compare.TITLE
+    assert compare.report_title(None, ["steps=300"]) == "Algorithm comparison with steps=300"
+    assert compare.report_title("Mine", ["steps=300"]) == "Mine"
+    assert compare.report_name(None, tmp_path, "20261204-070000") == "compare"
+    (tmp_path / "compare.md").write_text("an earlier report")
+    assert compare.report_name(None, tmp_path, "20261204-070000") == "compare-20261204-070000"
+    assert compare.report_name("codecs", tmp_path, "20261204-070000") == "codecs"
+    docs = tmp_path / "docs" / "results"
+    docs.mkdir(parents=True)
+    (docs / "compare.md").write_text("the committed report")
+    assert compare.report_name(None, docs, "20261204-070000") == "compare"  # --out docs/results rewrites it
