@@ -298,9 +298,19 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         worker.load(state)
     else:
         worker.start = backend.start(algo, model)
-        for _ in range(worker.start):  # the LR schedule continues where the live peers are
-            schedule.step()
+        advance_schedule(schedule, worker.start)  # the LR schedule continues where the live peers are
     return worker
+
+
+def advance_schedule(schedule: torch.optim.lr_scheduler.LRScheduler, steps: int) -> None:
+    """Step ``schedule`` ``steps`` times before any optimizer step (a late joiner starting at the swarm's step),
+    without PyTorch's warning about a schedule stepped before its optimizer: here that order is meant."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        for _ in range(steps):
+            schedule.step()
 
 
 def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
