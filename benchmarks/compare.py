@@ -16,7 +16,8 @@ writes ``<out>/<name>.md`` (a table with the command and machine), ``<out>/<name
 ``<out>/<name>.png`` (held-out loss vs steps, wall-clock and bytes; one line per entry; past ten
 entries, ``<name>-2.png``, … too, the entries split evenly over them, each figure repeating the first entry);
 ``<out>`` is ``runs/benchmarks/compare/`` unless ``--out`` says otherwise, ``<name>`` is ``compare`` unless
-``--name`` does.
+``--name`` does (without ``--name``, an earlier ``compare.md`` under ``runs/`` is kept: the new report is
+``compare-<time>``). The default title names the budget: "on the default budget", or the common overrides.
 ``--target LOSS`` adds, per entry, the inner step at which the mean held-out loss over workers first
 reaches LOSS (linear in between evaluations), with the wall-clock and MB sent per worker at that point,
 and draws LOSS as a dashed line.
@@ -42,6 +43,22 @@ from noloco.train.config import ALGOS, ConfigError, load_config
 from noloco.train.plots import eval_curves, plot_runs, reach
 
 TITLE = "Algorithm comparison on the default budget"
+
+
+def report_title(title: str | None, overrides: list[str]) -> str:
+    """``title`` if given; else :data:`TITLE`, or, with overrides common to every run, the budget they set."""
+    if title:
+        return title
+    return TITLE if not overrides else f"Algorithm comparison with {' '.join(overrides)}"
+
+
+def report_name(name: str | None, out: Path, stamp: str) -> str:
+    """``name`` if given; else ``compare``, unless a report of that name is in a folder outside docs/ (a run's
+    folder, not the committed results): then ``compare-<stamp>``, so that no earlier report is overwritten."""
+    if name:
+        return name
+    kept = (Path(out) / "compare.md").exists() and "docs" not in Path(out).parts
+    return f"compare-{stamp}" if kept else "compare"
 # Knobs an entry may vary (the seed, the outer optimizer's); --from-runs names a run by those that differ from the
 # defaults.
 KNOBS = ("run.seed", "outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every", "outer.overlap",
@@ -139,7 +156,7 @@ def rerun_args(args: argparse.Namespace) -> list[str]:
         *args.algos,
         "--name",
         args.name,
-        *(["--title", args.title] if args.title != TITLE else []),
+        *(["--title", args.title] if args.title != report_title(None, args.overrides) else []),
         *(["--runs", str(args.runs)] if args.runs != Path("runs/compare") else []),
         *(["--target", f"{args.target:g}"] if args.target is not None else []),
         *(["--out", str(args.out)] if Path(args.out) != default_out else []),
@@ -157,8 +174,9 @@ def main() -> None:
         default=["noloco", "diloco", "ddp", "avg"],
         help="entries algo[/codec[/slow_codec]][/key=value...]",
     )
-    parser.add_argument("--name", default="compare", help="output name: <out>/<name>.md/.png/.json")
-    parser.add_argument("--title", default=TITLE, help="heading of the markdown report")
+    parser.add_argument("--name", default=None, help="output name: <out>/<name>.md/.png/.json (default: compare; "
+                        "compare-<time> when runs/ holds one)")  # fmt: skip
+    parser.add_argument("--title", default=None, help="heading of the markdown report (default: names the budget)")
     common.add_out(parser, "compare")
     parser.add_argument("--runs", type=Path, default=Path("runs/compare"))
     parser.add_argument("--note", default="", help="a sentence added under the table (e.g. about the machine)")
@@ -202,6 +220,7 @@ def main() -> None:
         summary["entry"] = entry
 
     out = common.out_dir(args.out)
+    args.name, args.title = report_name(args.name, out, stamp), report_title(args.title, args.overrides)
     pictures = []
     for index, chunk in enumerate(figures(len(run_dirs))):
         png = out / (f"{args.name}.png" if index == 0 else f"{args.name}-{index + 1}.png")

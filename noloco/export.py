@@ -45,11 +45,9 @@ ERRORS = (ExportError, ConfigError, DataError, checkpoint.CheckpointError)
 def find_checkpoint(path) -> tuple[Path, Path, int]:
     """(checkpoint folder, run folder, step) of a run folder (its latest checkpoint) or a checkpoint path."""
     given = Path(path).expanduser()
-    if (given / "checkpoints").is_dir():
-        given = given / "checkpoints" / "latest"
-    elif not given.exists() and not given.is_symlink():
+    if not given.exists() and not given.is_symlink():
         raise ExportError(f"{path}: no such run or checkpoint")
-    return checkpoint.resolve(given)
+    return checkpoint.resolve(given, key=None)
 
 
 def run_config(folder: Path) -> DictConfig:

@@ -99,3 +99,17 @@ def test_a_top_k_codec_keeps_its_slash_in_method_spellings():
     assert throttled.method_overrides("noloco/topk:64/4096+int2/outer.slow_every=8")[:2] == [
         "outer.algo=noloco", "comm.codec=topk:64/4096+int2"]  # fmt: skip
     assert overlap_fleet.blocking_of("noloco/topk:64/4096+int2/outer.overlap=true") == "noloco/topk:64/4096+int2"
+
+
+def test_the_default_title_names_the_budget_and_an_earlier_report_is_not_overwritten(tmp_path):
+    assert compare.report_title(None, []) == compare.TITLE
+    assert compare.report_title(None, ["steps=300"]) == "Algorithm comparison with steps=300"
+    assert compare.report_title("Mine", ["steps=300"]) == "Mine"
+    assert compare.report_name(None, tmp_path, "20261204-070000") == "compare"
+    (tmp_path / "compare.md").write_text("an earlier report")
+    assert compare.report_name(None, tmp_path, "20261204-070000") == "compare-20261204-070000"
+    assert compare.report_name("codecs", tmp_path, "20261204-070000") == "codecs"
+    docs = tmp_path / "docs" / "results"
+    docs.mkdir(parents=True)
+    (docs / "compare.md").write_text("the committed report")
+    assert compare.report_name(None, docs, "20261204-070000") == "compare"  # --out docs/results rewrites it

@@ -14,8 +14,11 @@ each host's shapers passed, wall time) and one ``fleet.h<i>.log`` per worker.
 
 Failure: a worker that exits non-zero fails the launch; the others get ``--grace`` seconds to exit
 on their own (gloo notices the lost peer) and are then killed; the exit status is the first
-failing worker's. SIGINT/SIGTERM/SIGHUP stop the workers (SIGTERM to their process groups, SIGKILL
-after a grace period) and delete the namespaces; a cleanup by name prefix catches anything left.
+failing worker's. SIGINT (Ctrl-C) is passed on to every worker, so a train command stops as ``train.py`` does:
+every worker saves one agreed step and exits 130 (a second Ctrl-C: they quit at once, keeping the last complete
+checkpoint); then the namespaces go and the launcher prints the resume command and exits 130. SIGTERM/SIGHUP
+stop the workers (SIGTERM to their process groups, SIGKILL after a grace period) and delete the namespaces; a
+cleanup by name prefix catches anything left.
 Not root: one line that points to the in-process link model (:mod:`noloco.fleet.linkmodel`).
 Latency (``--latency D``): the kernel has no netem, so the delay is added in user space: every
 worker gets ``NOLOCO_LINK_LATENCY=D`` and its :class:`~noloco.comm.torchdist.TorchDistTransport`
@@ -74,6 +77,7 @@ class FleetResult:
     link_stats: list[dict] = field(default_factory=list)
     prefix: str = ""
     cpus: list[list[int]] | None = None
+    interrupted: bool = False  # Ctrl-C was passed on to the workers
 
 
 def _is_train_command(command: list[str]) -> bool:
@@ -185,11 +189,19 @@ def launch(
         _bring_up(fleet, hosts, rate_bps, prefix, folder, out)
         env = functools.partial(_worker_env, fleet, hosts=hosts, port=port, local_world_size=local_world_size,
                                 pinned=bool(cpu_sets), delay=delay)
-        _start_hosts(workers, fleet, command, hosts, env, folder, cpu_sets, out)
-        _wait_for_workers(workers.procs, codes, grace, out)
+        previous = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread():  # Ctrl-C: the workers stop as train.py does
+            signal.signal(signal.SIGINT, workers.interrupt)
+        try:
+            _start_hosts(workers, fleet, command, hosts, env, folder, cpu_sets, out)
+            _wait_for_workers(workers.procs, codes, grace, out, workers)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, previous)
         for thread in workers.threads:
             thread.join(5)
         _record_result(result, fleet, command, hosts, rate_bps, queue_s, started)
+        result.interrupted = workers.interrupts > 0
         return result
     finally:
         _tear_down(workers, fleet)
@@ -228,6 +240,12 @@ class _Workers:
     procs: list[subprocess.Popen] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     logs: list[TextIO] = field(default_factory=list)
+    interrupts: int = 0  # Ctrl-C passed on to the workers
+
+    def interrupt(self, signum: int, frame: object) -> None:
+        """SIGINT handler: pass it on to every running worker's process group (they stop and save)."""
+        self.interrupts += 1
+        _signal_running(self.procs, signal.SIGINT)
 
 
 def _bring_up(fleet: Fleet, hosts: int, rate_bps: float | None, prefix: str, folder: Path | None,
@@ -280,15 +298,18 @@ def _start_hosts(workers: _Workers, fleet: Fleet, command: list[str], hosts: int
         workers.threads.append(thread)
 
 
-def _wait_for_workers(procs: list[subprocess.Popen], codes: list[int | None], grace: float, out: TextIO) -> None:
-    """Poll the workers into ``codes`` until all exited; once one failed, stop the others after ``grace`` s."""
+def _wait_for_workers(procs: list[subprocess.Popen], codes: list[int | None], grace: float, out: TextIO,
+                      workers: _Workers | None = None) -> None:
+    """Poll the workers into ``codes`` until all exited; once one failed, stop the others after ``grace`` s (not
+    after a Ctrl-C passed on to them: each saves its checkpoint, however long that takes, and exits 130)."""
     failed_at = None
     while True:
         for host, proc in enumerate(procs):
             codes[host] = proc.poll()
         if all(code is not None for code in codes):
             break
-        if failed_at is None and any(code not in (None, 0) for code in codes):
+        stopping = workers is not None and workers.interrupts > 0
+        if failed_at is None and not stopping and any(code not in (None, 0) for code in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > grace:
             out.write(f"noloco-fleet: a worker failed; stopping the others after {grace:g} s\n")
@@ -452,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    if result.interrupted:
+        where = f"resume={result.run_dir} " if result.run_dir is not None else "resume=<run folder> "
+        print(f"noloco-fleet: interrupted; namespaces removed; resume with the same noloco-fleet command, its "
+              f"train command given {where.strip()}", file=sys.stderr)  # fmt: skip
     line = f"noloco-fleet: exit {result.returncode} (worker exit codes {result.exit_codes})"
     line += f", {result.wall_seconds:.1f} s"
     if result.run_dir is not None:

@@ -371,43 +371,50 @@ def bytes_per_worker(run_dir: Path) -> int | None:
 # --------------------------------------------------------------------------------------- reading
 
 
-def resolve(path: str | os.PathLike) -> tuple[Path, Path, int]:
-    """Return (checkpoint folder, run folder, step) for a path given to ``resume=``.
+def resolve(path: str | os.PathLike, key: str | None = "resume") -> tuple[Path, Path, int]:
+    """Return (checkpoint folder, run folder, step) for a path given to ``resume=`` (``key``; None: a path given
+    to a command, which errors name as it is): a step folder, or a run folder or its ``checkpoints/`` (their
+    ``latest``).
 
     ``latest`` must be a link to a step folder beside it (a bare ``step_NNNNNN``): a link that leads
     anywhere else (another run's checkpoints, ``..``) is refused, so a resume never writes into or
     prunes another run. The run folder is the one that holds the checkpoint.
     """
     given = Path(path).expanduser()
+    if given.name != "checkpoints" and (given / "checkpoints").is_dir() and not given.is_symlink():
+        given = given / "checkpoints"  # a run folder
+    if given.name == "checkpoints" and given.is_dir() and not given.is_symlink():
+        given = given / "latest"
+    path = f"{key}={path}" if key else str(path)
     if given.is_symlink():
         target = os.readlink(given)
         if not STEP_NAME.fullmatch(target):
-            raise CheckpointError(f"resume={path}: {given.name} points to {target!r}, not to a step folder beside it "
+            raise CheckpointError(f"{path}: {given.name} points to {target!r}, not to a step folder beside it "
                                   "in its own checkpoints/ folder; refusing to follow it")  # fmt: skip
         folder = given.parent / target
     elif given.name == "latest":
         if given.exists():
-            raise CheckpointError(f"resume={path}: 'latest' is not a link to a step folder")
-        raise CheckpointError(f"resume={path}: no such checkpoint")
+            raise CheckpointError(f"{path}: 'latest' is not a link to a step folder")
+        raise CheckpointError(f"{path}: no such checkpoint")
     else:
         folder = given
     if folder.is_symlink():
-        raise CheckpointError(f"resume={path}: {folder.name} is a link; a checkpoint must be a folder of its run")
+        raise CheckpointError(f"{path}: {folder.name} is a link; a checkpoint must be a folder of its run")
     if not folder.is_dir():
-        raise CheckpointError(f"resume={path}: no such checkpoint folder")
+        raise CheckpointError(f"{path}: no such checkpoint folder")
     step = _step_of(folder)
     real = folder.resolve()
     if step is None or real.parent.name != "checkpoints":
-        raise CheckpointError(f"resume={path}: not a checkpoint folder (expected <run>/checkpoints/step_NNNNNN)")
+        raise CheckpointError(f"{path}: not a checkpoint folder (expected <run>/checkpoints/step_NNNNNN)")
     # every link resolved: the folder must be in its own run's checkpoints/ (a checkpoints/ that is a link into
     # another run would resume, write into and prune that run)
     run = Path(os.path.abspath(folder)).parent.parent
     if real != run.resolve() / "checkpoints" / folder.name:
-        raise CheckpointError(f"resume={path}: leads to {real}, outside its run {run} (a link in the way); "
+        raise CheckpointError(f"{path}: leads to {real}, outside its run {run} (a link in the way); "
                               "refusing to follow it")  # fmt: skip
     marker = folder / COMPLETE
     if not marker.is_file():
-        raise CheckpointError(f"resume={path}: checkpoint is incomplete (no {COMPLETE} marker)")
+        raise CheckpointError(f"{path}: checkpoint is incomplete (no {COMPLETE} marker)")
     try:
         written = int(marker.read_bytes().decode().strip())
     except (ValueError, UnicodeDecodeError):

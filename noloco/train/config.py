@@ -224,6 +224,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(exc)) from None
     _require(cfg.precision in ("auto", "bf16", "fp32"), f"precision={cfg.precision!r} is not one of auto, bf16, fp32")
     _require(isinstance(cfg.compile, bool), f"compile must be true or false, got {cfg.compile!r}")
+    _require(isinstance(cfg.run.overwrite, bool), f"run.overwrite must be true or false, got {cfg.run.overwrite!r}")
     _require(cfg.log.flush_every is None or cfg.log.flush_every >= 1, "log.flush_every must be >= 1 (or null)")
     _validate_wandb(cfg.log.wandb)
     outer = cfg.outer
@@ -318,6 +319,8 @@ def validate(cfg: DictConfig) -> None:
         cfg.eval.every = outer.every
     _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
+    final = cfg.checkpoint.final
+    _require(isinstance(final, bool), f"checkpoint.final must be true or false, got {final!r}")
     from noloco.train.model import PRESETS
 
     limit = cfg.model.max_memory_gb

@@ -177,29 +177,31 @@ def _read_text_file(path: Path) -> str:
     return "".join(parts)
 
 
-def _record_text(where: str, record, line: str | None = None) -> str:
-    """The ``text`` of one JSON record; DataError (naming ``where``) when it has none or it is not text."""
+def _record_text(where: str, record, line: str | None = None, field: str = "text") -> str:
+    """The ``field`` (``data.text_field``) of one JSON record; DataError (naming ``where``) when it has none or it
+    is not text."""
     if not isinstance(record, dict):
-        raise DataError(f"{where}: a JSON {type(record).__name__} where an object with a 'text' field was expected")
-    if "text" not in record:
-        raise DataError(f"{where}: JSON line has no 'text' field (fields: {', '.join(map(str, record)) or 'none'})")
-    text = record["text"]
+        raise DataError(f"{where}: a JSON {type(record).__name__} where an object with a {field!r} field was expected")
+    if field not in record:
+        raise DataError(f"{where}: JSON line has no {field!r} field (data.text_field; fields: "
+                        f"{', '.join(map(str, record)) or 'none'})")  # fmt: skip
+    text = record[field]
     if text is None:
-        raise DataError(f"{where}: 'text' is null")
+        raise DataError(f"{where}: {field!r} is null")
     if not isinstance(text, str):
-        raise DataError(f"{where}: 'text' is a JSON {type(text).__name__}, not a string")
+        raise DataError(f"{where}: {field!r} is a JSON {type(text).__name__}, not a string")
     if line is not None and _SURROGATE_ESCAPE.search(line):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise DataError(f"{where}: 'text' holds an unpaired UTF-16 surrogate escape (not text)") from None
+            raise DataError(f"{where}: {field!r} holds an unpaired UTF-16 surrogate escape (not text)") from None
     reason = _control_reason(text[: 4 * READ_BYTES]) or ("a NUL character (not text)" if "\x00" in text else None)
     if reason is not None:
-        raise DataError(f"{where}: 'text' has {reason}")
+        raise DataError(f"{where}: {field!r} has {reason}")
     return text
 
 
-def _jsonl_documents(path: Path) -> list[Document]:
+def _jsonl_documents(path: Path, field: str = "text") -> list[Document]:
     docs = []
     with path.open("rb") as handle:
         for i, raw in enumerate(handle):
@@ -220,7 +222,7 @@ def _jsonl_documents(path: Path) -> list[Document]:
                 raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             except RecursionError:
                 raise DataError(f"{where}: not valid JSON (nested too deeply)") from None
-            docs.append(Document(f"{path}#{i}", _record_text(where, record, line)))
+            docs.append(Document(f"{path}#{i}", _record_text(where, record, line, field)))
     if not docs:
         raise DataError(f"{path}: no JSON lines (an empty file; remove it from data.path)")
     return docs
@@ -268,7 +270,7 @@ def _parquet_documents(path: Path) -> list[Document]:
     return docs
 
 
-def _file_documents(path: Path) -> list[Document]:
+def _file_documents(path: Path, field: str = "text") -> list[Document]:
     suffix = path.suffix.lower()
     if suffix not in (*TEXT_SUFFIXES, ".jsonl", ".parquet"):
         raise DataError(f"{path}: unsupported file type {suffix!r} (use .txt, .md, .jsonl or .parquet)")
@@ -278,13 +280,14 @@ def _file_documents(path: Path) -> list[Document]:
         if suffix in TEXT_SUFFIXES:
             return [Document(str(path), _read_text_file(path))]
         if suffix == ".jsonl":
-            return _jsonl_documents(path)
+            return _jsonl_documents(path, field)
         return _parquet_documents(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
-def file_documents(spec: str) -> list[Document]:
+def file_documents(spec: str, field: str = "text") -> list[Document]:
+    """The documents of ``data.path`` (a file, folder or glob); ``field``: the text field of ``.jsonl`` records."""
     if not spec:
         raise DataError("data.source=files needs data.path (a file, directory or glob)")
     root = Path(os.path.expanduser(spec))
@@ -296,7 +299,7 @@ def file_documents(spec: str) -> list[Document]:
         paths = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
     if not paths:
         raise DataError(f"data.path={spec!r} matches no file")
-    docs = [doc for p in paths for doc in _file_documents(p)]
+    docs = [doc for p in paths for doc in _file_documents(p, field)]
     if not any(doc.text and not doc.text.isspace() for doc in docs):
         raise DataError(f"data.path={spec!r} contains no text")
     return docs
@@ -306,7 +309,7 @@ def load_documents(source: str, path: str | None = None, hf: dict | None = None)
     """The documents of a data source (see module docstring; ``hf``: the ``data.hf_*`` options, noloco/train/hf.py)."""
     sources = {"shakespeare": shakespeare_documents, "kjv": kjv_documents}
     if source == "files":
-        return file_documents(path or "")
+        return file_documents(path or "", (hf or {}).get("text_field") or "text")
     if source == "hf":
         from noloco.train.hf import hf_documents
 

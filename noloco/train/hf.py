@@ -415,6 +415,8 @@ def corpus_options(data) -> dict:
             "streaming": bool(data.get("streaming", False)),
             "sample": int(data.get("stream_sample") or 10000),
         }
+    elif data.get("source") == "files":  # the field of .jsonl records and the column of .parquet files
+        hf = {"text_field": data.get("text_field") or "text"}
     return {"tokenizer": data.get("tokenizer"), "hf": hf, "max_vocab": data.get("max_vocab_size") or D.MAX_VOCAB}
 
 

@@ -333,9 +333,19 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         worker.load(state)
     else:
         worker.start = backend.start(algo, model)
-        for _ in range(worker.start):  # the LR schedule continues where the live peers are
-            schedule.step()
+        advance_schedule(schedule, worker.start)  # the LR schedule continues where the live peers are
     return worker
+
+
+def advance_schedule(schedule: torch.optim.lr_scheduler.LRScheduler, steps: int) -> None:
+    """Step ``schedule`` ``steps`` times before any optimizer step (a late joiner starting at the swarm's step),
+    without PyTorch's warning about a schedule stepped before its optimizer: here that order is meant."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        for _ in range(steps):
+            schedule.step()
 
 
 def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
@@ -367,7 +377,8 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
         last = step == cfg.steps or (stream_end is not None and stream_end.stopped is not None)  # a stream ran out
         evaluated = step % cfg.eval.every == 0 or last
         stop = ctx.should_stop(worker.rank, step)  # Ctrl-C: every worker stops and saves at one step
-        checkpointed = stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
+        periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+        checkpointed = stop or (cfg.checkpoint.final if last else periodic)  # (final=false: none of the last step)
         if evaluated:
             ctx.mark(worker.rank, step, "the held-out evaluation")
             worker.history.append((step, worker.evaluate()))

@@ -350,10 +350,17 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, target:
     axes[2].set_xscale("symlog", linthresh=1.0)
     axes[2].set_xlim(left=0)
     axes[0].set_ylabel("held-out loss (nats/token)")
-    axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    if len(run_dirs) == 1:
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+    else:  # several runs: the legend goes under the panels, where it covers no curve
+        handles, entries = axes[0].get_legend_handles_labels()
+        rows = -(-len(entries) // 4)
+        fig.set_figheight(4.2 + 0.25 * rows)
+        fig.legend(handles, entries, loc="lower center", ncol=min(4, len(entries)), fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.25 * rows / fig.get_figheight() + 0.02, 1, 1))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

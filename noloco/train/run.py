@@ -167,6 +167,49 @@ def default_run_name(cfg: DictConfig) -> str:
     return f"{cfg.outer.algo}-{cfg.comm.codec}-w{cfg.workers}-{stamp}"
 
 
+#: what a run writes into its folder (``noloco-fleet``'s ``fleet.h<i>.log`` of the launch under way are not in it)
+RUN_ENTRIES = ("config.yaml", "summary.json", "summary.rank*.json", "metrics*.jsonl", "rounds.jsonl", "checkpoints",
+               "tensorboard", "curves.png", "tokenizer.json", "maddrs.json", "wandb", "peer-*",
+               "fleet.json")  # fmt: skip
+
+
+def run_entries(folder: Path) -> list[Path]:
+    """The entries of ``folder`` that belong to a run (:data:`RUN_ENTRIES`), sorted; [] for a new folder."""
+    if not folder.is_dir():
+        return []
+    return sorted({path for pattern in RUN_ENTRIES for path in folder.glob(pattern)})
+
+
+def new_run_folder(cfg: DictConfig, folder: Path | None = None) -> Path:
+    """The folder of a new (not resumed) run: ``folder``, else ``run.dir/run.name`` (default: a timestamped name,
+    numbered ``-2``, ``-3``, ... when a run of the same second has it).
+
+    A folder that already holds a run is refused with a ConfigError naming the choices (resume it, another
+    ``run.name``, ``run.overwrite=true``), so that two runs never share a folder; with ``run.overwrite`` the
+    old run's entries (:data:`RUN_ENTRIES`) are deleted first. Nothing is created here.
+    """
+    from noloco.train.config import ConfigError
+
+    if folder is None and not cfg.run.name:  # a default name is never taken: -2, -3, ... within one second
+        base = Path(cfg.run.dir) / default_run_name(cfg)
+        folder = next(path for path in (base.with_name(f"{base.name}-{n}") if n > 1 else base for n in range(1, 10**6))
+                      if not path.exists())  # fmt: skip
+    folder = Path(folder or Path(cfg.run.dir) / cfg.run.name)
+    old = run_entries(folder)
+    if old and not cfg.run.get("overwrite", False):
+        names = ", ".join(p.name for p in old[:3]) + (", ..." if len(old) > 3 else "")
+        resume = (f"resume it with resume={folder}, " if (folder / "checkpoints" / "latest").exists()
+                  else "")  # fmt: skip
+        raise ConfigError(f"run folder {folder} already holds a run ({names}): {resume}pick another run.name=, "
+                          f"or replace it with run.overwrite=true")  # fmt: skip
+    for path in old:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return folder
+
+
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity (taskset, cgroups' cpusets, ``noloco-fleet
     --cpus-per-host``) where the OS reports one, else ``os.cpu_count()``."""
@@ -312,12 +355,18 @@ def finish(cfg: DictConfig, summary: RunSummary, quiet: bool = False) -> dict:
     """Write ``summary.json`` and ``curves.png``, print the table; returns the summary as a dict."""
     run_dir = Path(summary.run_dir)
     out = summary.to_dict()
+    out["disk_bytes"] = folder_bytes(run_dir)  # everything the run wrote so far (summary.json and curves.png: KBs)
     (run_dir / "summary.json").write_text(json.dumps(out, indent=1))
     if cfg.log.plot:
         plot_runs([run_dir], run_dir / "curves.png", title=run_dir.name)
     if not quiet:
         print(format_summary(out), flush=True)
     return out
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (links not followed): what a run keeps on disk."""
+    return sum(p.lstat().st_size for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def format_summary(s: dict) -> str:
@@ -336,7 +385,8 @@ def format_summary(s: dict) -> str:
         f"algo {s['algo']} · codec {s['codec']} · {s['steps']} steps · unigram baseline loss "
         f"{s['unigram_eval_loss']:.4f}"
         + (f" · consensus distance {s['consensus_distance']:.2e}" if s["consensus_distance"] is not None else ""),
-        f"wall {s['wall_seconds']:.1f} s · {s['tokens_per_second']:,.0f} tokens/s · results in {s['run_dir']}",
+        f"wall {s['wall_seconds']:.1f} s · {s['tokens_per_second']:,.0f} tokens/s · results in {s['run_dir']}"
+        + (f" ({s['disk_bytes'] / 1e6:.1f} MB on disk)" if s.get("disk_bytes") is not None else ""),
     ]
     if s.get("stopped"):
         lines.append(describe(s["stopped"]))

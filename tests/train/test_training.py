@@ -161,3 +161,24 @@ def test_compressed_exchange_trains_with_a_fraction_of_the_bytes(tiny_config):
     packed = run(tiny_config(*common, "comm.codec=int4", "comm.slow_codec=int8", "run.name=int4"), quiet=True)
     assert packed["bytes_sent_per_worker"] < exact["bytes_sent_per_worker"] / 2.5
     assert abs(packed["final_eval_loss"] - exact["final_eval_loss"]) < 0.05 * exact["final_eval_loss"]
+
+
+def test_a_late_joiner_schedule_catches_up_without_pytorchs_order_warning(tiny_config):
+    """A peer that joins at step 30 steps its fresh schedule 30 times before any optimizer step: it lands on the
+    lr of step 30 and prints no `lr_scheduler.step() before optimizer.step()` warning (with a source path)."""
+    import warnings
+
+    from noloco.train.loop import advance_schedule, build_inner_optimizer, build_model
+
+    cfg = tiny_config()
+    _, reference = build_inner_optimizer(cfg, build_model(cfg, 512))
+    _, joiner = build_inner_optimizer(cfg, build_model(cfg, 512))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(30):
+            reference.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        advance_schedule(joiner, 30)
+    assert [str(w.message) for w in caught] == []
+    assert joiner.get_last_lr() == reference.get_last_lr() and joiner.last_epoch == 30

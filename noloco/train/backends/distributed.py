@@ -40,10 +40,11 @@ from noloco.comm.torchdist import TorchDistTransport, free_port
 from noloco.optim import OuterAlgorithm
 from noloco.train import checkpoint
 from noloco.train.backends.local import WorldBackend, check_vocab
+from noloco.train.config import ConfigError
 from noloco.train.device import local_index, worker_device
 from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger, wandb_options
-from noloco.train.run import Progress, default_run_name, finish, prepare, relative_spread, summarize, weight_sketch
+from noloco.train.run import Progress, finish, new_run_folder, prepare, relative_spread, summarize, weight_sketch
 
 
 def _under_launcher() -> bool:
@@ -68,7 +69,7 @@ def launch(
             stop_after,
             quiet,
         )
-    run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
+    run_dir = Path(run_dir) if run_dir else new_run_folder(cfg)  # (a resume passes its own folder)
     corpus, _ = prepare(cfg, run_dir, quiet=True)  # the data cache built and the stream's shards checked once
     if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
         check_vocab(Path(resume_from), corpus.vocab_size)
@@ -285,9 +286,17 @@ def run_rank(
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.comm.startup_timeout))
     transport, replicas = None, None
     try:
-        # Rank 0 names the run, so every rank writes into the same folder.
-        name = [run_dir or str(Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))]
+        # Rank 0 names the run (and checks that its folder holds no other run), so every rank writes into the
+        # same folder, or every rank refuses with the same line.
+        name: list = [run_dir, None]
+        if rank == 0 and run_dir is None:
+            try:
+                name[0] = str(new_run_folder(cfg))
+            except ConfigError as exc:
+                name[1] = str(exc)
         dist.broadcast_object_list(name, src=0)
+        if name[1] is not None:
+            raise ConfigError(name[1])
         folder = Path(name[0])
         corpus, params = prepare(cfg, folder, quiet=quiet or rank != 0, check_shards=not shards_checked)
         if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)

@@ -126,6 +126,7 @@ class HivemindBackend(Backend):
         self.state.register(endpoint, STATE_SERVICE)
         self.joined_from: dict = {}
         self._heartbeat = time.monotonic()
+        self._said_alone = False  # the line that says why a round waited for partners in vain, said once
         self._implausible: set = set()  # registry claims already counted as implausible
         self.period = exchange_period(cfg)  # inner steps per swarm round
 
@@ -187,6 +188,9 @@ class HivemindBackend(Backend):
                 record.fragment = info.fragment
                 if self.progress is not None:
                     self.progress.note(round=round_note(record))
+                if record.outcome in ("no partner", "timeout") and not self._said_alone:  # once: why rounds are slow
+                    self._said_alone = True
+                    self.say(alone_line(self.peer_name, record.round, self.cfg.peer))
             self._serve(algo)
         # after every outer round, and as a heartbeat while a long round runs (others wait only for
         # peers that published within peer.live_timeout)
@@ -246,6 +250,13 @@ class ShownRounds(GroupSource):
             return self.matchmaking.retry(group, error)
         finally:
             self.progress.status(None)
+
+
+def alone_line(name: str, round_index: int, peer) -> str:
+    """Why a round trained on alone after waiting (said once per peer): no other ready peer in time."""
+    return (f"noloco peer {name}: round {round_index} found no ready partner within peer.matchmaking_timeout="
+            f"{peer.matchmaking_timeout:g} s and trains on alone; rounds wait that long for partners until no other "
+            f"live peer has been seen for peer.live_timeout={peer.live_timeout:g} s, then go on at once")  # fmt: skip
 
 
 def round_note(record) -> str:
@@ -399,7 +410,10 @@ def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say, 
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     say(f"noloco peer {name}: peer id {endpoint.peer_id}")
     say("noloco peer: others join with peer.initial_peers='[" + ",".join(f'"{m}"' for m in maddrs) + "]'")
-    folder = folder or Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}"
+    if folder is None:  # a new peer: its folder must not hold another run (run.overwrite)
+        from noloco.train.run import new_run_folder
+
+        folder = new_run_folder(cfg, Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (folder / "maddrs.json").write_text(json.dumps({"peer_id": endpoint.peer_id, "maddrs": maddrs}))

@@ -22,7 +22,7 @@ from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger, wandb_options
-from noloco.train.run import Progress, consensus_distance, default_run_name, finish, prepare, summarize
+from noloco.train.run import Progress, consensus_distance, finish, new_run_folder, prepare, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def launch(
 ) -> dict:
     """Run (or resume) the job described by ``cfg`` on the local backend; returns the summary dict."""
     started = time.perf_counter()
-    run_dir = Path(run_dir or Path(cfg.run.dir) / (cfg.run.name or default_run_name(cfg)))
+    run_dir = Path(run_dir) if run_dir else new_run_folder(cfg)  # (a resume passes its own folder)
     corpus, params = prepare(cfg, run_dir, quiet)
     if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
         check_vocab(resume_from, corpus.vocab_size)
