@@ -14,9 +14,11 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -267,13 +269,15 @@ _CLEAN: dict[str, Path] = {}
 
 
 def _clean_run(tiny_overrides, tmp_path: Path, backend: str) -> Path:
-    """The uninterrupted run of the same config (once per backend and session)."""
+    """The uninterrupted run of the same config (once per backend and session; kept beside the session's tmp
+    folders, since a test's own tmp_path goes when it passes)."""
     if backend not in _CLEAN:
         name = f"clean-{backend}"
         done = subprocess.run([*TRAIN, *_args(tiny_overrides, f"backend={backend}", f"run.name={name}")],
                               capture_output=True, text=True, timeout=600)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        _CLEAN[backend] = tmp_path / name
+        _CLEAN[backend] = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp_path.parent)) / name
+        shutil.copytree(tmp_path / name, _CLEAN[backend], symlinks=True)
     return _CLEAN[backend]
 
 

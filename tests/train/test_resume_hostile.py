@@ -29,11 +29,12 @@ _PRISTINE: dict[str, Path] = {}
 
 
 @pytest.fixture
-def run_copy(tiny_config, tmp_path) -> Path:
+def run_copy(tiny_config, tmp_path, tmp_path_factory) -> Path:
     """A copy (this test's to damage) of a real tiny run stopped after step 10, checkpoints at 5 and 10."""
-    if "dir" not in _PRISTINE:
+    if "dir" not in _PRISTINE:  # kept outside the test's tmp_path, which goes when the test passes
         run(tiny_config(*COMMON, "run.name=pristine"), quiet=True, stop_after=10)
-        _PRISTINE["dir"] = tmp_path / "pristine"
+        _PRISTINE["dir"] = tmp_path_factory.mktemp("pristine") / "pristine"
+        shutil.copytree(tmp_path / "pristine", _PRISTINE["dir"], symlinks=True)
     dest = tmp_path / "r"
     shutil.copytree(_PRISTINE["dir"], dest, symlinks=True)
     return dest
