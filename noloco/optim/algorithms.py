@@ -291,13 +291,15 @@ class Algorithm:
         reduction: str = "two_phase",
         algorithm: str | None = None,
         same_start: str = "broadcast",
+        error_feedback_decay: float = 1.0,
     ):
         self.model, self.inner_opt, self.transport = model, inner_opt, transport
         self.params = _unique_params(model)
         self.codec: Codec = get_codec(codec)  # parsed once; equal specs compare equal
         self.timeout, self.reduction = float(timeout), _reduction_name(reduction, algorithm)
-        # error feedback only means something for a lossy codec
-        self.feedback = ReductionErrorFeedback() if error_feedback and not self.codec.exact else None
+        # error feedback only means something for a lossy codec; decay β: each call sends x + β·e (docs/quant.md)
+        self.error_feedback_decay = float(error_feedback_decay)
+        self.feedback = self._new_feedback() if error_feedback and not self.codec.exact else None
         self.inner_step = 0
         self.last_round: OuterRoundInfo | None = None
         self._nonfinite_host = 0  # gradients or fast weights found non-finite and neutralised
@@ -305,6 +307,10 @@ class Algorithm:
         self.norm_rejections = NormRejections()  # partners' contributions a norm bound refused (none for DDP)
         if transport is not None:
             agree_on_start(self.params, transport, same_start, self.timeout)
+
+    def _new_feedback(self) -> ReductionErrorFeedback:
+        """A fresh error-feedback state of this algorithm's decay (ValueError unless in (0, 1])."""
+        return ReductionErrorFeedback(self.error_feedback_decay)
 
     @property
     def nonfinite_events(self) -> int:
@@ -450,6 +456,7 @@ class OuterAlgorithm(Algorithm):
         offload: bool = False,
         overlap_steps: int | None = None,
         slow_every: int = 1,
+        error_feedback_decay: float = 1.0,
     ):
         super().__init__(
             model,
@@ -460,6 +467,7 @@ class OuterAlgorithm(Algorithm):
             error_feedback=error_feedback,
             reduction=_reduction_name(reduction, algorithm),
             same_start=same_start,
+            error_feedback_decay=error_feedback_decay,
         )
         # seconds a round may spend forming its group (an open swarm's matchmaking); default: timeout
         self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
@@ -474,7 +482,7 @@ class OuterAlgorithm(Algorithm):
         # The slow-weight term travels as φ − reference; every worker starts from the same weights.
         self.slow_codec: Codec = self.codec if slow_codec is None else get_codec(slow_codec)
         self.reference = self.slow.clone()
-        self.slow_feedback = ReductionErrorFeedback() if error_feedback and not self.slow_codec.exact else None
+        self.slow_feedback = self._new_feedback() if error_feedback and not self.slow_codec.exact else None
         # the slow-weight term crosses the link every `slow_every`-th cycle of rounds only (docs/design.md §3.2)
         if isinstance(slow_every, bool) or not isinstance(slow_every, int) or slow_every < 1:
             raise ValueError(f"outer.slow_every={slow_every!r} must be an integer >= 1")
@@ -485,7 +493,7 @@ class OuterAlgorithm(Algorithm):
         self.period = self.every // fragments  # inner steps between two exchanges
         self._feedbacks = [(self.feedback, self.slow_feedback)]
         if fragments > 1:
-            fresh = lambda feedback: None if feedback is None else ReductionErrorFeedback()  # noqa: E731
+            fresh = lambda feedback: None if feedback is None else self._new_feedback()  # noqa: E731
             self._feedbacks = [(fresh(self.feedback), fresh(self.slow_feedback)) for _ in self.fragments]
         if max_norm_ratio is not None:
             NormBound(max_norm_ratio)  # ValueError unless a finite number > 1

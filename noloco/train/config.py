@@ -261,8 +261,6 @@ def validate(cfg: DictConfig) -> None:
     decay = cfg.comm.error_feedback_decay
     _require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1,
              f"comm.error_feedback_decay must be in (0, 1], got {decay!r}")
-    _require(decay == 1,
-             f"comm.error_feedback_decay={decay} is not taken by the outer optimizers yet; use 1.0")
     for key in ("recv_timeout", "group_timeout", "startup_timeout"):
         _require(cfg.comm[key] > 0, f"comm.{key} must be > 0 seconds, got {cfg.comm[key]}")
     ratio = cfg.comm.max_norm_ratio

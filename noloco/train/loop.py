@@ -125,7 +125,7 @@ def build_algorithm(
     """``transport`` is a fixed world's transport or, in an open swarm, a group source (then rounds may be skipped)."""
     outer, comm = cfg.outer, cfg.comm
     common = dict(codec=comm.codec, timeout=comm.recv_timeout, error_feedback=comm.error_feedback,
-                  reduction=comm.reduction)  # fmt: skip
+                  reduction=comm.reduction, error_feedback_decay=comm.error_feedback_decay)  # fmt: skip
     if outer.algo == "ddp":
         return DDP(model, opt, transport, **common)
     common["slow_codec"] = comm.slow_codec

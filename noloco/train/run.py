@@ -163,8 +163,10 @@ def consensus_distance(slow: list[torch.Tensor]) -> float:
 
 
 def default_run_name(cfg: DictConfig) -> str:
+    """``<algo>-<codec>-w<workers>-<time>``, one folder name: a codec's ``/`` (``topk:64/4096+int2``) becomes ``-``."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return f"{cfg.outer.algo}-{cfg.comm.codec}-w{cfg.workers}-{stamp}"
+    codec = str(cfg.comm.codec).replace("/", "-")
+    return f"{cfg.outer.algo}-{codec}-w{cfg.workers}-{stamp}"
 
 
 #: what a run writes into its folder (``noloco-fleet``'s ``fleet.h<i>.log`` of the launch under way are not in it)

@@ -155,3 +155,27 @@ def test_a_state_saved_inside_a_cycle_resumes_exactly():
 
     for a, b in zip(LocalFabric(WORKERS).run(straight), LocalFabric(WORKERS).run(second)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", [NoLoCo, DiLoCo])
+def test_the_error_feedback_decay_reaches_every_residual_and_changes_the_trajectory(cls):
+    """``comm.error_feedback_decay`` → ``error_feedback_decay``: every residual (Δ, φ − φ_0, each fragment) decays
+    by it, and where a message is compressed a decay below 1 gives another trajectory than keeping the whole error."""
+    start, targets = torch.randn(N, dtype=torch.float64), torch.randn(WORKERS, N, dtype=torch.float64)
+    extra = dict(slow_codec="int4", slow_every=2) if cls is NoLoCo else {}
+
+    def run(decay):
+        def worker(transport):
+            model, algo = _build(transport, start, cls=cls, codec="int2", error_feedback_decay=decay, **extra)
+            feedbacks = [f for pair in algo._feedbacks for f in pair if f is not None]
+            assert feedbacks and {f.decay for f in feedbacks} == {decay}
+            _steps(model, algo, targets[transport.rank], STEPS)
+            return algo.slow.double()
+
+        return LocalFabric(WORKERS).run(worker)
+
+    kept, decayed = run(1.0), run(0.5)
+    if cls is NoLoCo:  # DiLoCo's four segments of 3,000 values here travel exact (small messages), no residual
+        assert not torch.equal(kept[0], decayed[0])
+    with pytest.raises(ValueError, match="decay"):
+        LocalFabric(WORKERS).run(lambda t: _build(t, start, cls=cls, codec="int2", error_feedback_decay=1.5))

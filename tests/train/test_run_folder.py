@@ -105,3 +105,10 @@ def test_checkpoint_keys_say_what_is_written_and_the_summary_counts_the_disk(tin
     final = launch(tiny_config(*common, "run.name=final"), quiet=True)
     assert sorted(p.name for p in (tmp_path / "final" / "checkpoints").iterdir()) == ["latest", "step_000006"]
     assert final["disk_bytes"] > none["disk_bytes"] + 2 * final["checkpoint_bytes_per_worker"] * 0.99
+
+
+def test_the_default_run_name_is_one_folder_even_for_a_top_k_codec(tiny_config, tmp_path):
+    from noloco.train.run import default_run_name
+
+    name = default_run_name(tiny_config("comm.codec=topk:64/4096+int2"))
+    assert "/" not in name and name.startswith("noloco-topk:64-4096+int2-w")
