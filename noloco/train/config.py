@@ -213,6 +213,35 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Check values and their relations; resolve defaults that depend on other keys."""
+    _validate_process(cfg)
+    _validate_outer(cfg)
+    _validate_comm(cfg.comm)
+    _validate_inner(cfg)
+    _validate_exchange_schedule(cfg)
+    _validate_data(cfg.data)
+    _validate_sources(cfg)
+    if cfg.eval.every is None:
+        cfg.eval.every = cfg.outer.every
+    _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
+    _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
+    final = cfg.checkpoint.final
+    _require(isinstance(final, bool), f"checkpoint.final must be true or false, got {final!r}")
+    from noloco.train.model import PRESETS
+
+    limit = cfg.model.max_memory_gb
+    _require(limit == "auto" or (isinstance(limit, (int, float)) and not isinstance(limit, bool)
+                                 and 0 < limit < math.inf), f"model.max_memory_gb must be auto or a number of GB > 0, "
+             f"got {limit!r}")  # fmt: skip
+    _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
+    _validate_names(cfg)
+    stall = cfg.run.stall_timeout
+    _require(isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < math.inf,
+             f"run.stall_timeout must be a number of seconds >= 0 (0: off), got {stall!r}")  # fmt: skip
+    _validate_peer(cfg.peer)
+
+
+def _validate_process(cfg: DictConfig) -> None:
+    """The run as a whole: backend, workers, steps, device, precision, logging."""
     _require(cfg.backend in BACKENDS, f"backend={cfg.backend!r} is not one of {BACKENDS}")
     _require(isinstance(cfg.workers, int) and cfg.workers >= 1, f"workers must be an integer >= 1, got {cfg.workers!r}")
     _require(isinstance(cfg.steps, int) and cfg.steps >= 1, f"steps must be an integer >= 1, got {cfg.steps!r}")
@@ -227,6 +256,9 @@ def validate(cfg: DictConfig) -> None:
     _require(isinstance(cfg.run.overwrite, bool), f"run.overwrite must be true or false, got {cfg.run.overwrite!r}")
     _require(cfg.log.flush_every is None or cfg.log.flush_every >= 1, "log.flush_every must be >= 1 (or null)")
     _validate_wandb(cfg.log.wandb)
+
+def _validate_outer(cfg: DictConfig) -> None:
+    """The outer algorithm, its groups (clamped to a single worker's run) and its momentum default."""
     outer = cfg.outer
     _require(outer.algo in ALGOS, f"outer.algo={outer.algo!r} is not one of {ALGOS}")
     _require(outer.every >= 1, f"outer.every must be >= 1, got {outer.every}")
@@ -250,28 +282,43 @@ def validate(cfg: DictConfig) -> None:
         outer.momentum = default_momentum(outer.algo)
     _require(0 <= outer.momentum < 1, f"outer.momentum must be in [0, 1), got {outer.momentum}")
     _require(outer.lr > 0 and outer.pull >= 0, "outer.lr must be > 0 and outer.pull >= 0")
+
+def _validate_comm(comm) -> None:
+    """The ``comm`` section: codecs, reduction, error feedback, timeouts, the norm bound."""
     for key in ("codec", "slow_codec"):
-        value = cfg.comm[key]
+        value = comm[key]
         if value is not None:
             _require(value in known_codecs(), f"comm.{key}={value!r} is not a codec: {_codec_error(value)}")
-            _require(not (cfg.comm.reduction in ("ring", "naive_ring") and get_codec(value).name.startswith("topk")),
-                     f"comm.reduction={cfg.comm.reduction} cannot carry the top-k codec comm.{key}={value!r}; "
+            _require(not (comm.reduction in ("ring", "naive_ring") and get_codec(value).name.startswith("topk")),
+                     f"comm.reduction={comm.reduction} cannot carry the top-k codec comm.{key}={value!r}; "
                      "use two_phase or allgather")
-    _require(cfg.comm.reduction in REDUCTIONS, f"comm.reduction={cfg.comm.reduction!r} is not one of {REDUCTIONS}")
-    decay = cfg.comm.error_feedback_decay
+    _require(comm.reduction in REDUCTIONS, f"comm.reduction={comm.reduction!r} is not one of {REDUCTIONS}")
+    decay = comm.error_feedback_decay
     _require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1,
              f"comm.error_feedback_decay must be in (0, 1], got {decay!r}")
     for key in ("recv_timeout", "group_timeout", "startup_timeout"):
-        _require(cfg.comm[key] > 0, f"comm.{key} must be > 0 seconds, got {cfg.comm[key]}")
-    ratio = cfg.comm.max_norm_ratio
+        _require(comm[key] > 0, f"comm.{key} must be > 0 seconds, got {comm[key]}")
+    ratio = comm.max_norm_ratio
     _require(
         ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 1 < ratio < math.inf),
         f"comm.max_norm_ratio must be a number > 1 (null disables the norm bound), got {ratio!r}",
     )
+
+def _validate_inner(cfg: DictConfig) -> None:
+    """The ``inner`` section: learning rates, clipping, processes per worker, their gradient codec."""
     inner = cfg.inner
     _require(inner.lr > 0 and 0 <= inner.min_lr <= inner.lr, "inner.lr must be > 0 and 0 <= inner.min_lr <= inner.lr")
     _require(inner.warmup >= 0 and inner.grad_clip >= 0, "inner.warmup and inner.grad_clip must be >= 0")
     _require(isinstance(inner.processes, int) and inner.processes >= 1, "inner.processes must be an integer >= 1")
+    _require(
+        inner.processes == 1 or cfg.backend == "torch",
+        f"inner.processes={inner.processes} needs backend=torch (a process per device of a worker)",
+    )
+    _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
+
+def _validate_exchange_schedule(cfg: DictConfig) -> None:
+    """When the outer exchange runs: overlap, fragments, the slow-weight term's rounds, offload."""
+    outer = cfg.outer
     _require(isinstance(outer.overlap, bool) or outer.overlap in OVERLAP_RULES,
              f"outer.overlap={outer.overlap!r} is not one of false, true, {', '.join(OVERLAP_RULES)}")  # fmt: skip
     _require(not (outer.overlap and outer.algo == "ddp"), "outer.overlap is for the outer algorithms, not ddp")
@@ -292,12 +339,9 @@ def validate(cfg: DictConfig) -> None:
     _require(isinstance(outer.offload, bool), f"outer.offload must be true or false, got {outer.offload!r}")
     _require(not (outer.offload and outer.overlap), "outer.offload does not run with outer.overlap (the exchange "
              "in flight needs the outer state on the GPU)")  # fmt: skip
-    _require(
-        inner.processes == 1 or cfg.backend == "torch",
-        f"inner.processes={inner.processes} needs backend=torch (a process per device of a worker)",
-    )
-    _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
-    data = cfg.data
+
+def _validate_data(data) -> None:
+    """The ``data`` section: sizes, the vocabulary bound, a files source's path."""
     _require(data.seq_len >= 2 and data.batch_size >= 1, "data.seq_len must be >= 2 and data.batch_size >= 1")
     _require(isinstance(data.max_vocab_size, int) and data.max_vocab_size >= 2,
              f"data.max_vocab_size must be an integer >= 2, got {data.max_vocab_size!r}")  # fmt: skip
@@ -312,26 +356,6 @@ def validate(cfg: DictConfig) -> None:
             Path(str(data.path)).expanduser().exists() or bool(glob.glob(str(Path(data.path).expanduser()))),
             f"data.path={data.path!r} does not exist",
         )
-    _validate_sources(cfg)
-    if cfg.eval.every is None:
-        cfg.eval.every = outer.every
-    _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
-    _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
-    final = cfg.checkpoint.final
-    _require(isinstance(final, bool), f"checkpoint.final must be true or false, got {final!r}")
-    from noloco.train.model import PRESETS
-
-    limit = cfg.model.max_memory_gb
-    _require(limit == "auto" or (isinstance(limit, (int, float)) and not isinstance(limit, bool)
-                                 and 0 < limit < math.inf), f"model.max_memory_gb must be auto or a number of GB > 0, "
-             f"got {limit!r}")  # fmt: skip
-    _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
-    _validate_names(cfg)
-    stall = cfg.run.stall_timeout
-    _require(isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < math.inf,
-             f"run.stall_timeout must be a number of seconds >= 0 (0: off), got {stall!r}")  # fmt: skip
-    _validate_peer(cfg.peer)
-
 
 def _single_component(value) -> bool:
     """A name that is one path component of its own: not empty, no separator, not ``.`` or ``..``."""
