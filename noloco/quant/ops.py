@@ -16,6 +16,7 @@ handling"). ``check_finite=False`` lets trusted callers skip the check altogethe
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import torch
@@ -24,30 +25,25 @@ from . import floatq, hadamard, intq, mx, signq, topk
 from .base import Packed, PayloadError, QuantSpec
 
 _SECTION_NAMES = ("codes", "scales", "zero_points", "mins", "indices")
-_TK: list = []  # [module or None] once the import of triton_kernels has been tried
-_LB: list = []  # [module or None] once the import of lowbit_kernels has been tried
+
+
+@functools.cache
+def _kernels(module: str):
+    """The kernel module ``noloco.quant.<module>``, or None if Triton is missing or broken (imported once)."""
+    try:
+        return importlib.import_module(f"{__package__}.{module}")
+    except Exception:  # pragma: no cover - triton missing or broken
+        return None
 
 
 def _triton():
-    """The ``triton_kernels`` module, or None if Triton is missing or broken (imported once, then cached)."""
-    if not _TK:
-        try:
-            from . import triton_kernels
-        except Exception:  # pragma: no cover - triton missing or broken
-            triton_kernels = None
-        _TK.append(triton_kernels)
-    return _TK[0]
+    """The ``triton_kernels`` module (int4/int8, MX), or None if Triton is missing or broken."""
+    return _kernels("triton_kernels")
 
 
 def _lowbit():
     """The ``lowbit_kernels`` module (int2, int3, sign), or None if Triton is missing or broken."""
-    if not _LB:
-        try:
-            from . import lowbit_kernels
-        except Exception:  # pragma: no cover - triton missing or broken
-            lowbit_kernels = None
-        _LB.append(lowbit_kernels)
-    return _LB[0]
+    return _kernels("lowbit_kernels")
 
 
 def fused_kernels(spec: QuantSpec) -> bool:
