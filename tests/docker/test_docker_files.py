@@ -82,7 +82,7 @@ def run_main(capsys) -> tuple[int, str, str]:
         ("NOLOCO_RATE", "-5mbit", "NOLOCO_RATE"),
         ("NOLOCO_ALGO", "ddp", "swarm worker runs"),
         ("NOLOCO_ALGO", "sgd", "outer.algo"),
-        ("NOLOCO_CODEC", "int3", "comm.codec"),
+        ("NOLOCO_CODEC", "int9", "comm.codec"),
         ("NOLOCO_STEPS", "ten", "steps"),
         ("NOLOCO_LISTEN_PORT", "70000", "NOLOCO_LISTEN_PORT"),
         ("NOLOCO_BOOTSTRAP_WAIT", "-1", "NOLOCO_BOOTSTRAP_WAIT"),
