@@ -301,15 +301,14 @@ def test_a_stalled_run_dumps_every_stack_says_where_each_worker_waits_and_exits(
     from noloco.train import checkpoint
     from noloco.train.stall import STALL_EXIT
 
-    code, err, seconds, _ = _run_measured(["train.py", *tiny_overrides, *TINY, "run.name=s", "steps=20",
+    code, err, _, _ = _run_measured(["train.py", *tiny_overrides, *TINY, "run.name=s", "steps=20",
                                            "run.stall_timeout=3"],
                                           env={"NOLOCO_FAULTS": "outer.exchange@10/1=sleep:60"})  # fmt: skip
-    assert code == STALL_EXIT, err[-2000:]
+    assert code == STALL_EXIT, err[-2000:]  # the detector ended it: the sleep's end would have let the run finish
     line = _one_error_line(err, "no worker advanced")
     assert "worker 0 after step 9: step 10 and its outer exchange" in line
     assert "worker 1 after step 9: step 10 and its outer exchange" in line
     assert "(step 5) is intact" in line
-    assert seconds < 60  # it did not wait for the sleeping worker
     run = tmp_path / "s"
     (stacks,) = run.glob("stall-*.txt")
     text = stacks.read_text()
