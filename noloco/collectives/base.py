@@ -130,17 +130,14 @@ def allreduce(
     group = _check_arguments(x, transport, group, reduction, op, error_feedback)
     bound = _norm_bound(x, max_norm_ratio, norm_floor, norm_rejections, norm_reference)
     requested = get_codec(codec)
-    sparse = isinstance(requested, QuantCodec) and requested.spec.sparse
-    if sparse and reduction in ("ring", "naive_ring"):
-        raise ValueError(f"reduction {reduction!r} cannot carry the sparse codec {requested.name!r} (every hop would "
-                         "re-sparsify a partial sum); use two_phase or allgather")
+    _check_sparse(requested, reduction)
     threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
     flat = x.detach().reshape(-1).to(dtype=torch.float32)  # stays on x's device: codecs run there
     residuals = None if error_feedback is None else error_feedback.residuals_for(flat.numel(), flat.device)
     if len(group) == 1:
         return _reduce_alone(x, flat, error_feedback, residuals)
     n = len(group)
-    if sparse and reduction == "two_phase" and n == 2:
+    if _sparse(requested) and reduction == "two_phase" and n == 2:
         reduction = "allgather"  # the same bytes as two-phase for two members, and no re-sparsified sum
     wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
     tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
@@ -148,15 +145,31 @@ def allreduce(
     codec_id = f"{requested.name}|{wire.name}" + ("|counted" if bound is not None and reduction != "two_phase" else "")
     info = CallInfo(reduction, op, x.dtype, tuple(group), group.index(transport.rank), flat.numel(), codec_id, tag)
     ex = Exchange(transport, info, timeout, bound)
-    if reduction == "two_phase":
-        out = two_phase_allreduce(flat, ex, wire, op, residuals)
-    elif reduction == "allgather":
-        out = allgather_allreduce(flat, ex, wire, op, residuals)
-    else:
-        out = ring_allreduce(flat, ex, wire, op, residuals, naive=reduction == "naive_ring")
+    out = _run_schedule(reduction, flat, ex, wire, op, residuals)
     if error_feedback is not None:
         error_feedback.commit(*residuals)
     return out.reshape(x.shape).to(x.device)
+
+
+def _sparse(codec: Codec) -> bool:
+    """Whether ``codec`` sends a sparse selection of the values (chunked top-k)."""
+    return isinstance(codec, QuantCodec) and codec.spec.sparse
+
+
+def _check_sparse(codec: Codec, reduction: str) -> None:
+    """Rings refuse a sparse codec before anything is sent: every hop would re-sparsify a partial sum."""
+    if _sparse(codec) and reduction in ("ring", "naive_ring"):
+        raise ValueError(f"reduction {reduction!r} cannot carry the sparse codec {codec.name!r} (every hop would "
+                         "re-sparsify a partial sum); use two_phase or allgather")
+
+
+def _run_schedule(reduction: str, flat: torch.Tensor, ex: Exchange, wire: Codec, op: str, residuals) -> torch.Tensor:
+    """The messages of one reduction schedule over ``ex``'s group; returns the reduced fp32 vector."""
+    if reduction == "two_phase":
+        return two_phase_allreduce(flat, ex, wire, op, residuals)
+    if reduction == "allgather":
+        return allgather_allreduce(flat, ex, wire, op, residuals)
+    return ring_allreduce(flat, ex, wire, op, residuals, naive=reduction == "naive_ring")
 
 
 def _check_arguments(x: torch.Tensor, transport: Transport, group: list[int] | None, reduction: str, op: str,
