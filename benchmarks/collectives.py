@@ -4,7 +4,7 @@ Modes (any combination; default all but --speed's larger sizes):
 
 - ``--accuracy``: normalized error ``||out - mean||/||mean||`` vs the exact float64 mean, group sizes
   2..64 on the in-process fabric, for two_phase / ring / naive_ring x int4 / int8 / mxfp4, on Gaussian
-  data and on real pseudo-gradients (a tiny ``noloco.train.model.LLaMA`` pre-trained briefly on text,
+  data and on real pseudo-gradients (a tiny ``noloco.models.llama.LLaMA`` pre-trained briefly on text,
   then each member trains 5 AdamW steps on its own slice of text: ``Δ_j = θ_j − φ``). Also: the error
   of one quantization of the exact mean, and bytes sent per member vs theory.
 - ``--speed``: 2 processes over gloo on loopback (CPU): our int4/int8 two-phase and fp32 vs
@@ -67,7 +67,7 @@ def rel(out: torch.Tensor, exact: torch.Tensor) -> float:
 
 def pseudo_gradients(members: int, steps: int = 5) -> list[torch.Tensor]:
     """``members`` pseudo-gradients of a tiny LLaMA from one shared start, each on its own text."""
-    from noloco.train.model import LLaMA, ModelConfig
+    from noloco.models.llama import LLaMA, ModelConfig
 
     text = b"".join(p.read_bytes() for p in sorted((ROOT / "noloco").rglob("*.py")))
     text += (ROOT / "docs" / "architecture.md").read_bytes()

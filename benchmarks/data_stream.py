@@ -47,7 +47,7 @@ def write_shards(folder: Path, shards: int = 4) -> list[Path]:
     import datasets
     from datasets import Dataset
 
-    from noloco.train.data import load_documents
+    from noloco.data.corpus import load_documents
 
     datasets.disable_progress_bars()
     folder.mkdir(parents=True, exist_ok=True)
@@ -71,9 +71,10 @@ def _rate(tokens: int, seconds: float) -> float:
 
 def data_path(folder: Path, cache: Path, batches: int) -> dict:
     """Tokens/s of one worker's batches on each path, and the stream's parts timed apart."""
+    from noloco.data.hf import check_text_field, dataset_rows, open_dataset
+    from noloco.data.sampler import BatchSampler
+    from noloco.data.stream import text_digest
     from noloco.train.config import load_config
-    from noloco.train.data import BatchSampler
-    from noloco.train.hf import _rows, check_text_field, open_dataset, text_digest
     from noloco.train.run import load_corpus
 
     out: dict = {}
@@ -108,7 +109,7 @@ def data_path(folder: Path, cache: Path, batches: int) -> dict:
     name = check_text_field(ds, opts)
     shard = split_dataset_by_node(ds.select_columns([name]), rank=1, world_size=WORKERS)
     started = time.perf_counter()
-    texts = [text for _, text in _rows(shard, name, "bench")]
+    texts = [text for _, text in dataset_rows(shard, name, "bench")]
     read = time.perf_counter() - started
     started = time.perf_counter()
     for text in texts:

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
+from noloco.data.sampler import BatchSampler
 from noloco.train.config import load_config
-from noloco.train.data import BatchSampler
 from noloco.train.device import flops_per_token, peak_tflops
 from noloco.train.loop import build_inner_optimizer, build_model
 from noloco.train.run import load_corpus

@@ -136,8 +136,8 @@ def main() -> None:
     if args.ab and args.base is None:
         parser.error("--ab needs --base")
     sys.path.insert(0, str(ROOT))
+    from noloco.data.corpus import prepare_corpus
     from noloco.train.config import load_config
-    from noloco.train.data import prepare_corpus
 
     cache = Path(tempfile.mkdtemp(prefix="hostile-swarm-data-"))
     cfg = load_config([*PEER, f"data.cache_dir={cache}"])

@@ -25,18 +25,22 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from noloco.data.documents import DataError
+from noloco.data.tokenizer import load_tokenizer
+from noloco.data.tokens import corpus_tokenizer
+from noloco.models.hf import HFCausalLM, ModelError, transformers_module
+from noloco.models.llama import LLaMA
 from noloco.train import checkpoint
-from noloco.train.config import ConfigError, _merge, default_config
-from noloco.train.data import DataError
-from noloco.train.model import LLaMA
+from noloco.train.config import ConfigError, default_config
 
 
 class ExportError(ValueError):
     """What cannot be exported; one line for the user."""
 
 
-ERRORS = (ExportError, ConfigError, DataError, checkpoint.CheckpointError)
+ERRORS = (ExportError, ConfigError, DataError, ModelError, checkpoint.CheckpointError)
 
 
 # ------------------------------------------------------------------------------- reading a run
@@ -61,7 +65,11 @@ def run_config(folder: Path) -> DictConfig:
         raise checkpoint.CheckpointError(f"{saved}: cannot parse: {str(exc).splitlines()[0]}") from None
     if not isinstance(loaded, DictConfig):
         raise checkpoint.CheckpointError(f"{saved}: not a mapping of config keys")
-    return _merge(default_config(), loaded, str(saved))
+    try:
+        return OmegaConf.merge(default_config(), loaded)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise checkpoint.CheckpointError(f"{saved}: '{key}': {str(exc).splitlines()[0]}") from None
 
 
 def build(cfg: DictConfig, vocab: int) -> torch.nn.Module:
@@ -142,8 +150,6 @@ def load_run_model(path, worker: int | None = 0, mean: bool = False):
 
 def run_tokenizer(cfg: DictConfig, run_dir: Path, override=None):
     """The tokenizer the run trained with (see the module docstring for where it is looked for)."""
-    from noloco.train.hf import corpus_tokenizer, load_tokenizer
-
     bound = cfg.data.max_vocab_size
     if override:
         return load_tokenizer(override, bound)
@@ -261,9 +267,7 @@ def save_tokenizer(tokenizer, out: Path) -> None:
 
 def export(path, out, worker: int | None = 0, mean: bool = False, tokenizer=None) -> dict:
     """Write the transformers folder ``out`` for the run or checkpoint ``path``; returns what was written."""
-    from noloco.train.hf import HFCausalLM, _transformers
-
-    _transformers("noloco.export")
+    transformers_module("noloco.export")
     model, cfg, run_dir, folder, step, what = load_run_model(path, worker, mean)
     vocab = model.cfg.vocab_size
     tok = run_tokenizer(cfg, run_dir, tokenizer)

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from noloco.data.tokenizer import load_tokenizer
 from noloco.export import ERRORS, ExportError, check_vocab, load_run_model, run_tokenizer
+from noloco.models.hf import transformers_module
 
 
 def is_exported(path: Path) -> bool:
@@ -26,11 +28,9 @@ def is_exported(path: Path) -> bool:
 
 def load(path, worker: int = 0, mean: bool = False, tokenizer=None):
     """(logits function of token ids (1, T) -> (1, T, V), tokenizer, context length) of a run or a folder."""
-    from noloco.train.hf import _transformers, load_tokenizer
-
     folder = Path(path).expanduser()
     if is_exported(folder):
-        transformers = _transformers("sampling from a transformers folder")
+        transformers = transformers_module("sampling from a transformers folder")
         try:
             auto = transformers.AutoModelForCausalLM
             model = auto.from_pretrained(folder, dtype=torch.float32, local_files_only=True)

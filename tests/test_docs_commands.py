@@ -1271,8 +1271,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="session")
 def docs(request, tmp_path_factory, data_cache):
+    from noloco.data.corpus import prepare_corpus
     from noloco.train.config import load_config
-    from noloco.train.data import prepare_corpus
 
     cfg = load_config([*TINY, f"data.cache_dir={data_cache}"])  # built once, not by parallel processes
     prepare_corpus(cfg.data.source, cfg.data.path, cfg.data.vocab_size, cfg.data.eval_fraction, cfg.data.cache_dir)

@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 def _consensus(parser: _Parser, args: argparse.Namespace) -> int:
     import torch
 
+    from noloco.data.documents import DataError
     from noloco.sim.consensus import ConsensusConfig, run_study
     from noloco.sim.report import stamp, write_consensus
-    from noloco.train.data import DataError
 
     cfg = ConsensusConfig(workers=args.workers, methods=args.methods, rounds=args.rounds, every=args.every,
                           batch_size=args.batch_size, seq_len=args.seq_len, dim=args.dim, n_layers=args.layers,

@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from noloco.data.corpus import prepare_corpus
 from noloco.gossip import GroupSchedule, round_seed
+from noloco.models.llama import LLaMA, model_config
 from noloco.optim import DiLoCoRule, NoLoCoRule, OuterRule
 from noloco.sim.stacked import StackedOuter, StackedWorkers, consensus_distance, spread
-from noloco.train.data import prepare_corpus
-from noloco.train.model import LLaMA, model_config
 
 METHODS = ("noloco-g2", "noloco-g4", "diloco")
 

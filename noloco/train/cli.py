@@ -29,9 +29,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.utils import parameters_to_vector
 
-from noloco.train import backends, checkpoint, stream_end
+from noloco.data import stream_end
+from noloco.data.documents import DataError
+from noloco.models.hf import ModelError
+from noloco.train import backends, checkpoint
 from noloco.train.config import ConfigError, commented_yaml, load_config
-from noloco.train.data import DataError
 
 
 def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted before training started or after it ended: nothing new to resume", file=sys.stderr)
         return 130
-    except (ConfigError, DataError, checkpoint.CheckpointError) as exc:
+    except (ConfigError, DataError, ModelError, checkpoint.CheckpointError) as exc:
         print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2
     finally:

@@ -226,7 +226,7 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
     final = cfg.checkpoint.final
     _require(isinstance(final, bool), f"checkpoint.final must be true or false, got {final!r}")
-    from noloco.train.model import PRESETS
+    from noloco.models.llama import PRESETS
 
     limit = cfg.model.max_memory_gb
     _require(limit == "auto" or (isinstance(limit, (int, float)) and not isinstance(limit, bool)
@@ -404,9 +404,12 @@ def _validate_sources(cfg: DictConfig) -> None:
     _require(model.hf_weights in ("auto", True, False), f"model.hf_weights must be auto, true or false, got "
              f"{model.hf_weights!r}")  # fmt: skip
     if model.source == "hf":
-        from noloco.train.hf import model_folder
+        from noloco.models.hf import ModelError, model_folder
 
-        model_folder(model.hf_path)  # ConfigError: no folder, or no config.json in it
+        try:
+            model_folder(model.hf_path)  # no folder, or no config.json in it
+        except ModelError as exc:
+            raise ConfigError(str(exc)) from None
     if data.source == "hf":
         _require(bool(data.hf_path), "data.source=hf needs data.hf_path (a builder such as json or parquet with "
                  "data.hf_files, a dataset folder, or a hub name)")  # fmt: skip
@@ -415,7 +418,7 @@ def _validate_sources(cfg: DictConfig) -> None:
     _require(isinstance(data.streaming, bool), f"data.streaming must be true or false, got {data.streaming!r}")
     _require(not data.streaming or data.source == "hf", "data.streaming=true needs data.source=hf")
     _require(isinstance(data.stream_sample, int) and data.stream_sample >= 1, "data.stream_sample must be >= 1")
-    from noloco.train.stream_end import MODES
+    from noloco.data.stream_end import MODES
 
     _require(data.stream_end in MODES, f"data.stream_end={data.stream_end!r} is not one of {', '.join(MODES)}")
     _require(data.tokenizer is None or Path(str(data.tokenizer)).expanduser().exists(),

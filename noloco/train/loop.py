@@ -21,13 +21,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm.base import Transport
+from noloco.data.sampler import BatchSampler, eval_batches
+from noloco.data.stream_end import StreamEnd
+from noloco.data.tokens import TokenizedCorpus
 from noloco.gossip.base import GroupSource
+from noloco.models.llama import LLaMA, model_config
 from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, OuterAlgorithm, PeriodicAveraging
 from noloco.optim.algorithms import copy_flat_into
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.config import ConfigError
-from noloco.train.data import BatchSampler, TokenizedCorpus, eval_batches
 from noloco.train.device import (
     CompiledForward,
     autocast,
@@ -42,9 +45,7 @@ from noloco.train.device import (
     worker_stream,
 )
 from noloco.train.metrics import MetricsLogger
-from noloco.train.model import LLaMA, model_config
 from noloco.train.stall import StallWatch
-from noloco.train.stream_end import StreamEnd
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,14 @@ class WorkerResult:
 
 
 def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
-    if cfg.model.get("source", "noloco") == "hf":  # a transformers causal LM (noloco/train/hf.py)
-        from noloco.train.hf import build_hf_model
+    if cfg.model.get("source", "noloco") == "hf":  # a transformers causal LM (noloco/models/hf.py)
+        from noloco.models.hf import build_hf_model
 
-        return build_hf_model(cfg, vocab_size)
+        def check_memory(parameters: int, what: str) -> None:
+            check_model_memory(cfg, parameters, copies=workers_per_process(cfg), what=what)
+
+        return build_hf_model(cfg.model.hf_path, vocab_size, hf_weights=cfg.model.get("hf_weights", "auto"),
+                              seq_len=cfg.data.seq_len, seed=int(cfg.run.seed), check_memory=check_memory)  # fmt: skip
     overrides = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in MODEL_SOURCE_KEYS}
     if overrides.get("max_seq_len") is None:
         overrides["max_seq_len"] = max(1024, cfg.data.seq_len)
@@ -320,7 +325,7 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         schedule=schedule,
         algo=algo,
         sampler=BatchSampler(ctx.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed)
-        if not hasattr(ctx.corpus, "sampler")  # data.streaming: this worker's shard of the stream (noloco/train/hf.py)
+        if not hasattr(ctx.corpus, "sampler")  # data.streaming: this worker's shard (noloco/data/stream.py)
         else ctx.corpus.sampler(backend.rank, cfg.workers * cfg.inner.processes, cfg.data.seq_len, cfg.data.batch_size),
         held_out=eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches),
         device=device,

@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from noloco.data.corpus import prepare_corpus
+from noloco.data.sampler import eval_batches
+from noloco.data.stream import stream_summary
+from noloco.data.stream_end import describe
 from noloco.train import checkpoint
-from noloco.train.data import eval_batches, prepare_corpus, stream_summary
 from noloco.train.loop import WorkerResult, build_model
 from noloco.train.plots import plot_runs
-from noloco.train.stream_end import describe
 
 
 class Progress:
@@ -223,7 +225,7 @@ def usable_cores() -> int:
 
 def load_corpus(cfg: DictConfig):
     """The run's tokenized corpus from ``cfg.data`` (bundled, files, or a ``datasets`` source; cached)."""
-    from noloco.train.hf import corpus_options
+    from noloco.data.corpus import corpus_options
 
     data = cfg.data
     return prepare_corpus(data.source, data.path, data.vocab_size, data.eval_fraction, data.cache_dir,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from noloco.data.corpus import prepare_corpus
 from noloco.train.config import load_config
-from noloco.train.data import prepare_corpus
 
 pytestmark = pytest.mark.slow
 

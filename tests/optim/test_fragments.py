@@ -36,7 +36,7 @@ def test_fragments_cover_every_parameter_exactly_once_in_order_on_random_shapes(
 
 @pytest.mark.parametrize("k", [2, 4, 5])
 def test_fragment_sizes_on_the_default_model_are_within_20_percent(k):
-    from noloco.train.model import LLaMA, model_config
+    from noloco.models.llama import LLaMA, model_config
 
     with torch.device("meta"):
         model = LLaMA(model_config("tiny", vocab_size=2048), seed=0)
@@ -319,7 +319,7 @@ def test_one_fragment_is_bit_identical_to_the_unfragmented_exchange():
 
 def _peak_bytes(cls, k: int, codec: str) -> int:
     """The most bytes one worker sent in one exchange (from its transport's counter), on a small LLaMA."""
-    from noloco.train.model import LLaMA, model_config
+    from noloco.models.llama import LLaMA, model_config
 
     def worker(transport):
         model = LLaMA(model_config("tiny", vocab_size=512, dim=64, n_layers=2, n_heads=2), seed=0)

@@ -15,10 +15,10 @@ import torch
 
 from noloco.comm import LocalFabric, faults
 from noloco.comm.base import CommAborted, CommError, CommTimeout
+from noloco.models.llama import LLaMA, model_config
 from noloco.optim.algorithms import NoLoCo
 from noloco.train.backends.local import launch as run
 from noloco.train.metrics import read_metrics
-from noloco.train.model import LLaMA, model_config
 
 COMMON = ("steps=12", "outer.every=4", "workers=4", "threads=1", "log.tensorboard=false", "log.plot=false")
 

@@ -4,7 +4,7 @@ forged to an arbitrary JSON value, each checked by ``checkpoint.load_worker`` an
 ``train.py resume=`` checks it: a state is accepted only with every value within its bounds (a forged eval
 loss of 2, a flag set to a value it may hold), anything else is one :class:`CheckpointError`, never another
 exception.
-And the tokenizer entry count (:func:`noloco.train.hf.count_entries`) bounds every mutated tokenizer file.
+And the tokenizer entry count (:func:`noloco.data.tokenizer.count_entries`) bounds every mutated tokenizer file.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.nn.utils import parameters_to_vector
 
+from noloco.data.tokenizer import count_entries
 from noloco.train import checkpoint
 from noloco.train.backends.local import launch as run
-from noloco.train.hf import count_entries
 from noloco.train.loop import build_inner_optimizer, build_model
 
 from .fuzzing import fuzz_settings, mutate, record
@@ -157,13 +157,12 @@ def test_the_tokenizer_entry_count_bounds_every_mutated_file(tmp_path):
     case()
 
 
-def test_model_sizes_of_a_config_json_are_an_estimate_or_one_config_error():
-    """:func:`noloco.train.hf.config_parameters` on sizes of every JSON type: a parameter count (an int, each
-    size an integer in [1, 2^31)) or a ConfigError naming the key, never another exception."""
+def test_model_sizes_of_a_config_json_are_an_estimate_or_one_model_error():
+    """:func:`noloco.models.hf.config_parameters` on sizes of every JSON type: a parameter count (an int, each
+    size an integer in [1, 2^31)) or a ModelError naming the key, never another exception."""
     from types import SimpleNamespace
 
-    from noloco.train.config import ConfigError
-    from noloco.train.hf import _SIZE_KEYS, config_parameters
+    from noloco.models.hf import _SIZE_KEYS, ModelError, config_parameters
 
     keys = [k for names in _SIZE_KEYS.values() for k in names]
 
@@ -172,7 +171,7 @@ def test_model_sizes_of_a_config_json_are_an_estimate_or_one_config_error():
     def case(sizes):
         try:
             count = config_parameters(SimpleNamespace(**sizes), "fuzz")
-        except ConfigError as exc:
+        except ModelError as exc:
             assert "config.json has" in str(exc)
             record("HF config.json sizes", False)
             return

@@ -13,9 +13,9 @@ import torch
 
 from noloco.collectives import NormRejections, allreduce, segment_bounds
 from noloco.comm import LocalFabric
+from noloco.models.llama import LLaMA, model_config
 from noloco.optim.algorithms import DEFAULT_MAX_NORM_RATIO, NoLoCo
 from noloco.train.config import ConfigError, load_config
-from noloco.train.model import LLaMA, model_config
 
 REDUCTIONS = ["two_phase", "ring", "naive_ring"]
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from noloco.gossip import GroupSchedule
+from noloco.models.llama import LLaMA, model_config
 from noloco.optim import DiLoCoRule, NoLoCoRule
 from noloco.sim.consensus import averaging_rounds, large_n_rounds
 from noloco.sim.stacked import StackedOuter, StackedWorkers, consensus_distance, group_means, spread
-from noloco.train.model import LLaMA, model_config
 
 
 def _reference_outer(rules, slow, fast, groups):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from noloco.data.corpus import prepare_corpus
 from noloco.train.config import load_config
-from noloco.train.data import prepare_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "swarm-test-key-0123"

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from noloco.comm import faults
+from noloco.models.llama import LLaMA, model_config
 from noloco.train import checkpoint
 from noloco.train.metrics import read_metrics
-from noloco.train.model import LLaMA, model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

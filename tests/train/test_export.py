@@ -14,9 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from noloco import export, sample  # noqa: E402
+from noloco.models.llama import LLaMA, model_config  # noqa: E402
 from noloco.train import checkpoint  # noqa: E402
 from noloco.train.backends.local import launch  # noqa: E402
-from noloco.train.model import LLaMA, model_config  # noqa: E402
 
 TOL = 1e-4  # max abs logit difference, fp32
 
@@ -113,7 +113,7 @@ def test_greedy_samples_are_the_same_from_the_run_and_its_export(trained_run, tm
 def test_a_transformers_run_exports_with_save_pretrained(tiny_config, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from noloco.train.data import prepare_corpus
+    from noloco.data.corpus import prepare_corpus
 
     cfg = tiny_config()
     vocab = prepare_corpus(

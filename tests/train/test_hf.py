@@ -1,4 +1,4 @@
-"""Hugging Face adapters (noloco/train/hf.py): a transformers model trains like noloco's LLaMA, datasets
+"""Hugging Face adapters (noloco/models/hf.py, noloco/data/): a transformers model trains like noloco's LLaMA, datasets
 corpora give what the files give, user tokenizers set the vocabulary, streams resume exactly. Offline:
 every model, dataset and tokenizer is built here."""
 
@@ -19,11 +19,15 @@ pytest.importorskip("datasets")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from noloco.data.corpus import corpus_options, load_documents, prepare_corpus  # noqa: E402
+from noloco.data.documents import DataError, split_documents  # noqa: E402
+from noloco.data.sampler import BatchSampler  # noqa: E402
+from noloco.data.stream import StreamingCorpus, text_digest  # noqa: E402
+from noloco.data.tokenizer import EOT, load_tokenizer  # noqa: E402
+from noloco.models.hf import HFCausalLM, ModelError  # noqa: E402
 from noloco.train.backends.local import launch  # noqa: E402
 from noloco.train.cli import main  # noqa: E402
 from noloco.train.config import ConfigError, load_config  # noqa: E402
-from noloco.train.data import EOT, BatchSampler, DataError, load_documents, prepare_corpus, split_documents  # noqa: E402
-from noloco.train.hf import HFCausalLM, StreamingCorpus, corpus_options, load_tokenizer, text_digest  # noqa: E402
 from noloco.train.loop import build_model  # noqa: E402
 from noloco.train.metrics import read_metrics  # noqa: E402
 from noloco.train.run import load_corpus  # noqa: E402
@@ -193,7 +197,7 @@ def test_pretrained_weights_are_loaded_and_continued(tiny_config, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.hf.parameters(), reference.parameters()))
     fresh = build_model(tiny_config("model.source=hf", f"model.hf_path={folder}", "model.hf_weights=false"), vocab)
     assert not torch.equal(fresh.hf.model.embed_tokens.weight, reference.model.embed_tokens.weight)
-    with pytest.raises(ConfigError, match="embedding has"):  # a tokenizer larger than the pretrained embedding
+    with pytest.raises(ModelError, match="embedding has"):  # a tokenizer larger than the pretrained embedding
         build_model(cfg, vocab + 1)
 
 

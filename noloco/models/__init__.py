@@ -1,0 +1,4 @@
+"""The models a run trains (design.md §2): ``llama`` (noloco's own LLaMA, ``model.source=noloco``) and ``hf`` (a
+``transformers`` causal LM behind the same ``forward(tokens, targets) -> (logits, loss)``, ``model.source=hf``).
+Nothing here imports the training harness: settings come in as arguments.
+"""
