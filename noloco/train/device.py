@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from noloco.models.hf import ModelError
+
 #: dense bf16 matmul TFLOP/s measured on one H200 (docs/design.md §8); H100 SXM is within a few %
 MEASURED_PEAK_TFLOPS = {"H200": 790.0, "H100": 790.0}
 
@@ -55,12 +57,10 @@ def available_memory(name: str) -> tuple[int, str]:
 
 def check_model_memory(cfg, parameters: int, buffers: int = 0, bytes_per_parameter: int = TRAINING_BYTES_PER_PARAMETER,
                        copies: int = 1, what: str = "model") -> None:  # fmt: skip
-    """ConfigError unless ``copies`` models of ``parameters`` (each holding ``bytes_per_parameter`` a parameter and
+    """ModelError unless ``copies`` models of ``parameters`` (each holding ``bytes_per_parameter`` a parameter and
     ``buffers`` fp32 values) fit in ``model.max_memory_gb`` (``auto``: :func:`available_memory` of ``cfg.device``).
 
     Called with sizes read from a config or a file, before anything of that size is allocated."""
-    from noloco.train.config import ConfigError
-
     need = copies * (parameters * bytes_per_parameter + 4 * buffers)
     limit = cfg.model.get("max_memory_gb", "auto")
     if limit == "auto":
@@ -70,9 +70,9 @@ def check_model_memory(cfg, parameters: int, buffers: int = 0, bytes_per_paramet
         have, source = int(float(limit) * 2**30), f"model.max_memory_gb={limit}"
         key = "raise model.max_memory_gb to"
     if need > have:
-        raise ConfigError(f"the {what} ({parameters:,} parameters{f' × {copies} workers' if copies > 1 else ''}) "
-                          f"needs at least {need / 2**30:,.1f} GB, more than {source} ({have / 2**30:,.1f} GB): "
-                          f"make it smaller or {key} a larger bound if it fits")  # fmt: skip
+        raise ModelError(f"the {what} ({parameters:,} parameters{f' × {copies} workers' if copies > 1 else ''}) "
+                         f"needs at least {need / 2**30:,.1f} GB, more than {source} ({have / 2**30:,.1f} GB): "
+                         f"make it smaller or {key} a larger bound if it fits")  # fmt: skip
 
 
 def check_device(name: str) -> None:
