@@ -43,11 +43,6 @@ class StreamEndConfig:
         )
 
 
-def stops(cfg) -> bool:
-    """Whether this run ends when a worker's stream runs out (a streamed corpus with ``data.stream_end=stop``)."""
-    return StreamEndConfig.of(cfg).stop
-
-
 def stopped_record(end: StreamEndConfig, rank: int, exhausted_at: int, ended_at: int) -> dict:
     """``summary.json``'s ``stopped``: why and where the run ended before ``steps``. ``rank`` is the process's
     rank; with ``inner.processes > 1`` its worker is ``rank // processes`` and the rank is kept too."""
