@@ -32,6 +32,7 @@ from torch.nn.utils import parameters_to_vector
 from noloco.train import backends, checkpoint, stream_end
 from noloco.train.config import ConfigError, commented_yaml, load_config
 from noloco.train.data import DataError
+from noloco.train.interrupt import INTERRUPT, Interrupted
 
 
 def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (omegaconf dotlist)")
     args = parser.parse_args(argv)
 
-    interrupt = checkpoint.INTERRUPT
+    interrupt = INTERRUPT
     interrupt.reset()
     previous = signal.getsignal(signal.SIGINT)
     try:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if interrupt.requested:  # after the last step: the run is complete
             print("interrupted after the last step: the run is complete", file=sys.stderr)
             return 130
-    except checkpoint.Interrupted as exc:
+    except Interrupted as exc:
         if not exc.quiet:
             print(exc.line(), file=sys.stderr, flush=True)
         return 130

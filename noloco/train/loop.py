@@ -41,6 +41,7 @@ from noloco.train.device import (
     worker_device,
     worker_stream,
 )
+from noloco.train.interrupt import stop_here
 from noloco.train.metrics import MetricsLogger
 from noloco.train.model import LLaMA, model_config
 from noloco.train.stall import StallWatch
@@ -176,12 +177,12 @@ class RunContext:
     resume_step: int = 0
     progress: object | None = None
     stop_after: int | None = None  # testing hook: return after this step, as if killed
-    stop: object | None = None  # Ctrl-C: the step every worker stops at (checkpoint.LocalStop / StoreStop)
+    stop: object | None = None  # Ctrl-C: the step every worker stops at (interrupt.LocalStop / StoreStop)
     watch: StallWatch | None = None  # run.stall_timeout: made by the first worker that reports (mark)
 
     def should_stop(self, rank: int, step: int) -> bool:
         """Ctrl-C: True once worker ``rank`` finished the step every worker of the run stops (and saves) at."""
-        return checkpoint.stop_here(self.stop, rank, step, self.run_dir)
+        return stop_here(self.stop, rank, step, self.run_dir)
 
     def mark(self, rank: int, step: int, doing: str) -> None:
         """Worker ``rank`` finished ``step`` and now does ``doing``, for the stall detector (``run.stall_timeout``)."""
