@@ -477,7 +477,7 @@ class OuterAlgorithm(Algorithm):
             raise ValueError(f"outer.fragments={fragments!r} must be an integer >= 1 that divides outer.every={every}")
         self.rule, self.every, self.groups = rule, int(every), groups
         self.skip_failed_rounds = bool(skip_failed_rounds)
-        self.replicas = None  # set for a worker of several processes (see noloco.train.backends.distributed)
+        self._replicas = None  # a worker of several processes: its relay (set_replicas)
         self.slow = parameters_to_vector(self.params).detach().float().clone()
         # The slow-weight term travels as φ − reference; every worker starts from the same weights.
         self.slow_codec: Codec = self.codec if slow_codec is None else get_codec(slow_codec)
@@ -519,6 +519,20 @@ class OuterAlgorithm(Algorithm):
     def counter(self) -> ByteCounter:
         return self.groups.counter
 
+    @property
+    def replicas(self):
+        """The relay among the processes of this worker (None: a worker of one process); see :meth:`set_replicas`."""
+        return self._replicas
+
+    def set_replicas(self, replicas) -> None:
+        """Make this algorithm one process of a worker of several processes (``inner.processes``). ``replicas``
+        has ``leader`` (whether this process exchanges) and ``broadcast(tensor)`` (the leader's values into every
+        process's ``tensor``, in place); only the leader exchanges, and φ (and whatever an overlap rule applies)
+        reaches the others by broadcast, so they stay bit-identical. Call it before the first step."""
+        if self.inner_step:
+            raise ValueError("set_replicas: the algorithm has already stepped")
+        self._replicas = replicas
+
     def _after_inner_step(self) -> OuterRoundInfo | None:
         phase = self.inner_step % self.period
         if self._overlapped is not None and phase == self.overlap_steps:  # (never when it is a whole round)
@@ -534,22 +548,22 @@ class OuterAlgorithm(Algorithm):
         """The fragment round ``round_index`` exchanges: the one whose steps ≡ j·every/k (mod every) it ends."""
         return (round_index + 1) % len(self.fragments)
 
-    def _part_of(self, round_index: int) -> slice | None:
+    def part_of(self, round_index: int) -> slice | None:
         """The slice of the flat vector round ``round_index`` exchanges; None: all of it (one fragment)."""
         return None if len(self.fragments) == 1 else self.fragments[self.fragment_of(round_index)]
 
     def _split_of(self, round_index: int) -> tuple[slice | None, int | None]:
         """The slice and the fragment index of round ``round_index`` (None, None: one fragment)."""
-        part = self._part_of(round_index)
+        part = self.part_of(round_index)
         return part, None if part is None else self.fragment_of(round_index)
 
-    def _read_fast(self, part: slice | None) -> torch.Tensor:
+    def read_fast(self, part: slice | None) -> torch.Tensor:
         """This worker's fast weights θ (of ``part``), flat fp32, a new tensor."""
         if part is None:
             return parameters_to_vector(self.params).detach().float()
         return _read_part(self.params, part)
 
-    def _write_fast(self, values: torch.Tensor, part: slice | None) -> None:
+    def write_fast(self, values: torch.Tensor, part: slice | None) -> None:
         """θ ← ``values`` (on ``part`` only; the other fragments' fast weights train on untouched)."""
         if part is None:
             copy_flat_into(values, self.params)
@@ -561,7 +575,7 @@ class OuterAlgorithm(Algorithm):
         """At the end of training: apply the exchange still in flight, so the final weights include it."""
         return None if self._overlapped is None else self._overlapped.finish()
 
-    def _replica_round(self, round_index: int) -> _RoundResult:
+    def replica_round(self, round_index: int) -> _RoundResult:
         """What a process of a worker that is not its leader has of an overlapped round: no exchange, no means (the
         leader's φ arrives by broadcast)."""
         return _RoundResult(OuterRoundInfo(round_index, [], fragment=self._split_of(round_index)[1]), None)
@@ -586,8 +600,8 @@ class OuterAlgorithm(Algorithm):
             return self._outer_step(round_index)
         info = self._outer_step(round_index) if self.replicas.leader else OuterRoundInfo(round_index, [])
         self.replicas.broadcast(self.slow)
-        part = self._part_of(round_index)
-        self._write_fast(self.slow if part is None else self.slow[part], part)
+        part = self.part_of(round_index)
+        self.write_fast(self.slow if part is None else self.slow[part], part)
         return info
 
     # --- outer.offload ---------------------------------------------------------------------------------------
@@ -620,16 +634,16 @@ class OuterAlgorithm(Algorithm):
             torch.cuda.current_stream(self.params[0].device).synchronize()
 
     def _outer_step(self, round_index: int) -> OuterRoundInfo:
-        part = self._part_of(round_index)
-        result = self._exchange_round(round_index, self._read_fast(part))
+        part = self.part_of(round_index)
+        result = self.exchange_round(round_index, self.read_fast(part))
         if result.guarded:
             self.inner_opt.state.clear()  # moments may hold NaN/Inf too
         if result.means is not None:
             self.rule.step(self.slow, *result.means, part)
-            self._write_fast(self.slow if part is None else self.slow[part], part)
+            self.write_fast(self.slow if part is None else self.slow[part], part)
         return result.info
 
-    def _exchange_round(self, round_index: int, fast: torch.Tensor, slow: torch.Tensor | None = None) -> _RoundResult:
+    def exchange_round(self, round_index: int, fast: torch.Tensor, slow: torch.Tensor | None = None) -> _RoundResult:
         """Form the round's group and reduce ``fast`` (this worker's fast weights of the round's fragment, flat
         fp32) over it, measured against ``slow`` (its slow weights of that fragment; None: φ as it is now).
 

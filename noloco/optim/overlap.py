@@ -189,7 +189,7 @@ class OverlappedRounds:
     share is applied at the exchange it arrives at, so none is held between rounds). The provisional rule
     checkpoints nothing more than the delayed one: its provisional step is kept in memory until the merge, and
     recomputed there after a resume. Runs the exchange on a thread of its own (on CUDA, on a side stream),
-    through ``algo._exchange_round``; everything else (the rule, φ, θ, the AdamW state) is touched on the
+    through ``algo.exchange_round``; everything else (the rule, φ, θ, the AdamW state) is touched on the
     caller's thread only, where an exchange is sent or applied.
     """
 
@@ -257,8 +257,8 @@ class OverlappedRounds:
         """Start round ``round_index``'s exchange of θ (of its fragment) in the background; returns it and whether
         θ was non-finite (then φ is contributed: a zero pseudo-gradient, as a blocking round does)."""
         algo = self.algo
-        part = algo._part_of(round_index)
-        snapshot = algo._read_fast(part)  # a new tensor: training goes on in the parameters
+        part = algo.part_of(round_index)
+        snapshot = algo.read_fast(part)  # a new tensor: training goes on in the parameters
         slow = self._slow(part)
         guarded = not all_finite(snapshot)
         pending = InFlight(round_index, slow.clone() if guarded else snapshot, part=part, rule=self.rule)
@@ -275,25 +275,25 @@ class OverlappedRounds:
             pending.future = self._exchanger.submit(self._exchange_after, caller, round_index, snapshot, against,
                                                     time.perf_counter())  # fmt: skip
         else:
-            pending.result = algo._replica_round(round_index)
+            pending.result = algo.replica_round(round_index)
         self.in_flight = pending
         return pending, guarded
 
     def _exchange_after(self, caller, round_index: int, snapshot: torch.Tensor, slow: torch.Tensor | None,
                         sent: float):  # fmt: skip
-        """``algo._exchange_round`` in the exchange thread, against the slow weights ``slow`` (None: φ); on CUDA
+        """``algo.exchange_round`` in the exchange thread, against the slow weights ``slow`` (None: φ); on CUDA
         on a side stream that first waits for the training stream's work up to the snapshot (``caller``), its
         results complete when this returns. Its info's ``exchange_ms`` is the time from ``sent`` (the send's
         ``perf_counter``) until then."""
         if caller is None:
-            result = self.algo._exchange_round(round_index, snapshot, slow)
+            result = self.algo.exchange_round(round_index, snapshot, slow)
         else:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(caller.device)
             side = self._side_stream
             side.wait_stream(caller)
             with torch.cuda.device(caller.device), torch.cuda.stream(side):
-                result = self.algo._exchange_round(round_index, snapshot, slow)
+                result = self.algo.exchange_round(round_index, snapshot, slow)
             side.synchronize()
         result.info.exchange_ms = round(1e3 * (time.perf_counter() - sent), 3)
         return result
@@ -345,7 +345,7 @@ class OverlappedRounds:
             algo.inner_opt.state.clear()  # moments may hold NaN/Inf too
         if applied:
             slow = self._slow(part)
-            algo._write_fast(slow if guarded else slow + (algo._read_fast(part) - pending.snapshot), part)
+            algo.write_fast(slow if guarded else slow + (algo.read_fast(part) - pending.snapshot), part)
         return result.info
 
     # --- the provisional rule --------------------------------------------------------------------------------
@@ -362,7 +362,7 @@ class OverlappedRounds:
         _, guarded = self._relay(part, False, guarded, (start,))
         if guarded:  # θ was non-finite: φ was contributed (a zero pseudo-gradient); the moments may hold NaN/Inf too
             algo.inner_opt.state.clear()
-        algo._write_fast(start, part)
+        algo.write_fast(start, part)
 
     def _merge_provisional(self):
         """Apply the exchange in flight, if any: φ ← rule(φ, means), and θ ← θ + (φ − start), start being the
@@ -386,7 +386,7 @@ class OverlappedRounds:
         else:
             correction = torch.empty_like(slow)
         self._relay(part, applied, False, (correction,))
-        algo._write_fast(algo._read_fast(part) + correction, part)
+        algo.write_fast(algo.read_fast(part) + correction, part)
         return result.info
 
     # --- the eager rule --------------------------------------------------------------------------------------
@@ -430,7 +430,7 @@ class OverlappedRounds:
         _, guarded = self._relay(part, True, guarded)
         if guarded:  # θ was non-finite: φ was contributed; the moments may hold NaN/Inf too
             algo.inner_opt.state.clear()
-        algo._write_fast(self._slow(part), part)
+        algo.write_fast(self._slow(part), part)
 
     def _apply_partners(self) -> None:
         """After the last round: each fragment's partners' share still held is applied as an outer step that adds
@@ -438,14 +438,14 @@ class OverlappedRounds:
         algo = self.algo
         for part in self._parts():
             shares = self.partners.pop(self._fragment(part), None) if self._leads() else None
-            progress = algo._read_fast(part) - self._slow(part)
+            progress = algo.read_fast(part) - self._slow(part)
             if shares is not None:
                 own = self._slow(part).clone()
                 delta, slow = eager_means(1.0 / self._group_size(), None, own, shares, algo.rule.needs_slow_mean)
                 algo.rule.step(algo.slow, delta, slow, part)
             applied, _ = self._relay(part, shares is not None, False)
             if applied:
-                algo._write_fast(self._slow(part) + progress, part)
+                algo.write_fast(self._slow(part) + progress, part)
 
     # --- checkpoint ------------------------------------------------------------------------------------------
     def partners_state(self) -> list[dict] | None:

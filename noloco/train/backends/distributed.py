@@ -242,7 +242,7 @@ class DistributedBackend(WorldBackend):
         if self.replicas is None:
             return model
         if isinstance(algo, OuterAlgorithm):
-            algo.replicas = self.replicas
+            algo.set_replicas(self.replicas)
         return self.replicas.wrap(model)  # DDP over the worker's processes, quantized gradient hook
 
     def barrier(self, step: int) -> bool:
