@@ -58,7 +58,16 @@ from noloco.optim.base import OuterRule, all_finite
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.fragments import split_fragments
 from noloco.optim.noloco import NoLoCoRule
-from noloco.optim.overlap import InFlight, OverlappedRounds, check_overlap_steps, in_flight_state, overlap_rule
+from noloco.optim.overlap import (
+    InFlight,
+    OverlappedRounds,
+    check_in_flight_state,
+    check_overlap_steps,
+    check_partners_state,
+    in_flight_state,
+    overlap_rule,
+)
+from noloco.state import StateError, check_keys, check_tensor, is_count
 
 logger = logging.getLogger(__name__)
 
@@ -366,6 +375,21 @@ class Algorithm:
 
     def state_dict(self) -> dict:
         return {"inner_step": self.inner_step, "feedback": _ef_state(self.feedback)}
+
+    @classmethod
+    def check_state(cls, state, numel: int, where: str = "algorithm") -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` is this algorithm's :meth:`state_dict` for a model of
+        ``numel`` trained parameters: the inner step and the error feedback's residuals."""
+        check_keys(state, where, {"inner_step", "feedback"})
+        cls._check_common(state, numel, where)
+
+    @staticmethod
+    def _check_common(state: dict, numel: int, where: str) -> None:
+        if not is_count(state["inner_step"]):
+            raise StateError(f"{where}/inner_step: {state['inner_step']!r}, not a step count")
+        for key in ("feedback", "slow_feedback"):
+            if state.get(key) is not None:
+                ReductionErrorFeedback.check_state(state[key], numel, f"{where}/{key}")
 
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])
@@ -816,6 +840,27 @@ class OuterAlgorithm(Algorithm):
         if partners is not None:  # the eager overlap's partners' shares not applied yet (several fragments)
             state["partners"] = partners
         return state
+
+    @classmethod
+    def check_state(cls, state, numel: int, where: str = "algorithm", rebuilt: tuple[str, ...] = ()) -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` is an outer algorithm's :meth:`state_dict` for
+        ``numel`` trained parameters: φ, φ₀, the rule's momentum, the residuals (each fragment's side by side),
+        the counts, and an overlapped round's exchange and partners' shares. ``rebuilt``: entries (``slow``,
+        ``reference``) the caller stores otherwise and checks itself."""
+        check_keys(state, where, {"inner_step", "slow", "rule", "reference", "feedback"},
+                   {"slow_feedback", "nonfinite_events", "norm_rejections", "in_flight", "partners"})  # fmt: skip
+        cls._check_common(state, numel, where)
+        for key in ("slow", "reference"):
+            if key not in rebuilt:
+                check_tensor(state[key], f"{where}/{key}", (numel,))
+        OuterRule.check_state(state["rule"], numel, f"{where}/rule")
+        if not is_count(state.get("nonfinite_events", 0)):
+            raise StateError(f"{where}/nonfinite_events: not a count")
+        NormRejections.check_state(state.get("norm_rejections", {}), f"{where}/norm_rejections")
+        if state.get("in_flight") is not None:  # an overlapped round's exchange, finished before the save
+            check_in_flight_state(state["in_flight"], numel, f"{where}/in_flight")
+        if state.get("partners") is not None:  # the eager overlap's partners' shares not applied yet
+            check_partners_state(state["partners"], numel, f"{where}/partners")
 
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from noloco.optim.base import all_finite
+from noloco.state import StateError, check_keys, check_tensor, is_int
 
 #: the rules ``overlap=`` (``outer.overlap``) names; ``True`` means :data:`DEFAULT_RULE`
 OVERLAP_RULES = ("provisional", "eager", "delayed")
@@ -119,6 +120,53 @@ def in_flight_state(pending: InFlight | None) -> dict | None:
     if pending.slow is not None:  # the eager rule's: what the contribution was measured against, and its share
         state["slow"], state["share"] = pending.slow.clone(), float(pending.share)
     return state
+
+
+def _slice_size(part, numel: int, where: str) -> tuple[int]:
+    """The size of a stored slice ``[start, stop)`` of φ (a fragment's exchange, outer.fragments)."""
+    if not (isinstance(part, list) and len(part) == 2 and all(is_int(b) for b in part)
+            and 0 <= part[0] < part[1] <= numel):  # fmt: skip
+        raise StateError(f"{where}: not a slice of the {numel} parameters")
+    return (part[1] - part[0],)
+
+
+def check_in_flight_state(pending, numel: int, where: str = "in_flight") -> None:
+    """:class:`~noloco.state.StateError` unless ``pending`` is an :func:`in_flight_state` entry for ``numel``
+    parameters: its round, the info logged, the tensors of its slice, the eager rule's share."""
+    check_keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"},
+               {"part", "slow", "share", "rule"})  # fmt: skip
+    if not isinstance(pending.get("rule", "delayed"), str):
+        raise StateError(f"{where}/rule: not the name of an overlap rule")
+    size = _slice_size(pending["part"], numel, f"{where}/part") if "part" in pending else (numel,)
+    check_tensor(pending["snapshot"], f"{where}/snapshot", size)
+    for key in ("mean_delta", "mean_slow", "slow"):  # slow and share: the eager rule's
+        if pending.get(key) is not None:
+            check_tensor(pending[key], f"{where}/{key}", size)
+    share = pending.get("share")
+    if (share is None) != (pending.get("slow") is None) or not (
+        share is None or (isinstance(share, float) and 0 < share <= 1)
+    ):
+        raise StateError(f"{where}/share: not a share of a group mean (with the slow weights sent)")
+    info = pending["info"]
+    check_keys(info, f"{where}/info", {"round", "group", "skipped", "rejected"})
+    if not (is_int(pending["round"]) and is_int(info["round"]) and isinstance(info["group"], list)
+            and all(is_int(g) for g in info["group"]) and is_int(info["rejected"])
+            and (info["skipped"] is None or isinstance(info["skipped"], str))
+            and isinstance(pending["guarded"], bool)):  # fmt: skip
+        raise StateError(f"{where}: not an outer round's exchange")
+
+
+def check_partners_state(partners, numel: int, where: str = "partners") -> None:
+    """:class:`~noloco.state.StateError` unless ``partners`` is :meth:`OverlappedRounds.partners_state`'s list."""
+    if not isinstance(partners, list):
+        raise StateError(f"{where}: not a list")
+    for index, entry in enumerate(partners):
+        here = f"{where}/{index}"
+        check_keys(entry, here, {"part", "delta", "slow"})
+        size = _slice_size(entry["part"], numel, f"{here}/part")
+        check_tensor(entry["delta"], f"{here}/delta", size)
+        if entry["slow"] is not None:
+            check_tensor(entry["slow"], f"{here}/slow", size)
 
 
 # --- the eager rule's math (pure) ----------------------------------------------------------------------------
