@@ -1,6 +1,6 @@
 """Fuzz of what resume reads from a worker's checkpoint JSON (issue #32): mutated bytes, and every plain value
-forged to an arbitrary JSON value, each checked by ``checkpoint.load_worker`` and the run's
-the state owners of :class:`~noloco.train.state.WorkerState` (with the optimizer and LR schedule the run builds) exactly as
+forged to an arbitrary JSON value, each checked by ``checkpoint.load_worker`` and the run's state owners
+(:class:`~noloco.train.state.WorkerState`, with the optimizer and LR schedule the run builds) exactly as
 ``train.py resume=`` checks it: a state is accepted only with every value within its bounds (a forged eval
 loss of 2, a flag set to a value it may hold), anything else is one :class:`CheckpointError`, never another
 exception.
