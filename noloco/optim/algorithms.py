@@ -56,7 +56,7 @@ from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
 from noloco.optim.base import OuterRule, all_finite
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
-from noloco.optim.fragments import split_fragments
+from noloco.optim.fragments import Fragment, split_fragments
 from noloco.optim.noloco import NoLoCoRule
 from noloco.optim.overlap import (
     InFlight,
@@ -202,43 +202,6 @@ def _ef_state(feedback: ReductionErrorFeedback | None) -> dict | None:
 def _ef_load(feedback: ReductionErrorFeedback | None, state: dict | None) -> None:
     if feedback is not None and state is not None:
         feedback.load_state_dict(state)
-
-
-def _fragments_ef_state(feedbacks: list[ReductionErrorFeedback | None], parts: list[slice]) -> dict | None:
-    """One error-feedback state for the whole flat vector: the fragments' residuals side by side.
-
-    Residuals are indexed by position (noloco.collectives.residuals), so fragment j's are the positions
-    ``parts[j]`` of one full-length state; a fragment not exchanged yet holds zeros there, which is what
-    its first reduction starts from anyway. One fragment: that fragment's own state, unchanged.
-    """
-    if len(feedbacks) == 1 or feedbacks[0] is None:
-        return _ef_state(feedbacks[0])
-    states = [feedback.state_dict() for feedback in feedbacks]
-    present = [state["contribution"] for state in states if state["contribution"] is not None]
-    if not present:
-        return states[0]
-
-    def joined(key: str) -> torch.Tensor:
-        return torch.cat([state[key] if state[key] is not None else
-                          torch.zeros(part.stop - part.start, dtype=torch.float32, device=present[0].device)
-                          for state, part in zip(states, parts)])  # fmt: skip
-
-    return {"version": 1, "contribution": joined("contribution"), "result": joined("result")}
-
-
-def _fragments_ef_load(feedbacks: list[ReductionErrorFeedback | None], parts: list[slice], state: dict | None) -> None:
-    """Load :func:`_fragments_ef_state`'s full-length state into each fragment's error feedback."""
-    if len(feedbacks) == 1 or feedbacks[0] is None or state is None:
-        _ef_load(feedbacks[0], state)
-        return
-    contribution, result = state.get("contribution"), state.get("result")
-    total = parts[-1].stop
-    for residual in (contribution, result):
-        if residual is not None and residual.numel() != total:
-            raise ValueError(f"error-feedback state tracks {residual.numel()} values, the parameters are {total}")
-    for feedback, part in zip(feedbacks, parts):
-        pieces = [None if t is None else t.reshape(-1)[part] for t in (contribution, result)]
-        feedback.load_state_dict({"version": state.get("version"), "contribution": pieces[0], "result": pieces[1]})
 
 
 @torch.no_grad()
@@ -515,10 +478,11 @@ class OuterAlgorithm(Algorithm):
         # error feedback (one fragment: the whole vector, today's feedback objects, part None everywhere)
         self.fragments = split_fragments([tuple(p.shape) for p in self.params], fragments)
         self.period = self.every // fragments  # inner steps between two exchanges
-        self._feedbacks = [(self.feedback, self.slow_feedback)]
+        self.fragment_states = [Fragment(self.fragments[0], self.feedback, self.slow_feedback)]
         if fragments > 1:
             fresh = lambda feedback: None if feedback is None else self._new_feedback()  # noqa: E731
-            self._feedbacks = [(fresh(self.feedback), fresh(self.slow_feedback)) for _ in self.fragments]
+            self.fragment_states = [Fragment(part, fresh(self.feedback), fresh(self.slow_feedback))
+                                    for part in self.fragments]  # fmt: skip
         if max_norm_ratio is not None:
             NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
@@ -634,8 +598,8 @@ class OuterAlgorithm(Algorithm):
         yield self, "slow"
         yield self, "reference"
         yield self.rule, "velocity"
-        for pair in self._feedbacks:
-            for feedback in pair:
+        for fragment in self.fragment_states:
+            for feedback in fragment.feedbacks:
                 if feedback is not None:
                     yield feedback, "contribution"
                     yield feedback, "result"
@@ -735,7 +699,7 @@ class OuterAlgorithm(Algorithm):
         slow weights there (None: φ's). Each fragment reduces with its own error-feedback state.
         """
         tag = f"outer/r{group.round}"
-        feedback, slow_feedback = self._feedbacks[0 if part is None else self.fragments.index(part)]
+        feedback, slow_feedback = self.fragment_states[0 if part is None else self.fragments.index(part)].feedbacks
         if slow is None:
             slow = self.slow if part is None else self.slow[part]
         reference = self.reference if part is None else self.reference[part]
@@ -832,8 +796,8 @@ class OuterAlgorithm(Algorithm):
             "rule": self.rule.state_dict(),
             "nonfinite_events": self.nonfinite_events,
             "reference": self.reference.clone(),
-            "feedback": _fragments_ef_state([pair[0] for pair in self._feedbacks], self.fragments),
-            "slow_feedback": _fragments_ef_state([pair[1] for pair in self._feedbacks], self.fragments),
+            "feedback": Fragment.joined_state(self.fragment_states, "feedback"),
+            "slow_feedback": Fragment.joined_state(self.fragment_states, "slow_feedback"),
             "norm_rejections": self.norm_rejections.state_dict(),
             "in_flight": None if self._overlapped is None else in_flight_state(self._overlapped.in_flight),
         }
@@ -876,8 +840,8 @@ class OuterAlgorithm(Algorithm):
         self.nonfinite_events = int(state.get("nonfinite_events", 0))
         if "reference" in state:
             self.reference = state["reference"].to(device, torch.float32).clone()
-        _fragments_ef_load([pair[0] for pair in self._feedbacks], self.fragments, state.get("feedback"))
-        _fragments_ef_load([pair[1] for pair in self._feedbacks], self.fragments, state.get("slow_feedback"))
+        Fragment.load_joined(self.fragment_states, "feedback", state.get("feedback"))
+        Fragment.load_joined(self.fragment_states, "slow_feedback", state.get("slow_feedback"))
         if "norm_rejections" in state:
             self.norm_rejections.load_state_dict(state["norm_rejections"])
         if self.offload:
