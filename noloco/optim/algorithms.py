@@ -58,15 +58,7 @@ from noloco.optim.base import OuterRule, all_finite
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.fragments import Fragment, split_fragments
 from noloco.optim.noloco import NoLoCoRule
-from noloco.optim.overlap import (
-    InFlight,
-    OverlappedRounds,
-    check_in_flight_state,
-    check_overlap_steps,
-    check_partners_state,
-    in_flight_state,
-    overlap_rule,
-)
+from noloco.optim.overlap import InFlight, OverlappedRounds, check_overlap_steps, overlap_rule
 from noloco.state import StateError, check_keys, check_tensor, is_count
 
 logger = logging.getLogger(__name__)
@@ -786,10 +778,8 @@ class OuterAlgorithm(Algorithm):
         copy_flat_into(self.slow, self.params)
 
     def state_dict(self) -> dict:
-        partners = None
-        if self._overlapped is not None:  # an exchange in flight is finished first; its result is part of the state
-            self._overlapped.settle()
-            partners = self._overlapped.partners_state()
+        # an exchange in flight is finished first; its result is part of the state
+        overlapped = {"in_flight": None} if self._overlapped is None else self._overlapped.state_dict()
         state = {
             "inner_step": self.inner_step,
             "slow": self.slow.clone(),
@@ -799,10 +789,8 @@ class OuterAlgorithm(Algorithm):
             "feedback": Fragment.joined_state(self.fragment_states, "feedback"),
             "slow_feedback": Fragment.joined_state(self.fragment_states, "slow_feedback"),
             "norm_rejections": self.norm_rejections.state_dict(),
-            "in_flight": None if self._overlapped is None else in_flight_state(self._overlapped.in_flight),
+            **overlapped,
         }
-        if partners is not None:  # the eager overlap's partners' shares not applied yet (several fragments)
-            state["partners"] = partners
         return state
 
     @classmethod
@@ -821,10 +809,7 @@ class OuterAlgorithm(Algorithm):
         if not is_count(state.get("nonfinite_events", 0)):
             raise StateError(f"{where}/nonfinite_events: not a count")
         NormRejections.check_state(state.get("norm_rejections", {}), f"{where}/norm_rejections")
-        if state.get("in_flight") is not None:  # an overlapped round's exchange, finished before the save
-            check_in_flight_state(state["in_flight"], numel, f"{where}/in_flight")
-        if state.get("partners") is not None:  # the eager overlap's partners' shares not applied yet
-            check_partners_state(state["partners"], numel, f"{where}/partners")
+        OverlappedRounds.check_state(state, numel, where)
 
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])

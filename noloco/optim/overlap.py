@@ -496,6 +496,25 @@ class OverlappedRounds:
                 algo.write_fast(self._slow(part) + progress, part)
 
     # --- checkpoint ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What overlap adds to the algorithm's state: ``in_flight`` (the exchange in flight, waited for first:
+        :meth:`settle`; None if none) and, while the eager rule holds any, ``partners`` (their shares)."""
+        self.settle()
+        state = {"in_flight": in_flight_state(self.in_flight)}
+        partners = self.partners_state()
+        if partners is not None:  # the eager overlap's partners' shares not applied yet (several fragments)
+            state["partners"] = partners
+        return state
+
+    @staticmethod
+    def check_state(state: dict, numel: int, where: str = "algorithm") -> None:
+        """:class:`~noloco.state.StateError` unless the ``in_flight`` and ``partners`` entries of ``state`` (an
+        algorithm's state; absent or None: none) are :meth:`state_dict`'s for ``numel`` parameters."""
+        if state.get("in_flight") is not None:  # an overlapped round's exchange, finished before the save
+            check_in_flight_state(state["in_flight"], numel, f"{where}/in_flight")
+        if state.get("partners") is not None:  # the eager overlap's partners' shares not applied yet
+            check_partners_state(state["partners"], numel, f"{where}/partners")
+
     def partners_state(self) -> list[dict] | None:
         """The partners' shares held (eager, several fragments), each with its slice of φ; None when none."""
         if not self.partners:
