@@ -50,6 +50,7 @@ import torch
 
 from noloco.collectives.codec import Codec, PayloadMismatch
 from noloco.comm.base import CommError, CommTimeout, DeviceMessage, Transport
+from noloco.state import StateError, is_count
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,16 @@ class NormRejections:
     def state_dict(self) -> dict:
         return {"contributions": self.contributions, "results": self.results,
                 "by_rank": {str(k): v for k, v in self.by_rank.items()}}  # fmt: skip
+
+    @staticmethod
+    def check_state(state, where: str = "norm_rejections") -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` holds counts (and counts by rank, at most 2^16)."""
+        by_rank = state.get("by_rank", {}) if isinstance(state, dict) else None
+        if not (isinstance(state, dict) and set(state) <= {"contributions", "results", "by_rank"}
+                and all(is_count(v) for k, v in state.items() if k != "by_rank")
+                and isinstance(by_rank, dict) and len(by_rank) <= 2**16
+                and all(isinstance(k, str) and k.isdigit() and is_count(v) for k, v in by_rank.items())):  # fmt: skip
+            raise StateError(f"{where}: not a mapping of counts (and of counts by rank)")
 
     def load_state_dict(self, state: dict) -> None:
         self.contributions, self.results = int(state.get("contributions", 0)), int(state.get("results", 0))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from noloco.quant.feedback import check_decay
+from noloco.state import StateError, check_keys, check_tensor, is_int
 
 
 class ReductionErrorFeedback:
@@ -93,6 +94,18 @@ class ReductionErrorFeedback:
             "contribution": None if self.contribution is None else self.contribution.clone(),
             "result": None if self.result is None else self.result.clone(),
         }
+
+    @staticmethod
+    def check_state(state, numel: int, where: str = "feedback") -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` is an error-feedback state of a vector of ``numel``
+        values (fp32 residuals, both or neither)."""
+        check_keys(state, where, {"version", "contribution", "result"})
+        if not is_int(state["version"]) or state["version"] != 1 or \
+                (state["contribution"] is None) != (state["result"] is None):  # fmt: skip
+            raise StateError(f"{where}: not an error-feedback state")
+        for part in ("contribution", "result"):
+            if state[part] is not None:
+                check_tensor(state[part], f"{where}/{part}", (numel,))
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != 1:

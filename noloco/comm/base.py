@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from noloco.state import StateError, is_count
+
 
 class CommError(RuntimeError):
     """A peer-to-peer transfer failed (peer gone, fabric aborted, malformed address)."""
@@ -60,6 +62,12 @@ class ByteCounter:
 
     def state_dict(self) -> dict[str, int]:
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+    @staticmethod
+    def check_state(state, where: str = "counter") -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` maps names to byte or message counts."""
+        if not isinstance(state, dict) or not all(isinstance(k, str) and is_count(v) for k, v in state.items()):
+            raise StateError(f"{where}: not a mapping of byte counts")
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for key, value in state.items():

@@ -56,9 +56,10 @@ from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
 from noloco.optim.base import OuterRule, all_finite
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
-from noloco.optim.fragments import split_fragments
+from noloco.optim.fragments import Fragment, split_fragments
 from noloco.optim.noloco import NoLoCoRule
-from noloco.optim.overlap import InFlight, OverlappedRounds, check_overlap_steps, in_flight_state, overlap_rule
+from noloco.optim.overlap import InFlight, OverlappedRounds, check_overlap_steps, overlap_rule
+from noloco.state import StateError, check_keys, check_tensor, is_count
 
 logger = logging.getLogger(__name__)
 
@@ -193,43 +194,6 @@ def _ef_state(feedback: ReductionErrorFeedback | None) -> dict | None:
 def _ef_load(feedback: ReductionErrorFeedback | None, state: dict | None) -> None:
     if feedback is not None and state is not None:
         feedback.load_state_dict(state)
-
-
-def _fragments_ef_state(feedbacks: list[ReductionErrorFeedback | None], parts: list[slice]) -> dict | None:
-    """One error-feedback state for the whole flat vector: the fragments' residuals side by side.
-
-    Residuals are indexed by position (noloco.collectives.residuals), so fragment j's are the positions
-    ``parts[j]`` of one full-length state; a fragment not exchanged yet holds zeros there, which is what
-    its first reduction starts from anyway. One fragment: that fragment's own state, unchanged.
-    """
-    if len(feedbacks) == 1 or feedbacks[0] is None:
-        return _ef_state(feedbacks[0])
-    states = [feedback.state_dict() for feedback in feedbacks]
-    present = [state["contribution"] for state in states if state["contribution"] is not None]
-    if not present:
-        return states[0]
-
-    def joined(key: str) -> torch.Tensor:
-        return torch.cat([state[key] if state[key] is not None else
-                          torch.zeros(part.stop - part.start, dtype=torch.float32, device=present[0].device)
-                          for state, part in zip(states, parts)])  # fmt: skip
-
-    return {"version": 1, "contribution": joined("contribution"), "result": joined("result")}
-
-
-def _fragments_ef_load(feedbacks: list[ReductionErrorFeedback | None], parts: list[slice], state: dict | None) -> None:
-    """Load :func:`_fragments_ef_state`'s full-length state into each fragment's error feedback."""
-    if len(feedbacks) == 1 or feedbacks[0] is None or state is None:
-        _ef_load(feedbacks[0], state)
-        return
-    contribution, result = state.get("contribution"), state.get("result")
-    total = parts[-1].stop
-    for residual in (contribution, result):
-        if residual is not None and residual.numel() != total:
-            raise ValueError(f"error-feedback state tracks {residual.numel()} values, the parameters are {total}")
-    for feedback, part in zip(feedbacks, parts):
-        pieces = [None if t is None else t.reshape(-1)[part] for t in (contribution, result)]
-        feedback.load_state_dict({"version": state.get("version"), "contribution": pieces[0], "result": pieces[1]})
 
 
 @torch.no_grad()
@@ -367,6 +331,21 @@ class Algorithm:
     def state_dict(self) -> dict:
         return {"inner_step": self.inner_step, "feedback": _ef_state(self.feedback)}
 
+    @classmethod
+    def check_state(cls, state, numel: int, where: str = "algorithm") -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` is this algorithm's :meth:`state_dict` for a model of
+        ``numel`` trained parameters: the inner step and the error feedback's residuals."""
+        check_keys(state, where, {"inner_step", "feedback"})
+        cls._check_common(state, numel, where)
+
+    @staticmethod
+    def _check_common(state: dict, numel: int, where: str) -> None:
+        if not is_count(state["inner_step"]):
+            raise StateError(f"{where}/inner_step: {state['inner_step']!r}, not a step count")
+        for key in ("feedback", "slow_feedback"):
+            if state.get(key) is not None:
+                ReductionErrorFeedback.check_state(state[key], numel, f"{where}/{key}")
+
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])
         _ef_load(self.feedback, state.get("feedback"))
@@ -477,7 +456,7 @@ class OuterAlgorithm(Algorithm):
             raise ValueError(f"outer.fragments={fragments!r} must be an integer >= 1 that divides outer.every={every}")
         self.rule, self.every, self.groups = rule, int(every), groups
         self.skip_failed_rounds = bool(skip_failed_rounds)
-        self.replicas = None  # set for a worker of several processes (see noloco.train.backends.distributed)
+        self._replicas = None  # a worker of several processes: its relay (set_replicas)
         self.slow = parameters_to_vector(self.params).detach().float().clone()
         # The slow-weight term travels as φ − reference; every worker starts from the same weights.
         self.slow_codec: Codec = self.codec if slow_codec is None else get_codec(slow_codec)
@@ -491,10 +470,11 @@ class OuterAlgorithm(Algorithm):
         # error feedback (one fragment: the whole vector, today's feedback objects, part None everywhere)
         self.fragments = split_fragments([tuple(p.shape) for p in self.params], fragments)
         self.period = self.every // fragments  # inner steps between two exchanges
-        self._feedbacks = [(self.feedback, self.slow_feedback)]
+        self.fragment_states = [Fragment(self.fragments[0], self.feedback, self.slow_feedback)]
         if fragments > 1:
             fresh = lambda feedback: None if feedback is None else self._new_feedback()  # noqa: E731
-            self._feedbacks = [(fresh(self.feedback), fresh(self.slow_feedback)) for _ in self.fragments]
+            self.fragment_states = [Fragment(part, fresh(self.feedback), fresh(self.slow_feedback))
+                                    for part in self.fragments]  # fmt: skip
         if max_norm_ratio is not None:
             NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
@@ -519,6 +499,20 @@ class OuterAlgorithm(Algorithm):
     def counter(self) -> ByteCounter:
         return self.groups.counter
 
+    @property
+    def replicas(self):
+        """The relay among the processes of this worker (None: a worker of one process); see :meth:`set_replicas`."""
+        return self._replicas
+
+    def set_replicas(self, replicas) -> None:
+        """Make this algorithm one process of a worker of several processes (``inner.processes``). ``replicas``
+        has ``leader`` (whether this process exchanges) and ``broadcast(tensor)`` (the leader's values into every
+        process's ``tensor``, in place); only the leader exchanges, and φ (and whatever an overlap rule applies)
+        reaches the others by broadcast, so they stay bit-identical. Call it before the first step."""
+        if self.inner_step:
+            raise ValueError("set_replicas: the algorithm has already stepped")
+        self._replicas = replicas
+
     def _after_inner_step(self) -> OuterRoundInfo | None:
         phase = self.inner_step % self.period
         if self._overlapped is not None and phase == self.overlap_steps:  # (never when it is a whole round)
@@ -534,22 +528,22 @@ class OuterAlgorithm(Algorithm):
         """The fragment round ``round_index`` exchanges: the one whose steps ≡ j·every/k (mod every) it ends."""
         return (round_index + 1) % len(self.fragments)
 
-    def _part_of(self, round_index: int) -> slice | None:
+    def part_of(self, round_index: int) -> slice | None:
         """The slice of the flat vector round ``round_index`` exchanges; None: all of it (one fragment)."""
         return None if len(self.fragments) == 1 else self.fragments[self.fragment_of(round_index)]
 
     def _split_of(self, round_index: int) -> tuple[slice | None, int | None]:
         """The slice and the fragment index of round ``round_index`` (None, None: one fragment)."""
-        part = self._part_of(round_index)
+        part = self.part_of(round_index)
         return part, None if part is None else self.fragment_of(round_index)
 
-    def _read_fast(self, part: slice | None) -> torch.Tensor:
+    def read_fast(self, part: slice | None) -> torch.Tensor:
         """This worker's fast weights θ (of ``part``), flat fp32, a new tensor."""
         if part is None:
             return parameters_to_vector(self.params).detach().float()
         return _read_part(self.params, part)
 
-    def _write_fast(self, values: torch.Tensor, part: slice | None) -> None:
+    def write_fast(self, values: torch.Tensor, part: slice | None) -> None:
         """θ ← ``values`` (on ``part`` only; the other fragments' fast weights train on untouched)."""
         if part is None:
             copy_flat_into(values, self.params)
@@ -561,7 +555,7 @@ class OuterAlgorithm(Algorithm):
         """At the end of training: apply the exchange still in flight, so the final weights include it."""
         return None if self._overlapped is None else self._overlapped.finish()
 
-    def _replica_round(self, round_index: int) -> _RoundResult:
+    def replica_round(self, round_index: int) -> _RoundResult:
         """What a process of a worker that is not its leader has of an overlapped round: no exchange, no means (the
         leader's φ arrives by broadcast)."""
         return _RoundResult(OuterRoundInfo(round_index, [], fragment=self._split_of(round_index)[1]), None)
@@ -586,8 +580,8 @@ class OuterAlgorithm(Algorithm):
             return self._outer_step(round_index)
         info = self._outer_step(round_index) if self.replicas.leader else OuterRoundInfo(round_index, [])
         self.replicas.broadcast(self.slow)
-        part = self._part_of(round_index)
-        self._write_fast(self.slow if part is None else self.slow[part], part)
+        part = self.part_of(round_index)
+        self.write_fast(self.slow if part is None else self.slow[part], part)
         return info
 
     # --- outer.offload ---------------------------------------------------------------------------------------
@@ -596,8 +590,8 @@ class OuterAlgorithm(Algorithm):
         yield self, "slow"
         yield self, "reference"
         yield self.rule, "velocity"
-        for pair in self._feedbacks:
-            for feedback in pair:
+        for fragment in self.fragment_states:
+            for feedback in fragment.feedbacks:
                 if feedback is not None:
                     yield feedback, "contribution"
                     yield feedback, "result"
@@ -620,16 +614,16 @@ class OuterAlgorithm(Algorithm):
             torch.cuda.current_stream(self.params[0].device).synchronize()
 
     def _outer_step(self, round_index: int) -> OuterRoundInfo:
-        part = self._part_of(round_index)
-        result = self._exchange_round(round_index, self._read_fast(part))
+        part = self.part_of(round_index)
+        result = self.exchange_round(round_index, self.read_fast(part))
         if result.guarded:
             self.inner_opt.state.clear()  # moments may hold NaN/Inf too
         if result.means is not None:
             self.rule.step(self.slow, *result.means, part)
-            self._write_fast(self.slow if part is None else self.slow[part], part)
+            self.write_fast(self.slow if part is None else self.slow[part], part)
         return result.info
 
-    def _exchange_round(self, round_index: int, fast: torch.Tensor, slow: torch.Tensor | None = None) -> _RoundResult:
+    def exchange_round(self, round_index: int, fast: torch.Tensor, slow: torch.Tensor | None = None) -> _RoundResult:
         """Form the round's group and reduce ``fast`` (this worker's fast weights of the round's fragment, flat
         fp32) over it, measured against ``slow`` (its slow weights of that fragment; None: φ as it is now).
 
@@ -697,7 +691,7 @@ class OuterAlgorithm(Algorithm):
         slow weights there (None: φ's). Each fragment reduces with its own error-feedback state.
         """
         tag = f"outer/r{group.round}"
-        feedback, slow_feedback = self._feedbacks[0 if part is None else self.fragments.index(part)]
+        feedback, slow_feedback = self.fragment_states[0 if part is None else self.fragments.index(part)].feedbacks
         if slow is None:
             slow = self.slow if part is None else self.slow[part]
         reference = self.reference if part is None else self.reference[part]
@@ -784,24 +778,38 @@ class OuterAlgorithm(Algorithm):
         copy_flat_into(self.slow, self.params)
 
     def state_dict(self) -> dict:
-        partners = None
-        if self._overlapped is not None:  # an exchange in flight is finished first; its result is part of the state
-            self._overlapped.settle()
-            partners = self._overlapped.partners_state()
+        # an exchange in flight is finished first; its result is part of the state
+        overlapped = {"in_flight": None} if self._overlapped is None else self._overlapped.state_dict()
         state = {
             "inner_step": self.inner_step,
             "slow": self.slow.clone(),
             "rule": self.rule.state_dict(),
             "nonfinite_events": self.nonfinite_events,
             "reference": self.reference.clone(),
-            "feedback": _fragments_ef_state([pair[0] for pair in self._feedbacks], self.fragments),
-            "slow_feedback": _fragments_ef_state([pair[1] for pair in self._feedbacks], self.fragments),
+            "feedback": Fragment.joined_state(self.fragment_states, "feedback"),
+            "slow_feedback": Fragment.joined_state(self.fragment_states, "slow_feedback"),
             "norm_rejections": self.norm_rejections.state_dict(),
-            "in_flight": None if self._overlapped is None else in_flight_state(self._overlapped.in_flight),
+            **overlapped,
         }
-        if partners is not None:  # the eager overlap's partners' shares not applied yet (several fragments)
-            state["partners"] = partners
         return state
+
+    @classmethod
+    def check_state(cls, state, numel: int, where: str = "algorithm", rebuilt: tuple[str, ...] = ()) -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` is an outer algorithm's :meth:`state_dict` for
+        ``numel`` trained parameters: φ, φ₀, the rule's momentum, the residuals (each fragment's side by side),
+        the counts, and an overlapped round's exchange and partners' shares. ``rebuilt``: entries (``slow``,
+        ``reference``) the caller stores otherwise and checks itself."""
+        check_keys(state, where, {"inner_step", "slow", "rule", "reference", "feedback"},
+                   {"slow_feedback", "nonfinite_events", "norm_rejections", "in_flight", "partners"})  # fmt: skip
+        cls._check_common(state, numel, where)
+        for key in ("slow", "reference"):
+            if key not in rebuilt:
+                check_tensor(state[key], f"{where}/{key}", (numel,))
+        OuterRule.check_state(state["rule"], numel, f"{where}/rule")
+        if not is_count(state.get("nonfinite_events", 0)):
+            raise StateError(f"{where}/nonfinite_events: not a count")
+        NormRejections.check_state(state.get("norm_rejections", {}), f"{where}/norm_rejections")
+        OverlappedRounds.check_state(state, numel, where)
 
     def load_state_dict(self, state: dict) -> None:
         self.inner_step = int(state["inner_step"])
@@ -817,8 +825,8 @@ class OuterAlgorithm(Algorithm):
         self.nonfinite_events = int(state.get("nonfinite_events", 0))
         if "reference" in state:
             self.reference = state["reference"].to(device, torch.float32).clone()
-        _fragments_ef_load([pair[0] for pair in self._feedbacks], self.fragments, state.get("feedback"))
-        _fragments_ef_load([pair[1] for pair in self._feedbacks], self.fragments, state.get("slow_feedback"))
+        Fragment.load_joined(self.fragment_states, "feedback", state.get("feedback"))
+        Fragment.load_joined(self.fragment_states, "slow_feedback", state.get("slow_feedback"))
         if "norm_rejections" in state:
             self.norm_rejections.load_state_dict(state["norm_rejections"])
         if self.offload:

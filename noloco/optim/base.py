@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from noloco.state import check_keys, check_tensor
+
 
 class OuterRule(ABC):
     """One outer update ``φ ← f(φ, mean_Δ, mean_φ)`` with its own state.
@@ -42,6 +44,14 @@ class OuterRule(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
+
+    @staticmethod
+    def check_state(state, numel: int, where: str = "rule") -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` is a rule's state for ``numel`` slow weights: at
+        most a momentum ``velocity`` (None before the first step), flat fp32."""
+        check_keys(state, where, set(), {"velocity"})
+        if state.get("velocity") is not None:
+            check_tensor(state["velocity"], f"{where}/velocity", (numel,))
 
 
 def _lazy_buffer(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

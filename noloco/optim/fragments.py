@@ -1,4 +1,5 @@
-"""Streamed fragments of the outer exchange: which slice of the flat parameter vector each fragment is.
+"""Streamed fragments of the outer exchange: which slice of the flat parameter vector each fragment is, and the
+fragment as an object that owns its error feedback (:class:`Fragment`).
 
 Implements the fragment split of Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping
 communication", arXiv 2501.18512): the parameters are cut into ``k`` contiguous fragments, and fragment
@@ -16,6 +17,10 @@ never fails to balance unless single rows are large against ``N/k``; the split i
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import torch
+
+from noloco.collectives import ReductionErrorFeedback
 
 #: the largest fragment may hold at most this many times the parameters of the smallest
 BALANCE = 1.2
@@ -54,6 +59,80 @@ def split_fragments(shapes: Sequence[Sequence[int]], k: int) -> list[slice]:
     if row_cuts is None:
         raise ValueError(f"fragments={k}: the parameters have too few rows to cut them into {k} non-empty fragments")
     return _slices(row_cuts, total)
+
+
+class Fragment:
+    """One fragment of the outer exchange (torchft's Streaming DiLoCo fragment is the model): its slice ``part`` of
+    the flat vector and its own error feedback, of the pseudo-gradient (or the fused θ − φ_0) and of the
+    slow-weight term (None where that term is exact or has no feedback). Owns their save, load and check.
+
+    Residuals are indexed by position, so a checkpoint stores every fragment's side by side as one full-length
+    error-feedback state per term (:meth:`joined_state`), the format of a run of one fragment; a fragment not
+    exchanged yet holds zeros there, which is what its first reduction starts from anyway.
+    """
+
+    TERMS = ("feedback", "slow_feedback")
+
+    def __init__(self, part: slice, feedback: ReductionErrorFeedback | None,
+                 slow_feedback: ReductionErrorFeedback | None):  # fmt: skip
+        self.part, self.feedback, self.slow_feedback = part, feedback, slow_feedback
+
+    @property
+    def feedbacks(self) -> tuple[ReductionErrorFeedback | None, ReductionErrorFeedback | None]:
+        """(the pseudo-gradient's, the slow-weight term's) error feedback."""
+        return self.feedback, self.slow_feedback
+
+    def state_dict(self) -> dict:
+        """Each term's error-feedback state (None: no feedback), of this fragment's positions."""
+        return {term: None if f is None else f.state_dict() for term, f in zip(self.TERMS, self.feedbacks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for term, feedback in zip(self.TERMS, self.feedbacks):
+            if feedback is not None and state.get(term) is not None:
+                feedback.load_state_dict(state[term])
+
+    def check_state(self, state, where: str = "fragment") -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` is :meth:`state_dict`'s for this fragment's size."""
+        size = self.part.stop - self.part.start
+        for term in self.TERMS:
+            if isinstance(state, dict) and state.get(term) is not None:
+                ReductionErrorFeedback.check_state(state[term], size, f"{where}/{term}")
+
+    @staticmethod
+    def joined_state(fragments: Sequence[Fragment], term: str) -> dict | None:
+        """One error-feedback state of ``term`` for the whole flat vector: the fragments' residuals side by side
+        (one fragment: its own state, unchanged; no feedback: None)."""
+        states = [f.state_dict()[term] for f in fragments]
+        if len(states) == 1 or states[0] is None:
+            return states[0]
+        present = [state["contribution"] for state in states if state["contribution"] is not None]
+        if not present:
+            return states[0]
+
+        def joined(key: str) -> torch.Tensor:
+            return torch.cat([state[key] if state[key] is not None else
+                              torch.zeros(f.part.stop - f.part.start, dtype=torch.float32, device=present[0].device)
+                              for state, f in zip(states, fragments)])  # fmt: skip
+
+        return {"version": 1, "contribution": joined("contribution"), "result": joined("result")}
+
+    @staticmethod
+    def load_joined(fragments: Sequence[Fragment], term: str, state: dict | None) -> None:
+        """Load :meth:`joined_state`'s full-length state of ``term`` into each fragment's error feedback."""
+        if state is None:
+            return
+        if len(fragments) == 1 or fragments[0].feedbacks[Fragment.TERMS.index(term)] is None:
+            fragments[0].load_state_dict({term: state})  # (no feedback of that term: nothing to load)
+            return
+        contribution, result = state.get("contribution"), state.get("result")
+        total = fragments[-1].part.stop
+        for residual in (contribution, result):
+            if residual is not None and residual.numel() != total:
+                raise ValueError(f"error-feedback state tracks {residual.numel()} values, the parameters are {total}")
+        for fragment in fragments:
+            pieces = [None if t is None else t.reshape(-1)[fragment.part] for t in (contribution, result)]
+            fragment.load_state_dict({term: {"version": state.get("version"), "contribution": pieces[0],
+                                             "result": pieces[1]}})  # fmt: skip
 
 
 def fragment_sizes(fragments: Sequence[slice]) -> list[int]:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from noloco.optim.base import all_finite
+from noloco.state import StateError, check_keys, check_tensor, is_int
 
 #: the rules ``overlap=`` (``outer.overlap``) names; ``True`` means :data:`DEFAULT_RULE`
 OVERLAP_RULES = ("provisional", "eager", "delayed")
@@ -121,6 +122,53 @@ def in_flight_state(pending: InFlight | None) -> dict | None:
     return state
 
 
+def _slice_size(part, numel: int, where: str) -> tuple[int]:
+    """The size of a stored slice ``[start, stop)`` of φ (a fragment's exchange, outer.fragments)."""
+    if not (isinstance(part, list) and len(part) == 2 and all(is_int(b) for b in part)
+            and 0 <= part[0] < part[1] <= numel):  # fmt: skip
+        raise StateError(f"{where}: not a slice of the {numel} parameters")
+    return (part[1] - part[0],)
+
+
+def check_in_flight_state(pending, numel: int, where: str = "in_flight") -> None:
+    """:class:`~noloco.state.StateError` unless ``pending`` is an :func:`in_flight_state` entry for ``numel``
+    parameters: its round, the info logged, the tensors of its slice, the eager rule's share."""
+    check_keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"},
+               {"part", "slow", "share", "rule"})  # fmt: skip
+    if not isinstance(pending.get("rule", "delayed"), str):
+        raise StateError(f"{where}/rule: not the name of an overlap rule")
+    size = _slice_size(pending["part"], numel, f"{where}/part") if "part" in pending else (numel,)
+    check_tensor(pending["snapshot"], f"{where}/snapshot", size)
+    for key in ("mean_delta", "mean_slow", "slow"):  # slow and share: the eager rule's
+        if pending.get(key) is not None:
+            check_tensor(pending[key], f"{where}/{key}", size)
+    share = pending.get("share")
+    if (share is None) != (pending.get("slow") is None) or not (
+        share is None or (isinstance(share, float) and 0 < share <= 1)
+    ):
+        raise StateError(f"{where}/share: not a share of a group mean (with the slow weights sent)")
+    info = pending["info"]
+    check_keys(info, f"{where}/info", {"round", "group", "skipped", "rejected"})
+    if not (is_int(pending["round"]) and is_int(info["round"]) and isinstance(info["group"], list)
+            and all(is_int(g) for g in info["group"]) and is_int(info["rejected"])
+            and (info["skipped"] is None or isinstance(info["skipped"], str))
+            and isinstance(pending["guarded"], bool)):  # fmt: skip
+        raise StateError(f"{where}: not an outer round's exchange")
+
+
+def check_partners_state(partners, numel: int, where: str = "partners") -> None:
+    """:class:`~noloco.state.StateError` unless ``partners`` is :meth:`OverlappedRounds.partners_state`'s list."""
+    if not isinstance(partners, list):
+        raise StateError(f"{where}: not a list")
+    for index, entry in enumerate(partners):
+        here = f"{where}/{index}"
+        check_keys(entry, here, {"part", "delta", "slow"})
+        size = _slice_size(entry["part"], numel, f"{here}/part")
+        check_tensor(entry["delta"], f"{here}/delta", size)
+        if entry["slow"] is not None:
+            check_tensor(entry["slow"], f"{here}/slow", size)
+
+
 # --- the eager rule's math (pure) ----------------------------------------------------------------------------
 
 
@@ -189,7 +237,7 @@ class OverlappedRounds:
     share is applied at the exchange it arrives at, so none is held between rounds). The provisional rule
     checkpoints nothing more than the delayed one: its provisional step is kept in memory until the merge, and
     recomputed there after a resume. Runs the exchange on a thread of its own (on CUDA, on a side stream),
-    through ``algo._exchange_round``; everything else (the rule, φ, θ, the AdamW state) is touched on the
+    through ``algo.exchange_round``; everything else (the rule, φ, θ, the AdamW state) is touched on the
     caller's thread only, where an exchange is sent or applied.
     """
 
@@ -257,8 +305,8 @@ class OverlappedRounds:
         """Start round ``round_index``'s exchange of θ (of its fragment) in the background; returns it and whether
         θ was non-finite (then φ is contributed: a zero pseudo-gradient, as a blocking round does)."""
         algo = self.algo
-        part = algo._part_of(round_index)
-        snapshot = algo._read_fast(part)  # a new tensor: training goes on in the parameters
+        part = algo.part_of(round_index)
+        snapshot = algo.read_fast(part)  # a new tensor: training goes on in the parameters
         slow = self._slow(part)
         guarded = not all_finite(snapshot)
         pending = InFlight(round_index, slow.clone() if guarded else snapshot, part=part, rule=self.rule)
@@ -275,25 +323,25 @@ class OverlappedRounds:
             pending.future = self._exchanger.submit(self._exchange_after, caller, round_index, snapshot, against,
                                                     time.perf_counter())  # fmt: skip
         else:
-            pending.result = algo._replica_round(round_index)
+            pending.result = algo.replica_round(round_index)
         self.in_flight = pending
         return pending, guarded
 
     def _exchange_after(self, caller, round_index: int, snapshot: torch.Tensor, slow: torch.Tensor | None,
                         sent: float):  # fmt: skip
-        """``algo._exchange_round`` in the exchange thread, against the slow weights ``slow`` (None: φ); on CUDA
+        """``algo.exchange_round`` in the exchange thread, against the slow weights ``slow`` (None: φ); on CUDA
         on a side stream that first waits for the training stream's work up to the snapshot (``caller``), its
         results complete when this returns. Its info's ``exchange_ms`` is the time from ``sent`` (the send's
         ``perf_counter``) until then."""
         if caller is None:
-            result = self.algo._exchange_round(round_index, snapshot, slow)
+            result = self.algo.exchange_round(round_index, snapshot, slow)
         else:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(caller.device)
             side = self._side_stream
             side.wait_stream(caller)
             with torch.cuda.device(caller.device), torch.cuda.stream(side):
-                result = self.algo._exchange_round(round_index, snapshot, slow)
+                result = self.algo.exchange_round(round_index, snapshot, slow)
             side.synchronize()
         result.info.exchange_ms = round(1e3 * (time.perf_counter() - sent), 3)
         return result
@@ -345,7 +393,7 @@ class OverlappedRounds:
             algo.inner_opt.state.clear()  # moments may hold NaN/Inf too
         if applied:
             slow = self._slow(part)
-            algo._write_fast(slow if guarded else slow + (algo._read_fast(part) - pending.snapshot), part)
+            algo.write_fast(slow if guarded else slow + (algo.read_fast(part) - pending.snapshot), part)
         return result.info
 
     # --- the provisional rule --------------------------------------------------------------------------------
@@ -362,7 +410,7 @@ class OverlappedRounds:
         _, guarded = self._relay(part, False, guarded, (start,))
         if guarded:  # θ was non-finite: φ was contributed (a zero pseudo-gradient); the moments may hold NaN/Inf too
             algo.inner_opt.state.clear()
-        algo._write_fast(start, part)
+        algo.write_fast(start, part)
 
     def _merge_provisional(self):
         """Apply the exchange in flight, if any: φ ← rule(φ, means), and θ ← θ + (φ − start), start being the
@@ -386,7 +434,7 @@ class OverlappedRounds:
         else:
             correction = torch.empty_like(slow)
         self._relay(part, applied, False, (correction,))
-        algo._write_fast(algo._read_fast(part) + correction, part)
+        algo.write_fast(algo.read_fast(part) + correction, part)
         return result.info
 
     # --- the eager rule --------------------------------------------------------------------------------------
@@ -430,7 +478,7 @@ class OverlappedRounds:
         _, guarded = self._relay(part, True, guarded)
         if guarded:  # θ was non-finite: φ was contributed; the moments may hold NaN/Inf too
             algo.inner_opt.state.clear()
-        algo._write_fast(self._slow(part), part)
+        algo.write_fast(self._slow(part), part)
 
     def _apply_partners(self) -> None:
         """After the last round: each fragment's partners' share still held is applied as an outer step that adds
@@ -438,16 +486,35 @@ class OverlappedRounds:
         algo = self.algo
         for part in self._parts():
             shares = self.partners.pop(self._fragment(part), None) if self._leads() else None
-            progress = algo._read_fast(part) - self._slow(part)
+            progress = algo.read_fast(part) - self._slow(part)
             if shares is not None:
                 own = self._slow(part).clone()
                 delta, slow = eager_means(1.0 / self._group_size(), None, own, shares, algo.rule.needs_slow_mean)
                 algo.rule.step(algo.slow, delta, slow, part)
             applied, _ = self._relay(part, shares is not None, False)
             if applied:
-                algo._write_fast(self._slow(part) + progress, part)
+                algo.write_fast(self._slow(part) + progress, part)
 
     # --- checkpoint ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What overlap adds to the algorithm's state: ``in_flight`` (the exchange in flight, waited for first:
+        :meth:`settle`; None if none) and, while the eager rule holds any, ``partners`` (their shares)."""
+        self.settle()
+        state = {"in_flight": in_flight_state(self.in_flight)}
+        partners = self.partners_state()
+        if partners is not None:  # the eager overlap's partners' shares not applied yet (several fragments)
+            state["partners"] = partners
+        return state
+
+    @staticmethod
+    def check_state(state: dict, numel: int, where: str = "algorithm") -> None:
+        """:class:`~noloco.state.StateError` unless the ``in_flight`` and ``partners`` entries of ``state`` (an
+        algorithm's state; absent or None: none) are :meth:`state_dict`'s for ``numel`` parameters."""
+        if state.get("in_flight") is not None:  # an overlapped round's exchange, finished before the save
+            check_in_flight_state(state["in_flight"], numel, f"{where}/in_flight")
+        if state.get("partners") is not None:  # the eager overlap's partners' shares not applied yet
+            check_partners_state(state["partners"], numel, f"{where}/partners")
+
     def partners_state(self) -> list[dict] | None:
         """The partners' shares held (eager, several fragments), each with its slice of φ; None when none."""
         if not self.partners:

@@ -27,6 +27,8 @@ import weakref
 
 import torch
 
+from noloco.state import StateError, check_finite, check_keys, check_tensor
+
 from . import hadamard, intq, ops
 from .base import Packed, QuantSpec
 from .deferred import PendingCheck
@@ -137,6 +139,20 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict) -> None:
         self.spec = QuantSpec.parse(state["spec"])
         self.residuals = dict(state["residuals"])
+
+    def check_state(self, state, where: str = "feedback") -> None:
+        """:class:`~noloco.state.StateError` unless ``state`` is :meth:`state_dict`'s for this spec: residuals by
+        key, each a 1-D fp32 tensor of finite values (their sizes are the caller's buffers')."""
+        check_keys(state, where, {"spec", "residuals"})
+        if not isinstance(state["spec"], str) or state["spec"] != str(self.spec):
+            raise StateError(f"{where}/spec: {str(state['spec'])[:40]!r}, this error feedback's is {str(self.spec)!r}")
+        if not isinstance(state["residuals"], dict):
+            raise StateError(f"{where}/residuals: not a mapping")
+        for key, residual in state["residuals"].items():
+            if not isinstance(residual, torch.Tensor) or residual.dim() != 1:
+                raise StateError(f"{where}/residuals/{key}: not a 1-D tensor")
+            check_tensor(residual, f"{where}/residuals/{key}", tuple(residual.shape))
+            check_finite(residual, f"{where}/residuals/{key}")
 
 
 def check_decay(decay: float) -> float:

@@ -1,6 +1,6 @@
-"""Per-worker checkpoints: safetensors for tensors, JSON for the rest, checksummed, validated, written atomically.
+"""Per-worker checkpoints: safetensors for tensors, JSON for the rest, checksummed, written atomically.
 
-Layout::
+Files::
 
     runs/<run>/checkpoints/step_000120/worker_0.safetensors   # every stored tensor of the worker's state
     runs/<run>/checkpoints/step_000120/worker_0.json          # the rest, with the tensors' SHA-256
@@ -8,49 +8,40 @@ Layout::
     runs/<run>/checkpoints/step_000120/COMPLETE               # written once every worker has saved
     runs/<run>/checkpoints/latest -> step_000120               # symlink (a bare name beside it), replaced atomically
 
-A worker's state is a nested structure of dicts, lists, tensors and plain values (model, AdamW
-state, LR schedule, algorithm state, byte counters, wall-clock offset, eval history). Tensors go to
+A worker's state is a dict of its state owners' ``state_dict()`` (``noloco.train.state.WorkerState``:
+model, AdamW state, LR schedule, algorithm state, byte counters, wall-clock offset, eval history, a
+stream's position), a nested structure of dicts, lists, tensors and plain values; this module knows
+nothing of what is in it and checks no entry (each owner's ``check_state`` does). Tensors go to
 safetensors under their path in the structure (``inner_opt/state/3/exp_avg``); the structure itself,
 with each tensor replaced by a reference, goes to JSON together with the SHA-256 of the
-safetensors file. What can be rebuilt exactly is not stored (``noloco.train.loop.Worker.state``): the
-outer algorithm's initial weights φ₀ (rebuilt from ``run.seed``; their SHA-256 is kept to check), the
-slow weights before the first outer step (φ = φ₀) and, right after an outer step, the model weights
-(θ = φ). AdamW moments, slow weights, momentum and residuals are fp32, as the run holds them.
+safetensors file. What can be rebuilt exactly is stored by its owner as a marker, ``{REBUILT: ...}``
+(``noloco.train.state``): φ₀, φ = φ₀ and θ = φ.
 
 Every file is written to a temporary name (``.<name>.<pid>.<random>.tmp``), fsynced and renamed, so
 a crash mid-write leaves the previous checkpoint intact and ``latest`` pointing at it. Loading is
 all-or-nothing: :func:`load_run` reads and checks every worker's state (checksum, JSON structure,
-format, step, every tensor finite; with a :class:`Layout`, every entry's type, dtype and shape
-against the model, optimizer and algorithm the run builds) before the caller writes anything, and
+format, step, every tensor finite; with the caller's ``check``, the state owners' checks of every
+entry against the model, optimizer and algorithm the run builds) before the caller writes anything, and
 every malformed checkpoint is one :class:`CheckpointError` line. Pruning removes a checkpoint's
 ``COMPLETE`` first, so a kill mid-removal leaves an incomplete folder, which the next completed
 checkpoint removes (with any stale temporary file).
 
-Ctrl-C (:data:`INTERRUPT`, installed by ``noloco.train.cli``): the first SIGINT asks every worker to
-stop at one common step (:class:`LocalStop` for threads, :class:`StoreStop` over the torch.distributed
-store for processes, the next step for a single swarm peer), save it and raise :class:`Interrupted`;
-a second one quits at once (:func:`hard_exit`): this process's temporary files and its unfinished
-step folder are removed, the last complete checkpoint is left as it was.
+A second Ctrl-C (``noloco.train.interrupt``) quits at once: :func:`close_writes` refuses every new file, removes
+this process's temporary files and its unfinished step folder, and leaves the last complete checkpoint as it was.
 """
 
 from __future__ import annotations
 
-import collections
 import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
-import signal
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -443,7 +434,7 @@ def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
 
     Checks the JSON (structure, format, ``step`` and ``rank``), the safetensors file's checksum and
     contents (every tensor referenced exactly as stored, none unreferenced) and that every floating
-    tensor is finite. What the tensors must look like for a model is :meth:`Layout.check`.
+    tensor is finite. What the entries must look like is their owners' ``check_state``.
     """
     meta_path, blob_path = Path(folder) / f"worker_{rank}.json", Path(folder) / f"worker_{rank}.safetensors"
     if not meta_path.is_file() or not blob_path.is_file():
@@ -505,7 +496,7 @@ def load_run(folder: Path, step: int, ranks: Iterable[int], check: Callable[[dic
     before anything of the run is written; returns the checkpoint's vocabulary size (None if unknown).
 
     A folder that holds workers the run does not have, or lacks one it has, is refused; ``check(state,
-    rank)`` raises :class:`CheckpointError` for a state the run cannot load (see :class:`Layout`).
+    rank)`` raises :class:`CheckpointError` for a state the run cannot load (``noloco.train.state.WorkerState``).
     """
     ranks = list(ranks)
     present = worker_ranks(folder)
@@ -550,287 +541,6 @@ def checkpoint_vocab_size(folder: Path) -> int | None:
     return None
 
 
-# ------------------------------------------------------------------------- what a state must hold
-
-
-@dataclass
-class Layout:
-    """What one worker's checkpoint must hold for the run's model, AdamW and algorithm (shapes fp32).
-
-    Build it with :meth:`of` from the objects the run builds (a model on the ``meta`` device is enough).
-    """
-
-    model: dict[str, tuple[int, ...]]  # model.state_dict() entries
-    buffers: set[str]  # entries that are not parameters (stored even when the weights are rebuilt)
-    opt_shapes: list[tuple[int, ...]]  # AdamW state, per parameter index
-    opt_groups: list[list[int]]
-    numel: int  # flat parameter count: slow weights, momentum, residuals
-    outer: bool  # an outer algorithm (slow weights, rule, φ₀) rather than DDP
-    vocab_size: int | None = None
-    opt_settings: list[dict] | None = None  # the optimizer's param groups as the run builds them (less params)
-    schedule_keys: set[str] | None = None  # the LR schedule's state_dict keys
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, opt: torch.optim.Optimizer, outer: bool,
-           schedule: torch.optim.lr_scheduler.LRScheduler | None = None) -> Layout:  # fmt: skip
-        """``schedule``: the run's LR schedule; with it, every plain value of the optimizer's and the schedule's
-        state is checked too (learning rates finite and within the run's, settings the run's own)."""
-        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        entries = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        by_index = [p for group in opt.param_groups for p in group["params"]]
-        built = opt.state_dict()["param_groups"]
-        groups = [list(g["params"]) for g in built]
-        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
-        settings = None if schedule is None else [{k: v for k, v in g.items() if k != "params"} for g in built]
-        keys = None if schedule is None else set(schedule.state_dict())
-        return cls(entries, set(entries) - params, [tuple(p.shape) for p in by_index], groups, numel, outer, vocab,
-                   settings, keys)  # fmt: skip
-
-    def check(self, state: dict, step: int, where: str = "checkpoint") -> None:
-        """:class:`CheckpointError` naming the first entry of ``state`` this run cannot load."""
-        try:
-            self._check(state, step)
-        except _Malformed as exc:
-            raise CheckpointError(f"{where}: {exc}") from None
-
-    def _check(self, state: dict, step: int) -> None:
-        _keys(state, "state", {"step", "model", "inner_opt", "schedule", "algorithm", "counter", "wall_seconds",
-                               "eval_history"}, {"vocab_size", "sampler"})  # fmt: skip
-        if "sampler" in state and not isinstance(state["sampler"], dict):
-            raise _Malformed("sampler: not a stream position")
-        if state["step"] != step or not _is_int(state["step"]):
-            raise _Malformed(f"state is of step {state['step']!r}, the checkpoint of step {step}")
-        if "vocab_size" in state and state["vocab_size"] != self.vocab_size:
-            raise _Malformed(f"model has a vocabulary of {state['vocab_size']!r}, this run's has {self.vocab_size}")
-        model = state["model"]
-        if isinstance(model, dict) and REBUILT in model:
-            if not self.outer or model.get(REBUILT) != "slow":
-                raise _Malformed(f"model: cannot rebuild the weights from {model.get(REBUILT)!r}")
-            _keys(model, "model", {REBUILT, "buffers"})
-            _keys(model["buffers"], "model/buffers", self.buffers)
-            for name in self.buffers:
-                _tensor(model["buffers"][name], f"model/{name}", self.model[name])
-        else:
-            _keys(model, "model", set(self.model))
-            for name, shape in self.model.items():
-                _tensor(model[name], f"model/{name}", shape)
-        self._check_optimizer(state["inner_opt"])
-        schedule = state["schedule"]
-        if not isinstance(schedule, dict) or schedule.get("last_epoch") != step:
-            raise _Malformed(f"schedule: not at step {step}")
-        if self.opt_settings is not None:
-            self._check_schedule(state["inner_opt"]["param_groups"], schedule, step)
-        self._check_algorithm(state["algorithm"], step)
-        counter = state["counter"]
-        if not isinstance(counter, dict) or not all(isinstance(k, str) and _is_count(v) for k, v in counter.items()):
-            raise _Malformed("counter: not a mapping of byte counts")
-        wall = state["wall_seconds"]
-        if not _is_number(wall) or not 0 <= wall <= MAX_SECONDS:
-            raise _Malformed(f"wall_seconds: {wall!r} (not a number of seconds in [0, {MAX_SECONDS:.0e}])")
-        history = state["eval_history"]
-        if not isinstance(history, list) or not all(
-            isinstance(h, (list, tuple)) and len(h) == 2 and _is_int(h[0]) and 0 <= h[0] <= step
-            and _is_number(h[1]) and 0 <= h[1] <= MAX_LOSS for h in history
-        ):  # fmt: skip
-            raise _Malformed(f"eval_history: not a list of (step <= {step}, finite loss in [0, {MAX_LOSS:.0e}])")
-
-    def _check_schedule(self, groups: list, schedule: dict, step: int) -> None:
-        """Every plain value of the optimizer's param groups and of the LR schedule: the settings (betas, eps,
-        weight decay, peak learning rate, flags) are those the run builds from its config, the current learning
-        rate is finite and within [0, peak], and the schedule's own fields agree with it."""
-        for index, (group, built) in enumerate(zip(groups, self.opt_settings, strict=True)):
-            where = f"inner_opt/param_groups/{index}"
-            _keys(group, where, set(built) | {"params"})
-            for key, expected in built.items():
-                value = group[key]
-                if key == "lr":
-                    peak = group["initial_lr"]
-                    if not (_is_number(value) and _is_number(peak) and 0 <= value <= peak):
-                        raise _Malformed(f"{where}/lr: {value!r} is not a learning rate in [0, {peak!r}]")
-                elif key in ("fused", "foreach"):  # device-dependent (a GPU run's checkpoint resumes on CPU)
-                    if value is not None and not isinstance(value, bool):
-                        raise _Malformed(f"{where}/{key}: {value!r}, not true, false or null")
-                elif not _same(value, expected):
-                    hint = " (inner.lr)" if key == "initial_lr" else ""
-                    raise _Malformed(f"{where}/{key}: {value!r}, this run builds {expected!r}{hint} from its config "
-                                     "(the optimizer's settings do not change on resume)")  # fmt: skip
-        n = len(self.opt_settings)
-        _keys(schedule, "schedule", self.schedule_keys)
-        if schedule["base_lrs"] != [g["initial_lr"] for g in groups]:
-            raise _Malformed(f"schedule/base_lrs: {str(schedule['base_lrs'])[:80]}, not the groups' peak rates")
-        if not (isinstance(schedule["_last_lr"], list) and len(schedule["_last_lr"]) == n
-                and all(a == g["lr"] and _is_number(a) for a, g in zip(schedule["_last_lr"], groups))):  # fmt: skip
-            raise _Malformed(f"schedule/_last_lr: {str(schedule['_last_lr'])[:80]}, not the groups' learning rates")
-        if schedule["lr_lambdas"] != [None] * n:  # a dict here would be set on the schedule's functions
-            raise _Malformed(f"schedule/lr_lambdas: {str(schedule['lr_lambdas'])[:80]}, expected {[None] * n}")
-        count = schedule["_step_count"]
-        if not (_is_int(count) and 1 <= count <= step + 1):
-            raise _Malformed(f"schedule/_step_count: {count!r}, not a step count in [1, {step + 1}]")
-        for key in self.schedule_keys - {"base_lrs", "last_epoch", "_last_lr", "lr_lambdas", "_step_count"}:
-            if not isinstance(schedule[key], bool):
-                raise _Malformed(f"schedule/{key}: {schedule[key]!r}, not true or false")
-
-    def _check_optimizer(self, opt) -> None:
-        _keys(opt, "inner_opt", {"state", "param_groups"})
-        groups = opt["param_groups"]
-        if not isinstance(groups, list) or [g.get("params") if isinstance(g, dict) else None
-                                            for g in groups] != self.opt_groups:  # fmt: skip
-            raise _Malformed("inner_opt/param_groups: not this model's parameter groups")
-        states = opt["state"]
-        if not isinstance(states, dict):
-            raise _Malformed("inner_opt/state: not a mapping")
-        for index, entry in states.items():
-            where = f"inner_opt/state/{index}"
-            if not _is_int(index) or not 0 <= index < len(self.opt_shapes):
-                raise _Malformed(f"{where}: no such parameter")
-            _keys(entry, where, {"step", "exp_avg", "exp_avg_sq"}, {"max_exp_avg_sq"})
-            _tensor(entry["step"], f"{where}/step", ())
-            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                if key in entry:
-                    _tensor(entry[key], f"{where}/{key}", self.opt_shapes[index])
-
-    def _slice_size(self, part, where: str) -> tuple[int]:
-        """The size of a stored slice ``[start, stop)`` of φ (a fragment's exchange, outer.fragments)."""
-        if not (isinstance(part, list) and len(part) == 2 and all(_is_int(b) for b in part)
-                and 0 <= part[0] < part[1] <= self.numel):  # fmt: skip
-            raise _Malformed(f"{where}: not a slice of the {self.numel} parameters")
-        return (part[1] - part[0],)
-
-    def _check_in_flight(self, pending) -> None:
-        where = "algorithm/in_flight"
-        _keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"},
-              {"part", "slow", "share", "rule"})  # fmt: skip
-        if not isinstance(pending.get("rule", "delayed"), str):
-            raise _Malformed(f"{where}/rule: not the name of an overlap rule")
-        size = self._slice_size(pending["part"], f"{where}/part") if "part" in pending else (self.numel,)
-        _tensor(pending["snapshot"], f"{where}/snapshot", size)
-        for key in ("mean_delta", "mean_slow", "slow"):  # slow and share: the eager rule's
-            if pending.get(key) is not None:
-                _tensor(pending[key], f"{where}/{key}", size)
-        share = pending.get("share")
-        if (share is None) != (pending.get("slow") is None) or not (
-            share is None or (isinstance(share, float) and 0 < share <= 1)
-        ):
-            raise _Malformed(f"{where}/share: not a share of a group mean (with the slow weights sent)")
-        info = pending["info"]
-        _keys(info, f"{where}/info", {"round", "group", "skipped", "rejected"})
-        if not (_is_int(pending["round"]) and _is_int(info["round"]) and isinstance(info["group"], list)
-                and all(_is_int(g) for g in info["group"]) and _is_int(info["rejected"])
-                and (info["skipped"] is None or isinstance(info["skipped"], str))
-                and isinstance(pending["guarded"], bool)):  # fmt: skip
-            raise _Malformed(f"{where}: not an outer round's exchange")
-
-    def _check_partners(self, partners) -> None:
-        if not isinstance(partners, list):
-            raise _Malformed("algorithm/partners: not a list")
-        for index, entry in enumerate(partners):
-            where = f"algorithm/partners/{index}"
-            _keys(entry, where, {"part", "delta", "slow"})
-            size = self._slice_size(entry["part"], f"{where}/part")
-            _tensor(entry["delta"], f"{where}/delta", size)
-            if entry["slow"] is not None:
-                _tensor(entry["slow"], f"{where}/slow", size)
-
-    def _check_algorithm(self, algo, step: int) -> None:
-        n = (self.numel,)
-        if not self.outer:
-            _keys(algo, "algorithm", {"inner_step", "feedback"})
-        else:
-            _keys(algo, "algorithm", {"inner_step", "slow", "rule", "reference", "feedback"},
-                  {"slow_feedback", "nonfinite_events", "norm_rejections", "in_flight", "partners"})  # fmt: skip
-            if algo.get("in_flight") is not None:  # an overlapped round's exchange, finished before the save
-                self._check_in_flight(algo["in_flight"])
-            if algo.get("partners") is not None:  # the eager overlap's partners' shares not applied yet
-                self._check_partners(algo["partners"])
-            if isinstance(algo["slow"], dict):  # φ = φ₀
-                _keys(algo["slow"], "algorithm/slow", {REBUILT})
-                if algo["slow"][REBUILT] != "reference":
-                    raise _Malformed("algorithm/slow: cannot rebuild the slow weights from it")
-            else:
-                _tensor(algo["slow"], "algorithm/slow", n)
-            rule = algo["rule"]
-            _keys(rule, "algorithm/rule", set(), {"velocity"})
-            if rule.get("velocity") is not None:
-                _tensor(rule["velocity"], "algorithm/rule/velocity", n)
-            reference = algo["reference"]
-            if isinstance(reference, dict):
-                _keys(reference, "algorithm/reference", {REBUILT, "sha256"})
-                if reference[REBUILT] != "seed" or not isinstance(reference["sha256"], str):
-                    raise _Malformed("algorithm/reference: cannot rebuild the initial weights from it")
-            else:
-                _tensor(reference, "algorithm/reference", n)
-            if not _is_count(algo.get("nonfinite_events", 0)):
-                raise _Malformed("algorithm/nonfinite_events: not a count")
-            rejections = algo.get("norm_rejections", {})
-            by_rank = rejections.get("by_rank", {}) if isinstance(rejections, dict) else None
-            if not (isinstance(rejections, dict) and set(rejections) <= {"contributions", "results", "by_rank"}
-                    and all(_is_count(v) for k, v in rejections.items() if k != "by_rank")
-                    and isinstance(by_rank, dict) and len(by_rank) <= 2**16
-                    and all(isinstance(k, str) and k.isdigit() and _is_count(v)
-                            for k, v in by_rank.items())):  # fmt: skip
-                raise _Malformed("algorithm/norm_rejections: not a mapping of counts (and of counts by rank)")
-        if algo["inner_step"] != step or not _is_int(algo["inner_step"]):
-            raise _Malformed(f"algorithm: at inner step {algo['inner_step']!r}, the checkpoint is of step {step}")
-        for key in ("feedback", "slow_feedback"):
-            feedback = algo.get(key)
-            if feedback is None:
-                continue
-            where = f"algorithm/{key}"
-            _keys(feedback, where, {"version", "contribution", "result"})
-            if not _is_int(feedback["version"]) or feedback["version"] != 1 or \
-                    (feedback["contribution"] is None) != (feedback["result"] is None):
-                raise _Malformed(f"{where}: not an error-feedback state")
-            for part in ("contribution", "result"):
-                if feedback[part] is not None:
-                    _tensor(feedback[part], f"{where}/{part}", n)
-
-
-#: the bounds of plain values in a worker's state: ten years of seconds; a held-out loss (cross-entropy: ln of the
-#: vocabulary at the start of a run, under 15 for a vocabulary of a million); counts that fit an int64
-MAX_SECONDS = 3.2e8
-MAX_LOSS = 1e4
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _same(value, expected) -> bool:
-    """``value`` read from a file is ``expected`` (a setting the run builds): same kind, equal."""
-    if expected is None or isinstance(expected, bool):
-        return value is expected
-    if isinstance(expected, (int, float)):
-        return _is_number(value) and value == expected
-    if isinstance(expected, (list, tuple)):
-        return (isinstance(value, (list, tuple)) and len(value) == len(expected)
-                and all(_same(v, e) for v, e in zip(value, expected)))  # fmt: skip
-    return type(value) is type(expected) and value == expected
-
-
-def _is_count(value) -> bool:
-    return _is_int(value) and 0 <= value < 2**63
-
-
-def _keys(node, where: str, required: set, optional: Iterable = ()) -> None:
-    if not isinstance(node, dict):
-        raise _Malformed(f"{where}: a {type(node).__name__}, not a mapping")
-    missing, extra = required - set(node), set(node) - required - set(optional)
-    if missing:
-        raise _Malformed(f"{where}: missing {sorted(map(str, missing))[:3]}")
-    if extra:
-        raise _Malformed(f"{where}: unexpected {sorted(map(str, extra))[:3]}")
-
-
-def _tensor(value, where: str, shape: tuple[int, ...]) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise _Malformed(f"{where}: a {type(value).__name__}, not a tensor")
-    if value.dtype != torch.float32:
-        raise _Malformed(f"{where}: dtype {str(value.dtype).removeprefix('torch.')}, expected float32")
-    if tuple(value.shape) != tuple(shape):
-        raise _Malformed(f"{where}: shape {tuple(value.shape)}, expected {tuple(shape)}")
-
-
 def digest(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's values (fp32, C order): how a rebuilt tensor is checked against the saved one.
     Hashed 64 MiB at a time (:func:`_host_bytes`), never a host copy of the whole tensor."""
@@ -840,68 +550,7 @@ def digest(tensor: torch.Tensor) -> str:
     return sha.hexdigest()
 
 
-# ------------------------------------------------------------------------------------------ Ctrl-C
-
-
-class Interrupted(Exception):
-    """Training stopped early on Ctrl-C: every worker stopped at ``step`` and saved it (if ``complete``)."""
-
-    def __init__(self, step: int | None, run_dir: Path | None, complete: bool, quiet: bool = False):
-        super().__init__(step)
-        self.step, self.run_dir, self.complete, self.quiet = step, run_dir, complete, quiet
-
-    def line(self) -> str:
-        where = f" at step {self.step}" if self.step is not None else ""
-        if self.run_dir is None:
-            return f"interrupted{where}"
-        latest = Path(self.run_dir) / "checkpoints" / "latest"
-        if self.complete:
-            return f"interrupted{where}: resume with python train.py resume={latest}"
-        try:
-            _, _, last = resolve(latest)
-        except CheckpointError:
-            return f"interrupted{where}: its checkpoint is incomplete and there is no earlier one to resume from"
-        return (f"interrupted{where}: its checkpoint is incomplete; resume from step {last} with "
-                f"python train.py resume={latest}")  # fmt: skip
-
-
-class _Interrupt:
-    """Process-wide Ctrl-C state. ``armed`` while workers train; before and after, SIGINT is a
-    KeyboardInterrupt. ``forward``: called with the count on every interrupt (the torch launcher passes
-    it on to its ranks); ``hard``: what a second interrupt does instead of :func:`hard_exit`."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.requested = False
-        self.armed = False
-        self.announce = True
-        self.run_dir: Path | None = None
-        self.forward: Callable[[int], None] | None = None
-        self.hard: Callable[[], None] | None = None
-        self.solo = SoloStop()  # a process of one worker (a swarm peer): where it stopped
-
-    def reset(self) -> None:
-        self.__init__()
-
-    def handler(self, signum, frame) -> None:
-        self.count += 1
-        if self.forward is not None:
-            self.forward(self.count)
-        if self.count == 1 and not self.armed:
-            raise KeyboardInterrupt
-        if self.count == 1:
-            self.requested = True
-            if self.announce:
-                os.write(2, b"\nnoloco: stopping every worker at the next step to save a checkpoint "
-                            b"(Ctrl-C again quits at once)\n")  # fmt: skip
-            return
-        if self.hard is not None:
-            self.hard()
-        hard_exit(130, self.run_dir, say=self.announce)
-
-    def install(self, signum: int = signal.SIGINT) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signum, self.handler)
+# ------------------------------------------------------------------------ quitting (a second Ctrl-C)
 
 
 def remove_temporary_files(run_dir: Path | None = None) -> None:
@@ -919,9 +568,14 @@ def remove_temporary_files(run_dir: Path | None = None) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def hard_exit(code: int = 130, run_dir: Path | None = None, say: bool = True) -> None:
-    """Quit at once: no more checkpoint files, remove this process's temporary files and (where this process
-    completes checkpoints) the step folders it was writing that are not complete, then ``os._exit``."""
+def completes_checkpoints() -> None:
+    """This process writes COMPLETE markers (so a second Ctrl-C may remove its unfinished step folders)."""
+    _WRITES.commits = True
+
+
+def close_writes() -> None:
+    """This process is quitting at once: no new checkpoint file from now on; its temporary files are removed, and
+    (where this process completes checkpoints) the step folders it was writing that are not complete."""
     with _WRITES.lock:
         _WRITES.closing = True
         remove_temporary_files()
@@ -931,241 +585,3 @@ def hard_exit(code: int = 130, run_dir: Path | None = None, say: bool = True) ->
             for folder in unfinished:
                 if not (folder / COMPLETE).exists():
                     shutil.rmtree(folder, ignore_errors=True)
-    if say:
-        try:
-            os.write(2, (quit_line(run_dir) + "\n").encode())
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    mp_util = sys.modules.get("multiprocessing.util")
-    if mp_util is not None:  # release semaphores (tqdm's lock) as a normal exit would: no resource_tracker warning
-        try:
-            mp_util._run_finalizers(0)
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    os._exit(code)
-
-
-def quit_line(run_dir: Path | None) -> str:
-    """The line a second Ctrl-C prints: where to resume from."""
-    if run_dir is None:
-        return "interrupted again: quit without saving"
-    latest = Path(run_dir) / "checkpoints" / "latest"
-    try:
-        return (
-            f"interrupted again: quit without saving; resume from step {resolve(latest)[2]} with "
-            f"python train.py resume={latest}"
-        )
-    except CheckpointError:
-        return "interrupted again: quit without saving; there is no complete checkpoint to resume from"
-
-
-def completes_checkpoints() -> None:
-    """This process writes COMPLETE markers (so a second Ctrl-C may remove its unfinished step folders)."""
-    _WRITES.commits = True
-
-
-class LocalStop:
-    """The step every worker of one process stops at on Ctrl-C (threads of the local backend).
-
-    At each step boundary a worker reports its step (:meth:`__call__`, under a lock). The first worker to
-    see the interrupt picks the stop step: its own step, or one past the furthest boundary another worker
-    has already passed, whichever is later, so no worker has gone beyond it and none waits for another.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.done: dict[int, int] = {}
-        self.target: int | None = None
-
-    def __call__(self, rank: int, step: int) -> bool:
-        with self.lock:
-            if self.target is None and INTERRUPT.requested:
-                self.target = max([step] + [s + 1 for r, s in self.done.items() if r != rank])
-            self.done[rank] = step
-            return self.target is not None and step >= self.target
-
-
-class SoloStop:
-    """A single worker (a swarm peer): stop at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.target: int | None = None
-
-    def __call__(self, rank: int, step: int) -> bool:
-        if self.target is None and INTERRUPT.requested:
-            self.target = step
-        return self.target is not None and step >= self.target
-
-
-class StoreStop:
-    """The same rule as :class:`LocalStop` across processes, over a ``torch.distributed`` key-value store.
-
-    The store sits on one rank's host, often across the link the exchanges use, so the training thread never
-    waits for it while training goes on. A reporter thread of its own writes this rank's *promise* to
-    ``at/<rank>``, then looks for ``requested``. A promise P means that this rank returns from no step boundary
-    past P until a look issued after a write of a promise of at least that step has found nothing. The
-    reporter promises ``step + lag``, where the lag covers four of the store's slowest recent round trips in
-    steps (at least 1), so at steady state a boundary finds its look already made. It waits only when the
-    store falls more than the lag behind. Promises never decrease, so the one the proposer reads is at least
-    every promise a look has cleared before it.
-
-    A rank that saw its interrupt first sets ``requested``, reads every rank's promise and proposes the stop
-    step with a compare-and-set on ``target`` (the first proposal wins): its own step, or one past the highest
-    promise, whichever is later. A rank whose promise was read looks again before passing that promise. The
-    look comes after the proposer's ``requested``, so it sees it, and the rank then waits for ``target``.
-    That is at most one past its promise, so no rank passes the target. A lag of 0 would be the plain rule:
-    report each step, look, go on. If the store is gone (its host died), the rank goes on alone: it stops at
-    its next step on Ctrl-C.
-    """
-
-    MAX_LAG = 256  # steps a promise may run ahead of the rank (a Ctrl-C stops at most this much later)
-
-    def __init__(self, store, rank: int, world: int, start: int, timeout: float):
-        self.store, self.rank, self.world, self.start, self.timeout = store, rank, world, start, timeout
-        self.target: int | None = None
-        self.proposed = False
-        self.alone: SoloStop | None = None
-        self._lock = threading.Lock()  # one request at a time on the store's client
-        self._cond = threading.Condition()
-        self._latest: int | None = None  # the last boundary the training thread reached
-        self._cleared = start  # the highest promise a look after it found nothing for
-        self._seen = False  # a look found ``requested``
-        self._error: BaseException | None = None
-        self._closed = False
-        self._reporter: threading.Thread | None = None
-        self._round_trips: collections.deque[float] = collections.deque(maxlen=16)  # seconds, recent write + look
-        self._step_seconds: float | None = None  # moving mean of the time between boundaries
-        self._last_call: float | None = None
-
-    def __call__(self, rank: int, step: int) -> bool:
-        if self.alone is not None:
-            return self.alone(rank, step)
-        if self.target is None:
-            try:
-                self._agree(step)
-            except Exception as exc:  # noqa: BLE001 - the store's host is gone: no agreement any more
-                logger.warning("rank %d: the stop agreement's store is gone (%s); on Ctrl-C this rank stops alone",
-                               self.rank, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
-                self.close()
-                self.alone = SoloStop()
-                return self.alone(rank, step)
-        if self.target is not None and step > self.target:
-            logger.warning("rank %d: past the agreed stop step %d (at %d)", self.rank, self.target, step)
-        return self.target is not None and step >= self.target
-
-    def close(self) -> None:
-        """Stop the reporter thread (the agreement stays as it is)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def _agree(self, step: int) -> None:
-        if INTERRUPT.requested and not self.proposed:
-            self.proposed = True
-            self._propose(step)
-            return
-        self._tick(step)
-        with self._cond:
-            self._latest = step
-            if self._reporter is None:
-                self._reporter = threading.Thread(target=self._report, name=f"noloco-stop{self.rank}", daemon=True)
-                self._reporter.start()
-            self._cond.notify_all()
-            # a boundary past what a look has cleared waits for the next look (the promise of this step)
-            deadline = time.monotonic() + self.timeout
-            while not (self._seen or self._error is not None or step <= self._cleared):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no answer from the store within {self.timeout:.0f}s")
-                self._cond.wait(left)
-            if self._error is not None:
-                raise self._error
-            seen = self._seen
-        if seen:
-            self._await_target(step)
-
-    def _tick(self, step: int) -> None:
-        """Keep the moving mean of the seconds between boundaries, which sets the lag."""
-        now = time.monotonic()
-        if self._last_call is not None:
-            gap = now - self._last_call
-            self._step_seconds = gap if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * gap
-        self._last_call = now
-
-    def _lag(self) -> int:
-        """Steps a promise runs ahead: four of the store's slowest recent round trips (a busy link's queue comes
-        and goes) at the current step rate, at least 1."""
-        if not self._step_seconds or not self._round_trips:
-            return 1
-        return max(1, min(self.MAX_LAG, math.ceil(4 * max(self._round_trips) / self._step_seconds)))
-
-    def _report(self) -> None:
-        """The reporter thread: write a promise, look for ``requested``, again whenever the rank moved on."""
-        written, promise = None, self.start
-        try:
-            while True:
-                with self._cond:
-                    while not self._closed and self._latest == written:
-                        self._cond.wait()
-                    if self._closed:
-                        return
-                    written = self._latest
-                promise = max(promise, written + self._lag())  # never lower: the proposer reads the latest one
-                began = time.monotonic()
-                with self._lock:
-                    self.store.set(f"at/{self.rank}", str(promise))
-                    seen = self.store.check(["requested"])
-                self._round_trips.append(time.monotonic() - began)
-                with self._cond:
-                    if seen:
-                        self._seen = True
-                    else:
-                        self._cleared = promise
-                    self._cond.notify_all()
-                if seen:
-                    return
-        except Exception as exc:  # noqa: BLE001 - handed to the training thread, which goes on alone
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
-
-    def _propose(self, step: int) -> None:
-        """This rank saw its interrupt first: ask for a stop and propose one past every rank's promise."""
-        with self._lock:
-            store = self.store
-            store.set("requested", "1")
-            others = [int(store.get(f"at/{r}")) if store.check([f"at/{r}"]) else self.start
-                      for r in range(self.world) if r != self.rank]  # fmt: skip
-            proposal = max([step] + [p + 1 for p in others])
-            self.target = int(store.compare_set("target", "", str(proposal)))
-        self.close()
-
-    def _await_target(self, step: int) -> None:
-        from datetime import timedelta
-
-        with self._lock:
-            try:
-                self.store.wait(["target"], timedelta(seconds=self.timeout))
-            except Exception:  # noqa: BLE001 - the proposing rank died before proposing: stop here
-                logger.warning("rank %d: no stop step agreed; stopping at step %d", self.rank, step)
-                self.target = step
-                return
-            self.target = int(self.store.get("target"))
-
-
-def stop_here(stop, rank: int, step: int, run_dir: Path | None = None) -> bool:
-    """Whether the worker ``rank``, having finished ``step``, stops there (Ctrl-C); ``stop`` is the run's
-    agreement (:class:`LocalStop`, :class:`StoreStop`) or None for a single worker per process. From a
-    process's first step boundary on, Ctrl-C stops training instead of raising KeyboardInterrupt."""
-    INTERRUPT.armed = True
-    if INTERRUPT.run_dir is None and run_dir is not None:
-        INTERRUPT.run_dir = Path(run_dir)
-    if stop is None:
-        if not INTERRUPT.requested:
-            return False
-        stop = INTERRUPT.solo
-    return stop(rank, step)
-
-
-INTERRUPT = _Interrupt()

@@ -34,11 +34,14 @@ from noloco.data.documents import DataError
 from noloco.models.hf import ModelError
 from noloco.train import backends, checkpoint
 from noloco.train.config import ConfigError, commented_yaml, load_config
+from noloco.train.interrupt import INTERRUPT, Interrupted
+from noloco.train.state import WorkerState
 
 
 def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
     """Load and check every worker's state of the checkpoint against the model, AdamW and algorithm ``cfg``
-    builds (:class:`checkpoint.Layout`), before anything of the run is written; CheckpointError if any fails."""
+    builds (their state owners, :class:`noloco.train.state.WorkerState`), before anything of the run is written;
+    CheckpointError if any fails."""
     from noloco.train.loop import build_inner_optimizer, build_model
 
     if cfg.backend == "hivemind":  # a peer's folder holds its own worker, whatever its rank
@@ -49,7 +52,7 @@ def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
         ranks = range(int(os.environ.get("WORLD_SIZE") or cfg.workers * cfg.inner.processes))
     else:
         ranks = range(cfg.workers)
-    layouts: dict[int | None, checkpoint.Layout] = {}
+    layouts: dict[int | None, WorkerState] = {}
     seed_digests: dict[int | None, str] = {}
     stream_ends: dict[int, list[int]] = {}  # data.streaming: the steps each worker's shard ended at
 
@@ -63,7 +66,7 @@ def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
             with torch.device("meta"):  # shapes only: nothing allocated
                 model = build_model(cfg, vocab or cfg.data.vocab_size)
                 opt, schedule = build_inner_optimizer(cfg, model)
-            layouts[vocab] = checkpoint.Layout.of(model, opt, outer=cfg.outer.algo != "ddp", schedule=schedule)
+            layouts[vocab] = WorkerState.for_check(model, opt, schedule, outer=cfg.outer.algo != "ddp")
         layouts[vocab].check(state, step, where)
         if isinstance(state.get("sampler"), dict):
             stream_ends[rank] = [int(s) for s in state["sampler"].get("ends", [])]
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (omegaconf dotlist)")
     args = parser.parse_args(argv)
 
-    interrupt = checkpoint.INTERRUPT
+    interrupt = INTERRUPT
     interrupt.reset()
     previous = signal.getsignal(signal.SIGINT)
     try:
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if interrupt.requested:  # after the last step: the run is complete
             print("interrupted after the last step: the run is complete", file=sys.stderr)
             return 130
-    except checkpoint.Interrupted as exc:
+    except Interrupted as exc:
         if not exc.quiet:
             print(exc.line(), file=sys.stderr, flush=True)
         return 130

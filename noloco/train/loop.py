@@ -26,8 +26,7 @@ from noloco.data.stream_end import StreamEnd
 from noloco.data.tokens import TokenizedCorpus
 from noloco.gossip.base import GroupSource
 from noloco.models.llama import LLaMA, model_config
-from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, OuterAlgorithm, PeriodicAveraging
-from noloco.optim.algorithms import copy_flat_into
+from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, PeriodicAveraging
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.config import ConfigError
@@ -44,8 +43,10 @@ from noloco.train.device import (
     worker_device,
     worker_stream,
 )
+from noloco.train.interrupt import stop_here
 from noloco.train.metrics import MetricsLogger
 from noloco.train.stall import StallWatch
+from noloco.train.state import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +182,12 @@ class RunContext:
     resume_step: int = 0
     progress: object | None = None
     stop_after: int | None = None  # testing hook: return after this step, as if killed
-    stop: object | None = None  # Ctrl-C: the step every worker stops at (checkpoint.LocalStop / StoreStop)
+    stop: object | None = None  # Ctrl-C: the step every worker stops at (interrupt.LocalStop / StoreStop)
     watch: StallWatch | None = None  # run.stall_timeout: made by the first worker that reports (mark)
 
     def should_stop(self, rank: int, step: int) -> bool:
         """Ctrl-C: True once worker ``rank`` finished the step every worker of the run stops (and saves) at."""
-        return checkpoint.stop_here(self.stop, rank, step, self.run_dir)
+        return stop_here(self.stop, rank, step, self.run_dir)
 
     def mark(self, rank: int, step: int, doing: str) -> None:
         """Worker ``rank`` finished ``step`` and now does ``doing``, for the stall detector (``run.stall_timeout``)."""
@@ -219,49 +220,19 @@ class Worker:
     start: int = 0
     wall_offset: float = 0.0
     history: list = field(default_factory=list)
+    _owners: WorkerState | None = field(default=None, repr=False)
+
+    def owners(self) -> WorkerState:
+        """This worker's state owners (:mod:`noloco.train.state`): what a checkpoint stores, less what can be
+        rebuilt exactly (φ₀, φ = φ₀, θ = φ)."""
+        if self._owners is None:
+            self._owners = WorkerState.of_worker(self.model, self.opt, self.schedule, self.algo, self.history,
+                                                 self.sampler)  # fmt: skip
+        return self._owners
 
     def state(self, step: int, wall: float) -> dict:
-        """Everything a checkpoint of ``step`` holds for this worker, less what can be rebuilt exactly:
-
-        - the outer algorithm's initial weights φ₀ (``reference``): the seed's initial weights, rebuilt by
-          building the model from ``run.seed``; stored as a marker with their SHA-256, checked on load;
-        - the slow weights φ while they equal φ₀ bit for bit (before the first outer step, or when every
-          round was skipped): a marker, rebuilt from φ₀;
-        - the model weights θ when they equal φ bit for bit (right after an outer step, or a late joiner's
-          start): a marker, rebuilt from φ (buffers, if a model has any, are still stored).
-
-        AdamW moments, slow weights, outer momentum and error-feedback residuals stay fp32: a resume is
-        bit-exact only with the values the run had.
-        """
-        algorithm = self.algo.state_dict()
-        model = self.model.state_dict()
-        if isinstance(self.algo, OuterAlgorithm):
-            if not getattr(self, "_explicit_reference", False):  # φ₀ is this config's seed init
-                ref = self.algo.reference
-                memo = getattr(self, "_reference_digest", None)
-                if memo is None or memo[0] is not ref or memo[1] != ref._version:
-                    memo = (ref, ref._version, checkpoint.digest(ref))
-                    self._reference_digest = memo
-                algorithm["reference"] = {checkpoint.REBUILT: "seed", "sha256": memo[2]}
-            if torch.equal(self.algo.slow, self.algo.reference):
-                algorithm["slow"] = {checkpoint.REBUILT: "reference"}
-            if _equals_flat(self.algo.params, self.algo.slow):
-                params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
-                model = {checkpoint.REBUILT: "slow", "buffers": {k: v for k, v in model.items() if k not in params}}
-        state = {
-            "step": step,
-            "vocab_size": self.model.cfg.vocab_size,
-            "model": model,
-            "inner_opt": self.opt.state_dict(),
-            "schedule": self.schedule.state_dict(),
-            "algorithm": algorithm,
-            "counter": self.algo.counter.state_dict(),
-            "wall_seconds": wall,
-            "eval_history": self.history,
-        }
-        if hasattr(self.sampler, "state_dict"):  # a streamed dataset's position (data.streaming)
-            state["sampler"] = self.sampler.state_dict()
-        return state
+        """Everything a checkpoint of ``step`` holds for this worker (``wall``: seconds trained so far)."""
+        return self.owners().state_dict(step, wall)
 
     def evaluate(self) -> float:
         if self.device.type == "cpu" and self.precision == "fp32":
@@ -269,42 +240,15 @@ class Worker:
         return evaluate(self.model, self.held_out, self.device, self.precision)
 
     def load(self, state: dict) -> None:
-        """Continue from a checkpoint's state (checked by :meth:`checkpoint.Layout.check`); rebuilds what
-        :meth:`state` left out. :class:`~noloco.train.checkpoint.CheckpointError` if φ₀ cannot be rebuilt."""
-        algorithm, model = dict(state["algorithm"]), state["model"]
-        reference = algorithm.pop("reference", None)
-        if isinstance(self.algo, OuterAlgorithm):
-            if isinstance(algorithm.get("slow"), dict):  # φ = φ₀
-                seed_init = self.algo.reference if isinstance(reference, dict) else reference
-                algorithm["slow"] = seed_init.to(self.algo.reference).clone()
-            if isinstance(reference, dict):  # rebuilt: this worker's φ₀ was built from run.seed
-                if checkpoint.digest(self.algo.reference) != reference["sha256"]:
-                    raise checkpoint.CheckpointError(
-                        f"worker {self.rank}: the initial weights rebuilt from run.seed differ from the checkpoint's "
-                        "(run.seed or the model changed since it was saved)"
-                    )
-            elif reference is not None and not torch.equal(reference.to(self.algo.reference), self.algo.reference):
-                algorithm["reference"] = reference  # an older checkpoint's φ₀ that is not the seed's
-                self._explicit_reference = True
+        """Continue from a checkpoint's state (checked by :meth:`WorkerState.check`); rebuilds what
+        :meth:`state` left out. :class:`~noloco.train.checkpoint.CheckpointError` if it cannot be loaded."""
         try:
-            if not (isinstance(model, dict) and checkpoint.REBUILT in model):
-                self.model.load_state_dict(model)
-            self.opt.load_state_dict(state["inner_opt"])
-            self.schedule.load_state_dict(state["schedule"])
-            self.algo.load_state_dict(algorithm)
-            if isinstance(model, dict) and checkpoint.REBUILT in model:  # θ = φ
-                self.model.load_state_dict(model["buffers"], strict=False)
-                copy_flat_into(self.algo.slow, self.algo.params)
-            self.algo.counter.load_state_dict(state["counter"])
-            if hasattr(self.sampler, "load_state_dict") or "sampler" in state:
-                if not hasattr(self.sampler, "load_state_dict") or "sampler" not in state:
-                    raise ValueError("the checkpoint and this run disagree on whether the data is streamed "
-                                     "(data.streaming): the batches would not continue where they stopped")  # fmt: skip
-                self.sampler.load_state_dict(state["sampler"])
+            self.owners().load_state_dict(state)
+        except checkpoint.CheckpointError as exc:
+            raise checkpoint.CheckpointError(f"worker {self.rank}: {exc}") from None
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise checkpoint.CheckpointError(f"worker {self.rank}: cannot load its state: {exc}") from None
         self.start, self.wall_offset = state["step"], state["wall_seconds"]
-        self.history = [tuple(h) for h in state["eval_history"]]
 
 
 def build_worker(ctx: RunContext, backend: Backend) -> Worker:
@@ -333,8 +277,7 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
     )
     if ctx.resume_from is not None:  # checked as a whole (noloco.train.cli) before the run wrote anything
         state = checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step)
-        layout = checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm), schedule=schedule)
-        layout.check(state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
+        worker.owners().check(state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
         worker.load(state)
     else:
         worker.start = backend.start(algo, model)
@@ -584,16 +527,3 @@ def save_checkpoint(ctx: RunContext, backend: Backend, worker: Worker, step: int
         checkpoint.saved(ctx.run_dir, step)  # left incomplete (a worker is gone)
     elif backend.marks_complete():
         checkpoint.mark_complete(ctx.run_dir, step, OmegaConf.to_yaml(ctx.cfg), ctx.cfg.checkpoint.keep)
-
-
-def _equals_flat(params: list[torch.Tensor], flat: torch.Tensor) -> bool:
-    """Whether ``params`` hold exactly the consecutive slices of ``flat`` (θ = φ after an outer step); ``flat``
-    may live elsewhere (``outer.offload``: pinned host memory)."""
-    offset = 0
-    for p in params:
-        n = p.numel()
-        piece = flat[offset : offset + n].to(p.device, non_blocking=True)
-        if p.dtype != flat.dtype or not torch.equal(p.detach().reshape(-1), piece):
-            return False
-        offset += n
-    return offset == flat.numel()

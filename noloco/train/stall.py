@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from noloco.train import checkpoint
+from noloco.train.interrupt import hard_exit
 
 #: exit status of a process stopped by the stall detector
 STALL_EXIT = 3
@@ -105,4 +106,4 @@ class StallWatch:
             os.write(2, ("\n" + line + "\n").encode())
         except OSError:
             pass
-        checkpoint.hard_exit(STALL_EXIT, self.run_dir, say=False)
+        hard_exit(STALL_EXIT, self.run_dir, say=False)

@@ -167,7 +167,7 @@ def test_the_error_feedback_decay_reaches_every_residual_and_changes_the_traject
     def run(decay):
         def worker(transport):
             model, algo = _build(transport, start, cls=cls, codec="int2", error_feedback_decay=decay, **extra)
-            feedbacks = [f for pair in algo._feedbacks for f in pair if f is not None]
+            feedbacks = [f for fragment in algo.fragment_states for f in fragment.feedbacks if f is not None]
             assert feedbacks and {f.decay for f in feedbacks} == {decay}
             _steps(model, algo, targets[transport.rank], STEPS)
             return algo.slow.double()

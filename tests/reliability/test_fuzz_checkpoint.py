@@ -1,6 +1,6 @@
 """Fuzz of what resume reads from a worker's checkpoint JSON (issue #32): mutated bytes, and every plain value
-forged to an arbitrary JSON value, each checked by ``checkpoint.load_worker`` and the run's
-:class:`~noloco.train.checkpoint.Layout` (with the optimizer and LR schedule the run builds) exactly as
+forged to an arbitrary JSON value, each checked by ``checkpoint.load_worker`` and the run's state owners
+(:class:`~noloco.train.state.WorkerState`, with the optimizer and LR schedule the run builds) exactly as
 ``train.py resume=`` checks it: a state is accepted only with every value within its bounds (a forged eval
 loss of 2, a flag set to a value it may hold), anything else is one :class:`CheckpointError`, never another
 exception.
@@ -23,6 +23,7 @@ from noloco.data.tokenizer import count_entries
 from noloco.train import checkpoint
 from noloco.train.backends.local import launch as run
 from noloco.train.loop import build_inner_optimizer, build_model
+from noloco.train.state import WorkerState
 
 from .fuzzing import fuzz_settings, mutate, record
 
@@ -43,7 +44,7 @@ def checkpoint_copy(tmp_path_factory, data_cache):
     with torch.device("meta"):
         model = build_model(cfg, cfg.data.vocab_size)
         opt, schedule = build_inner_optimizer(cfg, model)
-    layout = checkpoint.Layout.of(model, opt, outer=True, schedule=schedule)
+    layout = WorkerState.for_check(model, opt, schedule, outer=True)
     layout.seed_digest = checkpoint.digest(parameters_to_vector(build_model(cfg, cfg.data.vocab_size).parameters()))
     return folder, layout
 

@@ -4,7 +4,7 @@ checkpoint and leaving no temporary files. A resumed run ends exactly where an u
 
 The stop step is agreed without waiting for anyone: at each step boundary a worker reports its step, and
 the first to see the interrupt picks max(its step, 1 + the furthest step another worker has passed)
-(:class:`~noloco.train.checkpoint.LocalStop` for threads, :class:`~noloco.train.checkpoint.StoreStop` over
+(:class:`~noloco.train.interrupt.LocalStop` for threads, :class:`~noloco.train.interrupt.StoreStop` over
 the torch.distributed store for processes), so the agreement is tested here on its own too.
 """
 
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from noloco.train import checkpoint
+from noloco.train import interrupt as ctrl_c
 from noloco.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,9 +39,9 @@ TRAIN = [sys.executable, str(ROOT / "train.py")]
 
 @pytest.fixture
 def interrupt():
-    checkpoint.INTERRUPT.reset()
-    yield checkpoint.INTERRUPT
-    checkpoint.INTERRUPT.reset()
+    ctrl_c.INTERRUPT.reset()
+    yield ctrl_c.INTERRUPT
+    ctrl_c.INTERRUPT.reset()
 
 
 # ------------------------------------------------------------------------------- agreeing on a step
@@ -73,7 +74,7 @@ def _race(make_stop, workers: int, seed: int, interrupt) -> dict[int, list[int]]
 
 @pytest.mark.parametrize("seed", range(5))
 def test_threads_stop_at_one_step_without_passing_it(interrupt, seed):
-    stop = checkpoint.LocalStop()
+    stop = ctrl_c.LocalStop()
     done = _race(lambda rank: stop, 4, seed, interrupt)
     assert {steps[-1] for steps in done.values()} == {stop.target}
     assert stop.target < 1999
@@ -83,7 +84,7 @@ def test_threads_stop_at_one_step_without_passing_it(interrupt, seed):
 def test_processes_agree_over_the_store(interrupt, seed):
     """The same over a real TCPStore, one client per rank (as processes would have)."""
     server, clients = _clients(3)
-    stops = [checkpoint.StoreStop(clients[r], r, 3, 0, 10.0) for r in range(3)]
+    stops = [ctrl_c.StoreStop(clients[r], r, 3, 0, 10.0) for r in range(3)]
     done = _race(lambda rank: stops[rank], 3, seed, interrupt)
     targets = {s.target for s in stops}
     assert len(targets) == 1
@@ -130,7 +131,7 @@ def test_processes_agree_over_a_far_store(interrupt, seed):
     """A store several steps away: each rank promises steps ahead of where it is, and still none passes the
     agreed step."""
     server, clients = _clients(3, delay=0.006)
-    stops = [checkpoint.StoreStop(clients[r], r, 3, 0, 10.0) for r in range(3)]
+    stops = [ctrl_c.StoreStop(clients[r], r, 3, 0, 10.0) for r in range(3)]
     done = _race(lambda rank: stops[rank], 3, seed, interrupt)
     targets = {s.target for s in stops}
     assert len(targets) == 1
@@ -142,7 +143,7 @@ def test_a_far_store_costs_the_boundaries_no_round_trips(interrupt):
     """Step boundaries do not wait on a store across a slow link: every request of 200 boundaries is the reporter
     thread's (which thread made them, not how long they took: a loaded machine stretches any time)."""
     server, (client,) = _clients(1, delay=0.02)
-    stop = checkpoint.StoreStop(client, 0, 1, 0, 10.0)
+    stop = ctrl_c.StoreStop(client, 0, 1, 0, 10.0)
     for step in range(1, 201):
         time.sleep(0.002)
         assert not stop(0, step)
@@ -158,7 +159,7 @@ def test_a_lag_that_shrinks_does_not_lower_the_promise(interrupt):
     them while the proposer reads its last promise, and that must not be lower than where the rank is."""
     server, (far, near) = _clients(2, delay=0.02)
     near.delay = 0.0
-    stop, proposer = checkpoint.StoreStop(far, 0, 2, 0, 10.0), checkpoint.StoreStop(near, 1, 2, 0, 10.0)
+    stop, proposer = ctrl_c.StoreStop(far, 0, 2, 0, 10.0), ctrl_c.StoreStop(near, 1, 2, 0, 10.0)
     step = 0
     for step in range(1, 61):  # a busy link: round trips of 40 ms against 2 ms steps
         time.sleep(0.002)
@@ -193,7 +194,7 @@ def test_a_rank_whose_store_host_died_stops_alone(interrupt, caplog):
     try:
         port = int(host.stdout.readline())
         client = dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=5))
-        stop = checkpoint.StoreStop(client, 1, 2, 0, 10.0)
+        stop = ctrl_c.StoreStop(client, 1, 2, 0, 10.0)
         assert not stop(1, 1) and not stop(1, 2)
         host.kill()
         host.wait()
@@ -210,9 +211,9 @@ def test_a_rank_whose_store_host_died_stops_alone(interrupt, caplog):
 
 
 def test_a_single_worker_stops_at_its_next_step(interrupt):
-    assert not checkpoint.stop_here(None, 0, 4)
+    assert not ctrl_c.stop_here(None, 0, 4)
     interrupt.requested = True
-    assert checkpoint.stop_here(None, 0, 5) and interrupt.solo.target == 5
+    assert ctrl_c.stop_here(None, 0, 5) and interrupt.solo.target == 5
 
 
 def test_second_interrupt_removes_temporary_files_and_the_unfinished_folder(tmp_path, monkeypatch):
@@ -228,7 +229,7 @@ def test_second_interrupt_removes_temporary_files_and_the_unfinished_folder(tmp_
     tmp = checkpoint.step_dir(tmp_path, 5) / f".config.yaml.{os.getpid()}.x.tmp"  # a write still going on
     tmp.write_bytes(b"partial")
     checkpoint._WRITES.temps.add(str(tmp))
-    checkpoint.hard_exit(130, tmp_path)
+    ctrl_c.hard_exit(130, tmp_path)
     assert exits == [130] and not unfinished.exists() and not tmp.exists()
     assert checkpoint.resolve(tmp_path / "checkpoints" / "latest")[2] == 5
     with pytest.raises(checkpoint.Closing):  # nothing is written after it

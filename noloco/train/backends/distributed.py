@@ -42,6 +42,7 @@ from noloco.train import checkpoint
 from noloco.train.backends.local import WorldBackend, check_vocab
 from noloco.train.config import ConfigError
 from noloco.train.device import local_index, worker_device
+from noloco.train.interrupt import INTERRUPT, Interrupted, StoreStop, hard_exit
 from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.run import Progress, finish, new_run_folder, prepare, relative_spread, summarize, weight_sketch
@@ -102,7 +103,7 @@ def launch(
         procs.append(ctx.Process(target=_spawned_rank, args=args, name=f"noloco-rank{rank}"))
     # Ctrl-C reaches the whole process group; the ranks ignore SIGINT and get it from here, once per Ctrl-C,
     # as SIGUSR1 (first: every rank stops at one step and saves it; second: they quit at once)
-    interrupt = checkpoint.INTERRUPT
+    interrupt = INTERRUPT
     interrupt.run_dir = run_dir
     interrupt.forward = lambda count: _signal_ranks(procs, signal.SIGUSR1)
     interrupt.hard = lambda: _quit_at_once(procs, run_dir)
@@ -117,7 +118,7 @@ def launch(
         if interrupt.requested and set(codes) <= {0, 130} and 130 in codes:
             reader = pipes[0][0]
             step, complete = reader.recv() if reader.poll() else (None, False)  # rank 0 completes checkpoints
-            raise checkpoint.Interrupted(step, run_dir, complete)
+            raise Interrupted(step, run_dir, complete)
         failed = [(i, code) for i, code in enumerate(codes) if code != 0]
         if failed:
             raise RuntimeError(f"backend=torch: worker processes failed (rank, exit code): {failed}")
@@ -150,19 +151,19 @@ def _quit_at_once(procs, run_dir: Path) -> None:
             proc.kill()
             proc.join(2)
     checkpoint.remove_temporary_files(run_dir)
-    checkpoint.hard_exit(130, run_dir)
+    hard_exit(130, run_dir)
 
 
 def _spawned_rank(env: dict, stopped, *args) -> None:
     """A rank the local launcher started; ``stopped``: its end of a pipe for (step, complete) on Ctrl-C."""
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on as SIGUSR1
-    interrupt = checkpoint.INTERRUPT
+    interrupt = INTERRUPT
     interrupt.announce = False  # the launcher tells the user
     interrupt.install(signal.SIGUSR1)
     try:
         run_rank(*args, shards_checked=True)  # (the launcher checked every rank's stream shard)
-    except checkpoint.Interrupted as exc:
+    except Interrupted as exc:
         stopped.send((exc.step, exc.complete))
         sys.exit(130)
     except KeyboardInterrupt:  # before training started
@@ -241,7 +242,7 @@ class DistributedBackend(WorldBackend):
         if self.replicas is None:
             return model
         if isinstance(algo, OuterAlgorithm):
-            algo.replicas = self.replicas
+            algo.set_replicas(self.replicas)
         return self.replicas.wrap(model)  # DDP over the worker's processes, quantized gradient hook
 
     def barrier(self, step: int) -> bool:
@@ -326,8 +327,8 @@ def run_rank(
         client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                timeout=timedelta(seconds=10))  # fmt: skip
         store = dist.PrefixStore(f"noloco/stop/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)
-        ctx.stop = checkpoint.StoreStop(store, rank, world, resume_step, cfg.comm.startup_timeout)
-        interrupt = checkpoint.INTERRUPT
+        ctx.stop = StoreStop(store, rank, world, resume_step, cfg.comm.startup_timeout)
+        interrupt = INTERRUPT
         interrupt.run_dir, interrupt.armed = folder, True
         interrupt.announce = interrupt.announce and rank == 0
         try:
@@ -339,7 +340,7 @@ def run_rank(
             metrics.close()
         if ctx.stop.target is not None and ctx.stop.target < cfg.steps:  # (at the last step: complete)
             complete = (checkpoint.step_dir(folder, ctx.stop.target) / checkpoint.COMPLETE).exists()
-            raise checkpoint.Interrupted(ctx.stop.target, folder, complete, quiet=rank != 0)
+            raise Interrupted(ctx.stop.target, folder, complete, quiet=rank != 0)
         inner_bytes = replicas.hook_state.counter.bytes_sent if replicas else 0
         summary = _gather_summary(cfg, folder, corpus, params, result, transport, inner_bytes, k,
                                   time.perf_counter() - started, stop_after, resume_step, quiet)  # fmt: skip

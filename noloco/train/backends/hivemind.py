@@ -81,6 +81,7 @@ from noloco.swarm import (
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.config import ConfigError
+from noloco.train.interrupt import INTERRUPT, Interrupted
 from noloco.train.loop import RunContext, WorkerResult, build_model, train_worker
 from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.run import Progress, finish, load_corpus, summarize
@@ -210,7 +211,7 @@ class HivemindBackend(Backend):
             self.state.update(state.step, state.slow, state.velocity)
 
 
-class PeerInterrupted(checkpoint.Interrupted):
+class PeerInterrupted(Interrupted):
     """Ctrl-C on a swarm peer: its resume line also says that the run key is needed again (it is never saved)."""
 
     def line(self) -> str:
@@ -231,7 +232,7 @@ class ShownRounds(GroupSource):
         self.group_size = matchmaking.group_size  # the eager overlap's share w = 1/ñ before a group has arrived
 
     def form(self, round_index: int, timeout: float) -> Group | None:
-        if checkpoint.INTERRUPT.requested:
+        if INTERRUPT.requested:
             return None
         wait = min(timeout, self.matchmaking.timeout)
         shown = self.matchmaking.target(round_index, self.matchmaking.next_round)  # before the registry's front
@@ -352,7 +353,7 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
             progress.close()
             progress = None
             metrics.close()
-        stopped = checkpoint.INTERRUPT.solo.target
+        stopped = INTERRUPT.solo.target
         if stopped is not None and stopped < cfg.steps:
             # Ctrl-C: saved at `stopped`, not finished: no summary, and not listed as finished (round -1), so no
             # peer takes it for a completed one; its last entry ages out of the others' view like a dead peer's
@@ -367,7 +368,7 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
     finally:
         if endpoint is not None:
             endpoint.close()
-        if checkpoint.INTERRUPT.requested:  # a terminal's Ctrl-C also stopped p2pd: the node cannot say goodbye
+        if INTERRUPT.requested:  # a terminal's Ctrl-C also stopped p2pd: the node cannot say goodbye
             dht.shutdown_timeout = min(dht.shutdown_timeout, 1.0)
         dht.shutdown()
 

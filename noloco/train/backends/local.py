@@ -20,6 +20,7 @@ from noloco.comm import LocalFabric
 from noloco.comm.base import CommAborted, CommError, Transport
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
+from noloco.train.interrupt import INTERRUPT, Interrupted, LocalStop
 from noloco.train.loop import RunContext, WorkerResult, train_worker
 from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.run import Progress, consensus_distance, finish, new_run_folder, prepare, summarize
@@ -100,8 +101,8 @@ def launch(
                             wandb=wandb_options(cfg, run_dir.name))  # fmt: skip
     progress = Progress(cfg.steps, resume_step, cfg.workers, cfg.log.progress and not quiet)
     ctx = RunContext(cfg, corpus, run_dir, metrics, resume_from, resume_step, progress, stop_after)
-    ctx.stop = checkpoint.LocalStop()  # Ctrl-C: one stop step for every worker
-    interrupt = checkpoint.INTERRUPT
+    ctx.stop = LocalStop()  # Ctrl-C: one stop step for every worker
+    interrupt = INTERRUPT
     interrupt.run_dir, interrupt.armed = run_dir, True
     fabric = LocalFabric(cfg.workers)
     try:
@@ -114,7 +115,7 @@ def launch(
         metrics.close()
     if ctx.stop.target is not None and ctx.stop.target < cfg.steps:  # (at the last step the run is complete)
         complete = (checkpoint.step_dir(run_dir, ctx.stop.target) / checkpoint.COMPLETE).exists()
-        raise checkpoint.Interrupted(ctx.stop.target, run_dir, complete)
+        raise Interrupted(ctx.stop.target, run_dir, complete)
     summary = summarize(cfg, run_dir, corpus, params, results, consensus_distance([r.slow_weights for r in results]),
                         time.perf_counter() - started, stop_after or cfg.steps, resume_step)  # fmt: skip
     return finish(cfg, summary, quiet)
