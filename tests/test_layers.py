@@ -18,6 +18,7 @@ PACKAGE = ROOT / "noloco"
 
 #: bottom first; packages (and the top-level entry modules) on the same floor must not import each other
 FLOORS = {
+    "state": -1,  # noloco/state.py: the state-owner protocol, imports nothing of noloco
     "quant": 0,
     "comm": 1,
     "collectives": 2,
