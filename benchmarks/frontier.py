@@ -83,6 +83,8 @@ OVERLAP_TARGET = 1.0075
 #: the flags that make a point overlapped; without them it is its blocking twin
 OVERLAP_FLAGS = ("outer.overlap=", "outer.overlap_steps=")
 REFERENCE = ("noloco", "fp32")
+#: a point whose loss ratio is above this (a diverged run) is named under the plot, not drawn, so the rest stay legible
+OFF_CHART = 1.5
 PLAN = "frontier-plan.json"  # in a stamp folder: its runs (algo, point, seed, name) and the machine
 
 
@@ -304,6 +306,8 @@ def plot(rows: list[dict], out: Path, name: str) -> list[Path]:
     ref_bits = next((r["bits"] for r in rows if (r["algo"], r["point"]) == REFERENCE), None)
     for algo in dict.fromkeys(r["algo"] for r in rows):
         mine = [r for r in rows if r["algo"] == algo and r["ratio"] is not None and r["bits"] > 0]
+        off = [r for r in mine if r["ratio"] > OFF_CHART]
+        mine = [r for r in mine if r["ratio"] <= OFF_CHART]
         if not mine:
             continue
         fig, ax = plt.subplots(figsize=(8, 5))
@@ -316,7 +320,8 @@ def plot(rows: list[dict], out: Path, name: str) -> list[Path]:
         if ref_bits:
             ax.axvline(ref_bits / BYTES_TARGET, ls="--", color="green", lw=1, label="30× fewer bytes than fp32")
         ax.set_xscale("log")
-        ax.set_xlabel("bits / parameter / inner step (bytes sent per worker × 8 ÷ params ÷ steps)")
+        ax.set_xlabel("bits / parameter / inner step (bytes sent per worker × 8 ÷ params ÷ steps)" + "".join(
+            f"\noff the chart: {r['point']} (loss ratio {r['ratio']:.3g})" for r in off))  # fmt: skip
         ax.set_ylabel("held-out loss ÷ NoLoCo-fp32 (same seed)")
         ax.set_title(f"{algo}: loss against bits (blue: error feedback, red: none)")
         ax.legend(fontsize=8)
