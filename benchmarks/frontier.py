@@ -452,7 +452,8 @@ def main() -> int:
         parser.error("--parallel and --slow-every must be >= 1")
     budget = [*(TINY if args.tiny else GPU), *args.overrides]
     settings = (f"NoLoCo's lossy points: Δ through the codec every round, φ − φ₀ through {args.slow_codec} every "
-                f"{args.slow_every} rounds (`outer.slow_every`); fp32 and `@fused`: one fused message per round.")
+                f"{args.slow_every} rounds (`outer.slow_every`; `@outer.slow_stagger=true`: 1/{args.slow_every} of it "
+                "every round); fp32 and `@fused`: one fused message per round.")
     skipped: list[str] = []
     command = common.command("frontier")
     if args.from_runs:
