@@ -10,7 +10,9 @@ seed (``--seeds``), through ``train.py`` in a process of its own (``--parallel N
 ``summary.json``. A point is ``CODEC[@flag...]``: ``CODEC`` is a ``comm.codec`` spelling (``int2``, ``sign``,
 ``topk:64/4096+int2``, ...); flags: ``noef`` (``comm.error_feedback=false``), ``fused`` (NoLoCo: the slow-weight
 term in the same message, ``comm.slow_codec`` = the codec and ``outer.slow_every=1``, the default run's exchange),
-or any ``key=value`` config override. A codec this checkout does not know is skipped with a line saying so.
+or any ``key=value`` config override (``topk:64/4096+int2@outer.slow_stagger=true``: the slow-weight term as a
+rotating 1/k slice every round; ``...@outer.overlap=true``: overlapped). A codec this checkout does not know is
+skipped with a line saying so.
 
 NoLoCo's points other than ``fp32`` and ``fused`` ones send the pseudo-gradient Δ through the codec every round and
 the slow-weight term φ − φ₀ through ``--slow-codec`` (default int4) once every ``--slow-every`` rounds (default
@@ -20,7 +22,10 @@ always run.
 Per point: x = bits/param/step = bytes sent per worker × 8 ÷ parameters ÷ inner steps; y = held-out loss ÷
 NoLoCo-fp32's of the same seed; both as mean ± standard deviation over seeds. The targets of the table (issue
 30): within +1.5% of NoLoCo-fp32 at ≥ 30× fewer bytes than NoLoCo-fp32, and at ≤ 0.0073 bits/param/step
-(Covenant-72B's rate). Writes ``<out>/<name>.md`` (the table, command and machine), ``<out>/<name>.json`` and
+(Covenant-72B's rate); only points run with 3 seeds decide a target (fewer: shown, marked "not decided"). Each
+overlapped point (``@outer.overlap=...``) whose blocking twin (the same point without the overlap flags) ran gets
+a line of overlap's loss cost: overlapped ÷ blocking of the same seed, against the ≤ +0.75% target at τ = H.
+Writes ``<out>/<name>.md`` (the table, command and machine), ``<out>/<name>.json`` and
 ``<out>/<name>-<algo>.png`` (loss ratio against bits/param/step, log x), ``<out>`` being
 ``runs/benchmarks/frontier/`` unless ``--out`` says otherwise.
 
@@ -71,7 +76,15 @@ QUIET = ["log.progress=false", "log.tensorboard=false", "log.plot=false", "check
 LOSS_TARGET = 1.015
 #: ... at >= 30x fewer bytes than NoLoCo-fp32; and at <= 0.0073 bits/param/step (Covenant-72B's rate)
 BYTES_TARGET, BITS_TARGET = 30.0, 0.0073
+#: a target is decided by points run with at least this many seeds (issue 30: three seeds decide); fewer: shown only
+MIN_SEEDS = 3
+#: overlap's loss cost at τ = H, overlapped ÷ blocking twin of the same seed, at most (the eager rule's +0.75%)
+OVERLAP_TARGET = 1.0075
+#: the flags that make a point overlapped; without them it is its blocking twin
+OVERLAP_FLAGS = ("outer.overlap=", "outer.overlap_steps=")
 REFERENCE = ("noloco", "fp32")
+#: a point whose loss ratio is above this (a diverged run) is named under the plot, not drawn, so the rest stay legible
+OFF_CHART = 1.5
 PLAN = "frontier-plan.json"  # in a stamp folder: its runs (algo, point, seed, name) and the machine
 
 
@@ -115,8 +128,9 @@ def point_overrides(algo: str, point: str, slow_codec: str, slow_every: int) -> 
 
 def noloco_only(point: str) -> bool:
     """Whether ``point``'s flags shape NoLoCo's slow-weight term only (``fused``, ``outer.slow_every=``,
-    ``comm.slow_codec=``): DiLoCo sends Δ alone, so such a point is the codec's plain point for it."""
-    return any(flag == "fused" or flag.startswith(("outer.slow_every=", "comm.slow_codec="))
+    ``outer.slow_stagger=``, ``comm.slow_codec=``): DiLoCo sends Δ alone, so such a point is the codec's plain point
+    for it."""
+    return any(flag == "fused" or flag.startswith(("outer.slow_every=", "outer.slow_stagger=", "comm.slow_codec="))
                for flag in point.split("@")[1:])  # fmt: skip
 
 
@@ -162,10 +176,11 @@ def _spread(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-def summarize(results: list[dict]) -> list[dict]:
+def summarize(results: list[dict], min_seeds: int = MIN_SEEDS) -> list[dict]:
     """Per (algo, point), in first-seen order: mean ± sd over seeds of the loss, bits/param/step and loss ratio
     to NoLoCo-fp32 of the same seed (seeds without that reference leave the ratio out), the bytes reduction
-    against NoLoCo-fp32 and whether each target is met."""
+    against NoLoCo-fp32, whether the means meet each target and whether the point decides (``decided``: at least
+    ``min_seeds`` seeds with a ratio)."""
     reference = {r["seed"]: r for r in results if (r["algo"], r["point"]) == REFERENCE}
     ref_bits = statistics.fmean(r["bits"] for r in reference.values()) if reference else None
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -182,7 +197,7 @@ def summarize(results: list[dict]) -> list[dict]:
         rows.append({"algo": algo, "point": point, "seeds": sorted(r["seed"] for r in runs), "loss": loss,
                      "loss_sd": loss_sd, "bits": bits, "bits_sd": bits_sd, "ratio": ratio, "ratio_sd": ratio_sd,
                      "fewer_bytes": fewer, "target_30x": close and fewer is not None and fewer >= BYTES_TARGET,
-                     "target_bits": close and bits <= BITS_TARGET})  # fmt: skip
+                     "target_bits": close and bits <= BITS_TARGET, "decided": len(ratios) >= min_seeds})  # fmt: skip
     return rows
 
 
@@ -199,8 +214,9 @@ def table(rows: list[dict]) -> list[str]:
     for algo in dict.fromkeys(r["algo"] for r in rows):
         mine = sorted((r for r in rows if r["algo"] == algo), key=lambda r: r["bits"], reverse=True)
         for r in mine:
-            marks = [m for m, hit in (("**≥30× within +1.5%**", r["target_30x"]),
-                                      ("**≤0.0073 within +1.5%**", r["target_bits"])) if hit]  # fmt: skip
+            marks = [m if r["decided"] else f"{m.strip('*')} ({len(r['seeds'])} seeds: not decided)"
+                     for m, hit in (("**≥30× within +1.5%**", r["target_30x"]),
+                                    ("**≤0.0073 within +1.5%**", r["target_bits"])) if hit]  # fmt: skip
             fewer = "–" if r["fewer_bytes"] is None else f"{r['fewer_bytes']:.1f}×"
             lines.append(f"| {algo} | `{r['point']}` | {len(r['seeds'])} | {_pm(r['bits'], r['bits_sd'], '.4g')} | "
                          f"{fewer} | {_pm(r['loss'], r['loss_sd'], '.4f')} | {_pm(r['ratio'], r['ratio_sd'], '.4f')} "
@@ -209,9 +225,12 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def verdicts(rows: list[dict]) -> list[str]:
-    """One line per target: the best NoLoCo point that meets it, or the closest figure when none does."""
-    noloco = [r for r in rows if r["algo"] == "noloco" and r["ratio"] is not None]
+    """One line per target: the best NoLoCo point that meets it, or the closest figure when none does; only the
+    points that decide (``decided``: enough seeds) count, and a line says when no point has enough seeds."""
+    noloco = [r for r in rows if r["algo"] == "noloco" and r["ratio"] is not None and r["decided"]]
     lines = []
+    if not noloco:
+        return ["- No NoLoCo point has enough seeds (each with its NoLoCo-fp32) to decide a target."]
     for key, what in (("target_30x", f"within +{(LOSS_TARGET - 1) * 100:.1f}% at ≥ {BYTES_TARGET:.0f}× fewer bytes"),
                       ("target_bits", f"within +{(LOSS_TARGET - 1) * 100:.1f}% at ≤ {BITS_TARGET} bits/param/step")):
         hits = [r for r in noloco if r[key]]
@@ -229,6 +248,52 @@ def verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
+def blocking_twin(point: str) -> str | None:
+    """``point`` without its overlap flags (``outer.overlap=``, ``outer.overlap_steps=``): the blocking run it is
+    measured against; None when ``point`` is not overlapped (no ``outer.overlap=`` other than false)."""
+    codec, *flags = point.split("@")
+    overlap = [f for f in flags if f.startswith("outer.overlap=")]
+    if not overlap or overlap[-1].split("=", 1)[1].strip().lower() in ("false", "0", "no"):
+        return None
+    return "@".join([codec, *[f for f in flags if not f.startswith(OVERLAP_FLAGS)]])
+
+
+def overlap_costs(results: list[dict], min_seeds: int = MIN_SEEDS) -> list[dict]:
+    """Per overlapped point (algo, point) whose blocking twin (:func:`blocking_twin`) ran: the loss ratio
+    overlapped ÷ blocking of the same seed, mean ± sd over the seeds both ran, and whether it is within
+    ``OVERLAP_TARGET`` (decided with at least ``min_seeds`` seeds)."""
+    by_key = {(r["algo"], r["point"], r["seed"]): r for r in results}
+    rows = []
+    for algo, point in dict.fromkeys((r["algo"], r["point"]) for r in results):
+        twin = blocking_twin(point)
+        if twin is None:
+            continue
+        ratios = [by_key[algo, point, seed]["loss"] / by_key[algo, twin, seed]["loss"]
+                  for seed in sorted({r["seed"] for r in results}) if (algo, point, seed) in by_key
+                  and (algo, twin, seed) in by_key]  # fmt: skip
+        if not ratios:
+            continue
+        ratio, sd = _spread(ratios)
+        rows.append({"algo": algo, "point": point, "twin": twin, "seeds": len(ratios), "ratio": ratio, "ratio_sd": sd,
+                     "within": ratio <= OVERLAP_TARGET, "decided": len(ratios) >= min_seeds})  # fmt: skip
+    return rows
+
+
+def overlap_table(rows: list[dict]) -> list[str]:
+    """The markdown lines of :func:`overlap_costs` (none when no overlapped point has its twin)."""
+    if not rows:
+        return []
+    lines = ["Overlap's loss cost: each overlapped point against its blocking twin of the same seed (target: "
+             f"≤ +{(OVERLAP_TARGET - 1) * 100:.2f}% at τ = H, {MIN_SEEDS} seeds).", "",
+             "| algorithm | overlapped point | blocking twin | seeds | loss ÷ blocking | target |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        verdict = ("met" if r["within"] else "not met") if r["decided"] else f"{r['seeds']} seeds: not decided"
+        lines.append(f"| {r['algo']} | `{r['point']}` | `{r['twin']}` | {r['seeds']} | "
+                     f"{_pm(r['ratio'], r['ratio_sd'], '.4f')} | {verdict} |")  # fmt: skip
+    return lines
+
+
 def plot(rows: list[dict], out: Path, name: str) -> list[Path]:
     """One figure per algorithm, ``<out>/<name>-<algo>.png``: loss ratio to NoLoCo-fp32 (± sd) against
     bits/param/step on a log axis, each point labelled, the targets drawn as dashed lines."""
@@ -241,6 +306,8 @@ def plot(rows: list[dict], out: Path, name: str) -> list[Path]:
     ref_bits = next((r["bits"] for r in rows if (r["algo"], r["point"]) == REFERENCE), None)
     for algo in dict.fromkeys(r["algo"] for r in rows):
         mine = [r for r in rows if r["algo"] == algo and r["ratio"] is not None and r["bits"] > 0]
+        off = [r for r in mine if r["ratio"] > OFF_CHART]
+        mine = [r for r in mine if r["ratio"] <= OFF_CHART]
         if not mine:
             continue
         fig, ax = plt.subplots(figsize=(8, 5))
@@ -253,7 +320,8 @@ def plot(rows: list[dict], out: Path, name: str) -> list[Path]:
         if ref_bits:
             ax.axvline(ref_bits / BYTES_TARGET, ls="--", color="green", lw=1, label="30× fewer bytes than fp32")
         ax.set_xscale("log")
-        ax.set_xlabel("bits / parameter / inner step (bytes sent per worker × 8 ÷ params ÷ steps)")
+        ax.set_xlabel("bits / parameter / inner step (bytes sent per worker × 8 ÷ params ÷ steps)" + "".join(
+            f"\noff the chart: {r['point']} (loss ratio {r['ratio']:.3g})" for r in off))  # fmt: skip
         ax.set_ylabel("held-out loss ÷ NoLoCo-fp32 (same seed)")
         ax.set_title(f"{algo}: loss against bits (blue: error feedback, red: none)")
         ax.legend(fontsize=8)
@@ -350,6 +418,8 @@ def report(results: list[dict], skipped: list[str], command: str, machine: str, 
              "NoLoCo-fp32's (same seed); mean ± sample standard deviation over seeds. Targets: within +1.5% of "
              f"NoLoCo-fp32 at ≥ {BYTES_TARGET:.0f}× fewer bytes; at ≤ {BITS_TARGET} bits/param/step.", "",
              *table(rows), "", *verdicts(rows)]  # fmt: skip
+    costs = overlap_table(overlap_costs(results))
+    lines += ["", *costs] if costs else []
     if skipped:
         lines += ["", *[f"- {line}" for line in skipped]]
     lines += ["", *[f"![loss ratio against bits/param/step]({p.name})" for p in pictures]]
@@ -382,7 +452,8 @@ def main() -> int:
         parser.error("--parallel and --slow-every must be >= 1")
     budget = [*(TINY if args.tiny else GPU), *args.overrides]
     settings = (f"NoLoCo's lossy points: Δ through the codec every round, φ − φ₀ through {args.slow_codec} every "
-                f"{args.slow_every} rounds (`outer.slow_every`); fp32 and `@fused`: one fused message per round.")
+                f"{args.slow_every} rounds (`outer.slow_every`; `@outer.slow_stagger=true`: 1/{args.slow_every} of it "
+                "every round); fp32 and `@fused`: one fused message per round.")
     skipped: list[str] = []
     command = common.command("frontier")
     if args.from_runs:
@@ -414,7 +485,8 @@ def main() -> int:
     rows = summarize(results)
     pictures = plot(rows, out, args.name)
     lines, rows = report(results, skipped, command, machine, pictures, settings)
-    common.write_report(out, args.name, lines, {"rows": rows, "runs": results}, command=command, machine=machine)
+    common.write_report(out, args.name, lines, {"rows": rows, "overlap": overlap_costs(results), "runs": results},
+                        command=command, machine=machine)  # fmt: skip
     print("\n".join(lines))
     return 0
 

@@ -23,7 +23,8 @@ with error feedback: exact for fp32, and for a lossy codec half the bytes of the
 (measured in docs/results/codecs.md). Below 4 bits the fused message is no longer honest (θ − φ_0 grows
 over training and is not sparse), so ``slow_every=k`` splits the exchange: Δ every round through ``codec``
 (sparse or low-bit, with error feedback), φ − φ_0 through ``slow_codec`` in one round of every k only; the
-other rounds apply no pull (:meth:`OuterAlgorithm.slow_round`; docs/design.md §3.2 bounds what that changes).
+other rounds apply no pull (:meth:`OuterAlgorithm.slow_round`; docs/design.md §3.2 bounds what that changes);
+``slow_stagger`` sends a rotating 1/k slice of φ − φ_0 every round instead and pulls on that slice.
 
 Fragments (``fragments=k``, docs/design.md §3.1): the flat vector is cut into k contiguous slices
 (:mod:`noloco.optim.fragments`); an exchange runs every ``every/k`` steps on one slice only, with that
@@ -59,6 +60,7 @@ from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.fragments import Fragment, split_fragments
 from noloco.optim.noloco import NoLoCoRule
 from noloco.optim.overlap import InFlight, OverlappedRounds, check_overlap_steps, overlap_rule
+from noloco.optim.stagger import SliceFeedback, stagger_index, stagger_slices
 from noloco.state import StateError, check_keys, check_tensor, is_count
 
 logger = logging.getLogger(__name__)
@@ -403,7 +405,9 @@ class OuterAlgorithm(Algorithm):
 
     ``slow_every`` (k, default 1; NoLoCo): the slow-weight term φ − φ_0 crosses the link in one cycle of rounds of
     every k (:meth:`slow_round`); in the others the round reduces Δ alone and the rule applies no pull. With k > 1
-    the exchange is never fused, so Δ alone can take a sparse or low-bit ``codec``.
+    the exchange is never fused, so Δ alone can take a sparse or low-bit ``codec``. ``slow_stagger`` (k > 1 only):
+    instead, every round sends slice (r ÷ fragments) mod k of the term (:mod:`noloco.optim.stagger`) and pulls on
+    that slice alone, so every round's message is the same size and every parameter is still pulled once per k.
 
     ``max_norm_ratio``: the norm bound every reduction of the outer step runs with (None: none); what
     it refuses is counted in :attr:`norm_rejections` (kept in the checkpoint) and in the round's
@@ -436,6 +440,7 @@ class OuterAlgorithm(Algorithm):
         overlap_steps: int | None = None,
         slow_every: int = 1,
         error_feedback_decay: float = 1.0,
+        slow_stagger: bool = False,
     ):
         super().__init__(
             model,
@@ -466,11 +471,17 @@ class OuterAlgorithm(Algorithm):
         if isinstance(slow_every, bool) or not isinstance(slow_every, int) or slow_every < 1:
             raise ValueError(f"outer.slow_every={slow_every!r} must be an integer >= 1")
         self.slow_every = slow_every
+        # staggered: 1/k of the term every round, a rotating slice of each fragment (noloco.optim.stagger)
+        if not isinstance(slow_stagger, bool) or (slow_stagger and slow_every == 1):
+            raise ValueError(f"outer.slow_stagger={slow_stagger!r} must be true or false, and true needs "
+                             "outer.slow_every > 1")  # fmt: skip
+        self.slow_stagger = slow_stagger
         # fragments: slices of the flat vector, one exchanged every `period` steps in turn, each with its own
         # error feedback (one fragment: the whole vector, today's feedback objects, part None everywhere)
         self.fragments = split_fragments([tuple(p.shape) for p in self.params], fragments)
         self.period = self.every // fragments  # inner steps between two exchanges
         self.fragment_states = [Fragment(self.fragments[0], self.feedback, self.slow_feedback)]
+        self._stagger = [stagger_slices(p.stop - p.start, slow_every) for p in self.fragments] if slow_stagger else []
         if fragments > 1:
             fresh = lambda feedback: None if feedback is None else self._new_feedback()  # noqa: E731
             self.fragment_states = [Fragment(part, fresh(self.feedback), fresh(self.slow_feedback))
@@ -691,7 +702,8 @@ class OuterAlgorithm(Algorithm):
         slow weights there (None: φ's). Each fragment reduces with its own error-feedback state.
         """
         tag = f"outer/r{group.round}"
-        feedback, slow_feedback = self.fragment_states[0 if part is None else self.fragments.index(part)].feedbacks
+        fragment = 0 if part is None else self.fragments.index(part)
+        feedback, slow_feedback = self.fragment_states[fragment].feedbacks
         if slow is None:
             slow = self.slow if part is None else self.slow[part]
         reference = self.reference if part is None else self.reference[part]
@@ -721,13 +733,19 @@ class OuterAlgorithm(Algorithm):
         delta = fast - slow
         progress = slow - reference
         mean_delta = reduce(delta, "delta", self.codec, feedback, progress if guarded else None)
-        mean_slow = None
-        if self.rule.needs_slow_mean and not self.slow_round(group.round):
-            mean_slow = slow  # φ itself: no pull this round (the rule skips the pull term for an alias of φ)
-        elif self.rule.needs_slow_mean:
-            scale = torch.hypot(progress, delta) if self.max_norm_ratio is not None else None
-            mean_slow = reference + reduce(progress, "slow", self.slow_codec, slow_feedback, scale)
-        return mean_delta, mean_slow
+        if not self.rule.needs_slow_mean:
+            return mean_delta, None
+        if self.slow_stagger:  # the round's slice of φ − φ_0; φ itself elsewhere, whose pull term is exactly zero
+            piece = self._stagger[fragment][stagger_index(group.round, len(self.fragments), self.slow_every)]
+            scale = torch.hypot(progress[piece], delta[piece]) if self.max_norm_ratio is not None else None
+            sliced = None if slow_feedback is None else SliceFeedback(slow_feedback, piece, progress.numel())
+            mean_slow = slow.clone()
+            mean_slow[piece] = reference[piece] + reduce(progress[piece], "slow", self.slow_codec, sliced, scale)
+            return mean_delta, mean_slow
+        if not self.slow_round(group.round):
+            return mean_delta, slow  # φ itself: no pull this round (the rule skips the pull term for an alias of φ)
+        scale = torch.hypot(progress, delta) if self.max_norm_ratio is not None else None
+        return mean_delta, reference + reduce(progress, "slow", self.slow_codec, slow_feedback, scale)
 
     def _fused_exchange(self) -> bool:
         """One exchange of θ instead of Δ and φ: exact only for rules with β = γ and lossless codecs."""
@@ -852,7 +870,8 @@ class NoLoCo(OuterAlgorithm):
     ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking). ``exchange``
     takes the keyword arguments of :class:`OuterAlgorithm` that shape the exchange: ``codec``,
     ``slow_codec``, ``error_feedback``, ``reduction``, ``timeout``, ``group_timeout``,
-    ``skip_failed_rounds``, ``max_norm_ratio``, ``overlap``, ``overlap_steps``, ``fragments``.
+    ``skip_failed_rounds``, ``max_norm_ratio``, ``overlap``, ``overlap_steps``, ``fragments``, ``slow_every``,
+    ``slow_stagger``.
     """
 
     name = "noloco"

@@ -330,6 +330,8 @@ def _validate_exchange_schedule(cfg: DictConfig) -> None:
              f"outer.slow_every must be an integer >= 1, got {slow_every!r}")  # fmt: skip
     _require(slow_every == 1 or outer.overlap != "eager", "outer.slow_every > 1 does not run with "
              "outer.overlap=eager (use provisional or delayed)")  # fmt: skip
+    _require(isinstance(outer.slow_stagger, bool) and (slow_every > 1 or not outer.slow_stagger),
+             f"outer.slow_stagger={outer.slow_stagger!r} must be true or false, and true needs outer.slow_every > 1")
     _require(outer.every % fragments == 0, f"outer.fragments={fragments} does not divide outer.every={outer.every}")
     try:
         check_overlap_steps(outer.overlap_steps, overlap_rule(outer.overlap), outer.every // fragments)

@@ -143,6 +143,7 @@ def build_algorithm(
     common["offload"] = outer.offload
     if outer.algo == "noloco":
         common["slow_every"] = outer.slow_every
+        common["slow_stagger"] = outer.slow_stagger
     if skip_failed_rounds:
         common["skip_failed_rounds"] = True
     own = {  # each outer algorithm's own knobs

@@ -37,7 +37,7 @@ def test_ratios_pair_each_seed_with_its_own_reference_and_the_targets_are_marked
         _point("noloco", "int4", 0, 5.0, 0.2), _point("noloco", "int4", 1, 4.0, 0.2),
         _point("diloco", "int2", 0, 4.9, 0.006),
     ]  # fmt: skip
-    rows = {(r["algo"], r["point"]): r for r in frontier.summarize(results)}
+    rows = {(r["algo"], r["point"]): r for r in frontier.summarize(results, min_seeds=2)}
     topk = rows["noloco", "topk:64/4096+int2"]
     assert topk["ratio"] == pytest.approx(1.0145) and topk["ratio_sd"] == pytest.approx(0.00636, abs=1e-4)
     assert topk["fewer_bytes"] == pytest.approx(40) and topk["target_30x"] and not topk["target_bits"]
@@ -53,10 +53,49 @@ def test_ratios_pair_each_seed_with_its_own_reference_and_the_targets_are_marked
     assert "**not met**" in verdict[1] and "`topk:64/4096+int2`, 0.04 bits/param/step" in verdict[1]
 
 
+def test_only_points_with_enough_seeds_decide_a_target():
+    """By default three seeds decide: a two-seed point that meets the target is shown, marked, and not counted."""
+    results = [_point("noloco", "fp32", s, 5.0, 1.6) for s in (0, 1, 2)] + [
+        _point("noloco", "topk:64/4096+int2", s, 5.05, 0.04) for s in (0, 1)] + [
+        _point("noloco", "int4", s, 5.0, 0.2) for s in (0, 1, 2)]  # fmt: skip
+    rows = frontier.summarize(results)
+    topk = next(r for r in rows if r["point"] == "topk:64/4096+int2")
+    assert topk["target_30x"] and not topk["decided"]
+    assert any("`topk:64/4096+int2` | 2 |" in line and "≥30× within +1.5% (2 seeds: not decided)" in line
+               for line in frontier.table(rows))  # fmt: skip
+    verdict = frontier.verdicts(rows)[0]
+    assert "**not met**" in verdict and "`int4`" in verdict
+    one_seed = frontier.summarize([r for r in results if r["seed"] == 0])
+    assert frontier.verdicts(one_seed) == ["- No NoLoCo point has enough seeds (each with its NoLoCo-fp32) to decide "
+                                           "a target."]  # fmt: skip
+
+
+def test_overlap_cost_pairs_each_overlapped_point_with_its_blocking_twin_by_seed():
+    point = "topk:64/4096+int2@outer.slow_every=8@outer.slow_stagger=true"
+    assert frontier.blocking_twin(f"{point}@outer.overlap=true") == point
+    assert frontier.blocking_twin(f"{point}@outer.overlap=delayed@outer.overlap_steps=5") == point
+    assert frontier.blocking_twin(f"{point}@outer.overlap=false") is None and frontier.blocking_twin(point) is None
+    results = [_point("noloco", point, s, loss, 0.07) for s, loss in ((0, 5.0), (1, 4.0), (2, 4.5))] + [
+        _point("noloco", f"{point}@outer.overlap=true", s, loss, 0.07)
+        for s, loss in ((0, 5.05), (1, 4.0), (2, 4.5), (3, 9.0))]  # seed 3 has no twin: left out  # fmt: skip
+    (cost,) = frontier.overlap_costs(results)
+    assert cost["twin"] == point and cost["seeds"] == 3 and cost["decided"]
+    assert cost["ratio"] == pytest.approx((1.01 + 1 + 1) / 3) and cost["within"]
+    lines = frontier.overlap_table([cost])
+    assert lines[-1].endswith("| 3 | 1.0033 ± 0.0058 | met |")
+    (costly,) = frontier.overlap_costs([*results[:3], *[{**r, "loss": r["loss"] * 1.01} for r in results[3:]]])
+    assert not costly["within"] and frontier.overlap_table([costly])[-1].endswith("| not met |")
+    assert frontier.overlap_costs(results[:3]) == [] and frontier.overlap_table([]) == []
+
+
 def test_a_missing_reference_leaves_the_ratio_out():
-    rows = frontier.summarize([_point("noloco", "int4", 0, 5.0, 0.2)])
-    assert rows[0]["ratio"] is None and not rows[0]["target_30x"]
-    assert "**not met** (no point within the loss target)" in frontier.verdicts(rows)[0]
+    rows = frontier.summarize([_point("noloco", "int4", 0, 5.0, 0.2)], min_seeds=1)
+    assert rows[0]["ratio"] is None and not rows[0]["target_30x"] and not rows[0]["decided"]
+    assert "No NoLoCo point has enough seeds" in frontier.verdicts(rows)[0]
+    rows = frontier.summarize([_point("noloco", "fp32", 0, 5.0, 1.6), _point("noloco", "int4", 0, 5.2, 0.2)],
+                              min_seeds=1)  # fmt: skip
+    assert "**not met** (the fewest bits within the loss target: `fp32`, 1.6 bits/param/step" in frontier.verdicts(
+        rows)[0]  # fmt: skip
 
 
 def test_points_spell_their_overrides():
@@ -74,7 +113,8 @@ def test_points_spell_their_overrides():
 
 
 def test_the_plan_adds_the_reference_and_skips_unknown_codecs():
-    points = ["int4", "int4@fused", "fp32@outer.slow_every=8", "no-such-codec"]  # the NoLoCo-only ones: not DiLoCo's
+    points = ["int4", "int4@fused", "fp32@outer.slow_every=8", "int2@outer.slow_stagger=true",
+              "no-such-codec"]  # the NoLoCo-only ones: not DiLoCo's
     runs, skipped = frontier.plan_of(["diloco"], points, [0, 1], "int4", 4, frontier.TINY)
     assert [(r.algo, r.point, r.seed) for r in runs] == [
         ("noloco", "fp32", 0), ("noloco", "fp32", 1), ("diloco", "fp32", 0), ("diloco", "fp32", 1),

@@ -14,6 +14,7 @@ from noloco.comm import LocalFabric
 from noloco.gossip import random_groups
 from noloco.optim import DiLoCo, NoLoCo, NoLoCoRule, PeriodicAveraging
 from noloco.optim.fragments import BALANCE, fragment_sizes, split_fragments
+from noloco.optim.stagger import stagger_slices
 
 # --- the split ---------------------------------------------------------------------------------------------
 
@@ -109,7 +110,7 @@ def _train(cls, transport, start, targets, k, overlap, **kw):
     return model.flat().detach().double(), algo.slow.double()
 
 
-def _reference(name: str, start, targets, k: int, overlap: bool | str, slow_every: int = 1):
+def _reference(name: str, start, targets, k: int, overlap: bool | str, slow_every: int = 1, stagger: bool = False):
     """The fragment rule of docs/design.md §3.1 in float64, all workers in lockstep.
 
     Exchange q (q = 0, 1, ...) ends step (q + 1)·H/k and carries fragment (q + 1) mod k; NoLoCo draws its
@@ -134,12 +135,17 @@ def _reference(name: str, start, targets, k: int, overlap: bool | str, slow_ever
     def means(q: int, part: slice, fast: list[torch.Tensor]):
         groups = random_groups(WORKERS, 2, 3, q) if name == "noloco" else [list(range(WORKERS))]
         pulls = (q // k) % slow_every == slow_every - 1  # outer.slow_every: else each worker's own φ, no pull
+        # outer.slow_stagger: every cycle pulls on its slice (cycle mod slow_every) of the fragment, nowhere else
+        piece = stagger_slices(part.stop - part.start, slow_every)[(q // k) % slow_every] if stagger else None
         out = [None] * WORKERS
         for group in groups:
             mean_delta = sum(fast[j] - slow[j][part] for j in group) / len(group)
             mean_slow = sum(slow[j][part] for j in group) / len(group)
             for i in group:
-                out[i] = (mean_delta, mean_slow if pulls else slow[i][part].clone())
+                own = slow[i][part].clone()
+                if piece is not None:
+                    own[piece] = mean_slow[piece]
+                out[i] = (mean_delta, mean_slow if pulls and piece is None else own)
         return out
 
     def apply(part: slice, i: int, mean_delta, mean_slow):
@@ -244,6 +250,22 @@ def test_the_slow_term_every_second_cycle_follows_its_float64_reference(k, overl
         assert torch.allclose(theta, ref_theta, atol=1e-5), (rank, theta - ref_theta)
         assert torch.allclose(slow, ref_slow, atol=1e-5), (rank, slow - ref_slow)
     assert not torch.allclose(reference[0][1], _reference("noloco", start, targets, k, overlap)[0][1])
+
+
+@pytest.mark.parametrize("overlap", [False, "delayed", "provisional"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_staggered_slow_term_follows_its_float64_reference(k, overlap):
+    """outer.slow_stagger with slow_every=3: each cycle of k exchanges pulls on its third of each fragment only;
+    blocking and the overlap rules that leave φ alone until the means land, as the unstaggered split."""
+    start = torch.randn(N, dtype=torch.float64)
+    targets = torch.randn(WORKERS, N, dtype=torch.float64) * 2
+    results = LocalFabric(WORKERS).run(lambda t: _train(NoLoCo, t, start, targets, k, overlap, codec="fp32",
+                                                        max_norm_ratio=None, slow_every=3, slow_stagger=True))
+    reference = _reference("noloco", start, targets, k, overlap, slow_every=3, stagger=True)
+    for rank, ((theta, slow), (ref_theta, ref_slow)) in enumerate(zip(results, reference)):
+        assert torch.allclose(theta, ref_theta, atol=1e-5), (rank, theta - ref_theta)
+        assert torch.allclose(slow, ref_slow, atol=1e-5), (rank, slow - ref_slow)
+    assert not torch.allclose(reference[0][1], _reference("noloco", start, targets, k, overlap, slow_every=3)[0][1])
 
 
 def test_the_slow_term_every_kth_round_refuses_the_eager_overlap():

@@ -177,8 +177,8 @@ def test_checkpoint_stores_only_what_cannot_be_rebuilt(tiny_config, tmp_path):
     "overrides, at",
     [(("outer.algo=noloco",), 2), (("outer.algo=noloco",), 3), (("outer.algo=noloco",), 4),
      (("outer.algo=diloco",), 3), (("outer.algo=ddp",), 4), (("outer.overlap=true",), 4),
-     (("outer.slow_every=2", "steps=12"), 7)],
-    ids=["phi-is-phi0", "theta-is-phi", "mid-round", "diloco", "ddp", "overlap", "slow-every"],
+     (("outer.slow_every=2", "steps=12"), 7), (("outer.slow_every=3", "outer.slow_stagger=true", "steps=12"), 7)],
+    ids=["phi-is-phi0", "theta-is-phi", "mid-round", "diloco", "ddp", "overlap", "slow-every", "slow-stagger"],
 )  # fmt: skip
 def test_resume_from_each_kind_of_checkpoint_is_exact(tiny_config, tmp_path, overrides, at):
     """From a checkpoint whose φ (step 2: = φ₀) or θ (step 3: = φ) is rebuilt, or both stored (step 4)."""

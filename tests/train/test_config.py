@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("outer.slow_every=0", "outer.slow_every must be an integer >= 1, got 0"),
         ("outer.slow_every=1.5", "outer.slow_every must be an integer >= 1, got 1.5"),
         ("outer.slow_every=2 outer.overlap=eager", "outer.slow_every > 1 does not run with outer.overlap=eager"),
+        ("outer.slow_stagger=true", "outer.slow_stagger=True must be true or false, and true needs outer.slow_every"),
+        ("outer.slow_every=4 outer.slow_stagger=2", "outer.slow_stagger=2 must be true or false"),
         ("model.preset=huge", "model.preset='huge'"),
     ],
 )

@@ -50,6 +50,23 @@ def test_resume_on_cuda_is_bit_exact(tiny_config, tmp_path):
     assert resumed["final_eval_loss_per_worker"] == full["final_eval_loss_per_worker"]
 
 
+@pytest.mark.parametrize("overlap", ["false", "true"])
+def test_the_staggered_slow_term_on_cuda_resumes_bit_exactly_inside_a_cycle(tiny_config, overlap):
+    """Top-k Δ and int4 slices of φ − φ_0 through the device reduction (a slice's residuals in the term's one
+    error-feedback state), blocking and overlapped: a run stopped after round 5 of 9 (inside a cycle of 3) ends as
+    the run that never stopped."""
+    from noloco.train import checkpoint
+
+    common = (*GPU, "steps=18", "outer.every=2", "checkpoint.every=10", "comm.codec=topk:64/4096+int2",
+              "comm.slow_codec=int4", "outer.slow_every=3", "outer.slow_stagger=true", f"outer.overlap={overlap}")
+    full = run(tiny_config(*common, "run.name=full"), quiet=True)
+    part = run(tiny_config(*common, "run.name=part"), stop_after=10, quiet=True)
+    folder, run_dir, step = checkpoint.resolve(f"{part['run_dir']}/checkpoints/latest")
+    resumed = run(tiny_config(*common, "run.name=part"), run_dir=run_dir, resume_from=folder, resume_step=step,
+                  quiet=True)  # fmt: skip
+    assert step == 10 and resumed["final_eval_loss_per_worker"] == full["final_eval_loss_per_worker"]
+
+
 def test_a_checkpoint_saved_on_cuda_resumes_on_the_cpu(tiny_config):
     from noloco.train import checkpoint
 
