@@ -721,8 +721,11 @@ class SwarmMatchmaking(GroupSource):
             transport = self.endpoint.open_group(group_id, round_index, members)
             outside = [p for p in [*names, *self._window_excluded] if p not in members]
             try:
+                # arrived last in a window of three or more: the others may have read it before this peer announced
+                # (early, all they expected in), so their silence is no evidence against them: no strike
+                last = len(in_window) > 2 and mine >= max(e.time for e in in_window)
                 self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0,
-                              window_peers=outside)  # fmt: skip
+                              window_peers=outside, strike=not (self.adaptive and last))  # fmt: skip
             except _Mismatch as exc:
                 claimed = self._claimed_exclusions(round_index, members, names)
                 # kept open until the redraw: if it draws the same group, a member that confirmed it meanwhile
@@ -876,7 +879,7 @@ class SwarmMatchmaking(GroupSource):
                 self._missed[peer] = round_index
 
     def _confirm(self, round_index, group_id, members, names, deadline, fast_mismatch: bool,
-                 window_peers: list[str] = ()) -> None:  # fmt: skip
+                 window_peers: list[str] = (), strike: bool = True) -> None:  # fmt: skip
         """Send ``join/<group id>`` to every other member and wait for theirs; raise on failure.
 
         The same ``join`` goes, in the background, to the window's peers outside the group (penalized
@@ -915,8 +918,9 @@ class SwarmMatchmaking(GroupSource):
                 elif fast_mismatch and self.endpoint.control_tags(channel, member):
                     raise _Mismatch(f"{names[member]} formed a different group")
             if waiting and time.monotonic() > confirm_by:
-                self._silent.extend((m, round_index) for m in waiting if (m, round_index) not in self._heard
-                                    and not self.endpoint.control_tags(channel, m))  # fmt: skip
+                if strike:
+                    self._silent.extend((m, round_index) for m in waiting if (m, round_index) not in self._heard
+                                        and not self.endpoint.control_tags(channel, m))  # fmt: skip
                 raise TimeoutError(", ".join(sorted(names[m] for m in waiting)) + " did not confirm")
             if waiting:
                 time.sleep(0.02)
