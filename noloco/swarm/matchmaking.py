@@ -500,6 +500,7 @@ class SwarmMatchmaking(GroupSource):
                                                  deadline_spread, history, min(4, history))  # fmt: skip
         self._width = self.window  # the width of this peer's latest announcement
         self._missed: dict[str, int] = {}  # expected peer -> the latest round it was absent from this peer's window
+        self._behind = False  # the round being formed is ahead of this peer's own (it is catching up)
 
     @property
     def ready_ttl(self) -> float:
@@ -668,6 +669,7 @@ class SwarmMatchmaking(GroupSource):
             record.outcome = f"busy: round {busy} still exchanging"
             self.matching = None
             return None
+        self._behind = target > round_index  # catching up with the swarm: it skipped rounds, the others are ahead
         try:
             group = self._form(target, record, started + timeout)
         except Exception as exc:  # noqa: BLE001 - the DHT or a peer failed: skip the round, keep training
@@ -721,11 +723,12 @@ class SwarmMatchmaking(GroupSource):
             transport = self.endpoint.open_group(group_id, round_index, members)
             outside = [p for p in [*names, *self._window_excluded] if p not in members]
             try:
-                # arrived last in a window of three or more: the others may have read it before this peer announced
-                # (early, all they expected in), so their silence is no evidence against them: no strike
-                last = len(in_window) > 2 and mine >= max(e.time for e in in_window)
+                # behind the swarm and last in a window of three or more: the others may have read it before this
+                # peer announced (early: they no longer wait for a peer that missed a round), so their silence is
+                # no evidence against them: no strike
+                late = self._behind and len(in_window) > 2 and mine >= max(e.time for e in in_window)
                 self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0,
-                              window_peers=outside, strike=not (self.adaptive and last))  # fmt: skip
+                              window_peers=outside, strike=not (self.adaptive and late))  # fmt: skip
             except _Mismatch as exc:
                 claimed = self._claimed_exclusions(round_index, members, names)
                 # kept open until the redraw: if it draws the same group, a member that confirmed it meanwhile
