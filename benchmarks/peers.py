@@ -22,8 +22,9 @@ KEY = "benchmark-swarm-key-0123"
 
 #: Every peer's overrides: a tiny model on the default corpus, loopback only, short matchmaking waits.
 TINY = [
-    "backend=hivemind", "model.preset=tiny", "data.seq_len=32", "data.batch_size=4", "data.vocab_size=512",
-    "eval.batches=1", "log.tensorboard=false", "log.plot=false", "log.progress=false", "threads=1",
+    "backend=hivemind", "device=cpu", "model.preset=tiny", "data.seq_len=32", "data.batch_size=4",
+    "data.vocab_size=512", "eval.batches=1", "log.tensorboard=false", "log.plot=false", "log.progress=false",
+    "threads=1",
     "checkpoint.final=false", 'peer.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "peer.window=3.0", "peer.slack=0.5",
     "peer.confirm_timeout=4", "peer.matchmaking_timeout=8", "peer.live_timeout=20", "comm.recv_timeout=20",
     "comm.group_timeout=20", "comm.startup_timeout=300", "peer.join_timeout=600",
