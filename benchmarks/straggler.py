@@ -16,7 +16,8 @@ matchmaking mode of ``--deadlines`` (``adaptive``: per-round deadlines from rece
    swarm, and to its first inner step.
 
 Usage: ``python -m benchmarks.straggler [--peers 8] [--factor 4] [--steps 200] [--every 10] [--out DIR]``; writes
-``DIR/straggler.md`` and ``DIR/straggler.json`` (default ``runs/benchmarks/straggler/``). Needs about
+``DIR/straggler.md`` and ``DIR/straggler.json`` (default ``runs/benchmarks/straggler/``; ``--name`` renames them);
+the peers' run folders go under ``runs/benchmarks/straggler/``. Needs about
 ``--peers`` cores to be meaningful (each peer trains on one thread); on fewer, the peers' compute shares the
 cores and the baseline itself is slow.
 """
@@ -127,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="matchmaking modes to compare (adaptive fixed); none: the restart only")
     parser.add_argument("--no-restart", action="store_true", help="skip the kill-and-restart measurement")
     common.add_out(parser, "straggler")
+    parser.add_argument("--name", default="straggler", help="report file names (straggler)")
     args = parser.parse_args(argv)
     if args.peers < 3 or args.factor <= 1 or args.steps < 3 * args.every or args.every < 1:
         parser.error("need --peers >= 3, --factor > 1, --every >= 1 and --steps >= 3 x --every")
-    work = Path(tempfile.mkdtemp(prefix="straggler-", dir=common.out_dir(args.out)))
+    # the peers' run folders (checkpoints, logs) stay under runs/, whatever --out is
+    work = Path(tempfile.mkdtemp(prefix="straggler-", dir=common.out_dir(common.RUNS / "straggler")))
     rows = []
     for mode in args.deadlines:
         base = swarm_run(work / f"{mode}-base", args.peers, args.steps, args.every, mode)
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     command, machine = common.command("straggler", argv), common.machine()
     lines = _report(args, rows, restart, command, machine)
     data = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "restart": restart, "work": str(work)}
-    common.write_report(args.out, "straggler", lines, data, command=command, machine=machine)
+    common.write_report(args.out, args.name, lines, data, command=command, machine=machine)
     print("\n".join(lines))
     return 0
 

@@ -15,7 +15,8 @@ NoLoCo's claim (arXiv 2506.10911) is that its sync does not grow with N while th
 shares one machine's cores here, so both also measure the machine's load: N beyond the cores slows every peer.
 
 Usage: ``python -m benchmarks.swarm_scale --peers 8 16 [--steps 60] [--every 10] [--reps 5] [--out DIR]``;
-writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default ``runs/benchmarks/swarm_scale/``).
+writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default ``runs/benchmarks/swarm_scale/``; ``--name`` renames
+them); the peers' run folders go under ``runs/benchmarks/swarm_scale/``.
 """
 
 from __future__ import annotations
@@ -162,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="gloo all-reduce repetitions (5)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one N may take (1800)")
     common.add_out(parser, "swarm_scale")
+    parser.add_argument("--name", default="swarm_scale", help="report file names (swarm_scale)")
     args = parser.parse_args(argv)
     if min(args.peers) < 2 or args.steps < 2 * args.every or args.every < 1 or args.reps < 1:
         parser.error("need --peers >= 2, --every >= 1, --steps >= 2 x --every, --reps >= 1")
     fds = _raise_fd_limit()
     out = common.out_dir(args.out)
-    work = Path(tempfile.mkdtemp(prefix="swarm_scale-", dir=out))
+    # the peers' run folders (logs, metrics) stay under runs/, whatever --out is
+    work = Path(tempfile.mkdtemp(prefix="swarm_scale-", dir=common.out_dir(common.RUNS / "swarm_scale")))
     rows = []
     for n in args.peers:
         row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout)
@@ -176,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in row.items() if k != "per_peer"}), flush=True)
     command, machine = common.command("swarm_scale", argv), common.machine()
     lines = _report(args, rows, command, machine, fds)
-    _plot(rows, out / "swarm_scale.png")
-    common.write_report(out, "swarm_scale", lines, {"rows": rows, "open_files_limit": fds, "work": str(work)},
+    _plot(rows, out / f"{args.name}.png")
+    common.write_report(out, args.name, lines, {"rows": rows, "open_files_limit": fds, "work": str(work)},
                         command=command, machine=machine)  # fmt: skip
     print("\n".join(lines))
     return 0
@@ -210,7 +213,7 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
         lines += ["", f"Swarm sync from N = {swarm[0]['peers']} to {swarm[-1]['peers']}: "
                   f"{swarm[-1]['sync_seconds'] / swarm[0]['sync_seconds']:.2f}×; gloo all-reduce: "
                   f"{rows[-1]['gloo_seconds'] / rows[0]['gloo_seconds']:.2f}×."]  # fmt: skip
-    return lines + ["", "![swarm_scale.png](swarm_scale.png)"]
+    return lines + ["", f"![{args.name}.png]({args.name}.png)"]
 
 
 if __name__ == "__main__":
