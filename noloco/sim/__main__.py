@@ -54,6 +54,7 @@ def _parser() -> _Parser:
     con.add_argument("--averaging-trials", type=int, default=10, help="seeds per N of the averaging model (10)")
     con.add_argument("--seed", type=int, default=0)
     con.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    con.add_argument("--chunk", type=int, default=256, help="workers per forward/backward pass (256): bounds memory")
     for p, name in ((con, "consensus"),):
         p.add_argument("--out", type=Path, default=Path("runs/sim"), help="report folder (runs/sim)")
         p.add_argument("--name", default=name, help=f"report file names ({name})")
@@ -84,7 +85,7 @@ def _consensus(parser: _Parser, args: argparse.Namespace) -> int:
     cfg = ConsensusConfig(workers=args.workers, methods=args.methods, rounds=args.rounds, every=args.every,
                           batch_size=args.batch_size, seq_len=args.seq_len, dim=args.dim, n_layers=args.layers,
                           n_heads=2, vocab_size=args.vocab_size, lr=args.lr, eval_batches=args.eval_batches,
-                          relax_rounds=args.relax_rounds, seed=args.seed, device=args.device,
+                          relax_rounds=args.relax_rounds, seed=args.seed, device=args.device, chunk=args.chunk,
                           averaging_workers=args.averaging_workers, averaging_trials=args.averaging_trials)  # fmt: skip
     try:
         cfg.check()

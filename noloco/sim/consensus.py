@@ -52,12 +52,14 @@ class ConsensusConfig:
     seed: int = 0
     source: str = "shakespeare"
     device: str = "cpu"
+    chunk: int = 256  # workers per forward/backward pass (bounds activation memory at large N)
     averaging_workers: list[int] = field(default_factory=lambda: [8, 16, 64, 256, 1024, 4096])
     averaging_trials: int = 20
 
     def check(self) -> None:
         """Raise ValueError (one line) on a value the study cannot run with."""
-        for name in ("rounds", "every", "batch_size", "seq_len", "dim", "n_layers", "eval_batches", "averaging_trials"):
+        for name in ("rounds", "every", "batch_size", "seq_len", "dim", "n_layers", "eval_batches", "averaging_trials",
+                     "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.workers or min(self.workers) < 1 or not self.averaging_workers or min(self.averaging_workers) < 1:
@@ -149,7 +151,7 @@ def train_run(cfg: ConsensusConfig, method: str, workers: int, corpus, log=print
     device = torch.device(cfg.device)
     mcfg = model_config("tiny", dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                         vocab_size=corpus.vocab_size, max_seq_len=cfg.seq_len)  # fmt: skip
-    stack = StackedWorkers(LLaMA(mcfg, seed=cfg.seed), workers, lr=cfg.lr, device=device)
+    stack = StackedWorkers(LLaMA(mcfg, seed=cfg.seed), workers, lr=cfg.lr, device=device, chunk=cfg.chunk)
     outer = StackedOuter(make_rule(method, cfg.pull), GroupSchedule(workers, group_size(method, workers), cfg.seed),
                          stack.flat())  # fmt: skip
     train = np.asarray(corpus.train)

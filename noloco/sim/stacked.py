@@ -31,14 +31,19 @@ class StackedWorkers:
     """N replicas of ``model`` as stacked tensors: ``params[name]`` is ``(N, *shape)``, fp32, on ``device``.
 
     All replicas start from ``model``'s weights (as data-parallel workers do). ``inner`` is an AdamW over the
-    stacked tensors; :meth:`inner_step` runs one step of every worker on its own batch.
+    stacked tensors; :meth:`inner_step` runs one step of every worker on its own batch. ``chunk``: workers per
+    forward and backward pass (None: all at once); the activations of one pass are what grows with N, so a
+    chunk bounds the memory of N = 1,024 workers to that of ``chunk`` (the results are the same).
     """
 
     def __init__(self, model: nn.Module, workers: int, lr: float, weight_decay: float = 0.1,
-                 grad_clip: float = 1.0, device: str | torch.device = "cpu"):  # fmt: skip
+                 grad_clip: float = 1.0, device: str | torch.device = "cpu", chunk: int | None = None):  # fmt: skip
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be >= 1 or None, got {chunk}")
         self.workers, self.grad_clip = workers, grad_clip
+        self.chunk = workers if chunk is None else min(int(chunk), workers)
         # tied weights appear once in named_parameters; functional_call ties them again
         self.params = {
             name: value.detach().to(device).expand(workers, *value.shape).clone()
@@ -64,12 +69,17 @@ class StackedWorkers:
         for one worker). Mutates ``params`` and the AdamW state.
         """
         # the workers are independent, so the gradient of the sum of their losses is each worker's own gradient
-        # (one backward pass through the batched graph; faster here than vmap over torch.func.grad)
-        params = {name: p.requires_grad_(True) for name, p in self.params.items()}
-        losses = self._losses(params, inputs, targets)
-        grads = dict(zip(params, torch.autograd.grad(losses.sum(), list(params.values()))))
-        for p in params.values():
-            p.requires_grad_(False)
+        # (one backward pass through the batched graph; faster here than vmap over torch.func.grad), one pass per
+        # chunk of workers
+        grads = {name: torch.empty_like(p) for name, p in self.params.items()}
+        losses = torch.empty(self.workers, device=inputs.device)
+        for a in range(0, self.workers, self.chunk):
+            b = min(a + self.chunk, self.workers)
+            params = {name: p[a:b].detach().requires_grad_(True) for name, p in self.params.items()}
+            chunk_losses = self._losses(params, inputs[a:b], targets[a:b])
+            for name, grad in zip(params, torch.autograd.grad(chunk_losses.sum(), list(params.values()))):
+                grads[name][a:b] = grad
+            losses[a:b] = chunk_losses.detach()
         if self.grad_clip:
             norms = torch.sqrt(sum(g.pow(2).flatten(1).sum(1) for g in grads.values()))
             scale = (self.grad_clip / (norms + 1e-6)).clamp(max=1.0)
@@ -82,8 +92,10 @@ class StackedWorkers:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``(N,)`` mean held-out loss of each worker on the same ``(batch, seq)`` windows."""
-        return self._eval(self.params, inputs, targets)
+        """``(N,)`` mean held-out loss of each worker on the same ``(batch, seq)`` windows (``chunk`` workers at
+        a time)."""
+        return torch.cat([self._eval({name: p[a : a + self.chunk] for name, p in self.params.items()}, inputs, targets)
+                          for a in range(0, self.workers, self.chunk)])  # fmt: skip
 
     def flat(self) -> torch.Tensor:
         """All parameters of each worker as one ``(N, P)`` fp32 matrix (a copy)."""

@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 
 from noloco.comm.base import ByteCounter, CommError
 from noloco.gossip.base import Group, GroupSource
+from noloco.swarm.deadline import AdaptiveDeadline
 from noloco.swarm.endpoint import RunKey, SwarmEndpoint, SwarmTransport
 from noloco.swarm.identity import verify
 
@@ -104,15 +105,42 @@ class Announcement:
     peer: str
     time: float
     name: str
+    width: float | None = None  # seconds of the window this announcement opens (None: the reader's peer.window)
+
+
+#: Widest window an announcement may ask for (seconds); a record asking for more is refused (``invalid_record``).
+MAX_WINDOW = 600.0
 
 
 def windows(times: list[float], width: float) -> list[tuple[float, float]]:
     """Cut sorted-or-not announce ``times`` into chained windows ``[start, start + width]``."""
+    return cut_windows([(t, width) for t in times])
+
+
+def cut_windows(entries: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Cut ``(announce time, width)`` pairs into chained windows: each starts at the first announcement after the
+    previous window closed and lasts the width *that* announcement carries (the width its announcer's adaptive
+    deadline chose: :mod:`noloco.swarm.deadline`). Every reader of the same records cuts the same windows."""
     out: list[tuple[float, float]] = []
-    for t in sorted(times):
+    for t, width in sorted(entries):
         if not out or t > out[-1][1]:
             out.append((t, t + width))
     return out
+
+
+def formed_before(times: list[float], cut: list[tuple[float, float]], start: float) -> bool:
+    """Whether a window of ``cut`` that closed before ``start`` held two or more of the announce ``times``: a
+    group of the round was drawn there, before the window starting at ``start`` opened (its peer came late)."""
+    return any(sum(a <= t <= b for t in times) > 1 for a, b in cut if b < start)
+
+
+def width_error(width: object) -> str | None:
+    """Why an announcement's window ``width`` is refused (not a number, not finite, not in (0, MAX_WINDOW]), or None."""
+    if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width):
+        return f"window width {str(width)[:32]!r} is not a finite number"
+    if not 0 < width <= MAX_WINDOW:
+        return f"window width {width:.6g} s is not in (0, {MAX_WINDOW:g}]"
+    return None
 
 
 def draw_groups(
@@ -325,6 +353,10 @@ class _Mismatch(RuntimeError):
     """Members computed different groups (their views of the round's announcements differed)."""
 
 
+class _Late(RuntimeError):
+    """This peer is alone in its window and the round already formed without it (an earlier window drew)."""
+
+
 @dataclass
 class RoundRecord:
     """What matchmaking did for one round (for the per-peer summary). ``round`` is the swarm round; ``fragment``
@@ -341,6 +373,7 @@ class RoundRecord:
     fragment: int | None = None
     redrawn: bool = False  # formed by the second draw among the peers whose first group failed to confirm
     retried: bool = False  # exchanged again among the members that delivered, after one failed (SwarmMatchmaking.retry)
+    window_width: float = 0.0  # seconds of the window this peer's (first) announcement of the round asked for
 
 
 class SwarmMatchmaking(GroupSource):
@@ -379,6 +412,16 @@ class SwarmMatchmaking(GroupSource):
         cycle: swarm rounds come in cycles of this many (``outer.fragments``: round ``r`` exchanges fragment
             ``(r + 1) mod cycle``); a peer catching up skips whole cycles, so that its swarm round is congruent
             to its own round modulo ``cycle`` (see :meth:`form`).
+        adaptive: per-round deadlines (:class:`~noloco.swarm.deadline.AdaptiveDeadline`) instead of the fixed
+            waits: the width of the windows this peer opens follows how late, after a window opened, the last
+            of its peers announced in recent rounds (between ``min_window`` and ``window``), and the wait for
+            the members' ``join`` follows how long recent confirmations took (between ``min_confirm`` and
+            ``confirm_timeout``); an expected peer that missed this peer's previous round is not waited for;
+            a peer that finds its round already formed without it skips it at once (outcome ``late``) and joins
+            the next one, instead of waiting alone until ``timeout``.
+        min_window, min_confirm: the adaptive deadlines' lower bounds (seconds).
+        deadline_spread: an adaptive deadline is the median of recent rounds plus this many robust spreads.
+        deadline_rounds: recent rounds an adaptive deadline is estimated from.
     """
 
     def __init__(
@@ -402,6 +445,11 @@ class SwarmMatchmaking(GroupSource):
         max_penalty_rounds: int = MAX_PENALTY_ROUNDS,
         cycle: int = 1,
         retry_wait: float | None = None,
+        adaptive: bool = False,
+        min_window: float = 0.5,
+        min_confirm: float = 2.0,
+        deadline_spread: float = 4.0,
+        deadline_rounds: int = 16,
     ):
         if group_size is not None and group_size < 2:
             raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
@@ -444,6 +492,15 @@ class SwarmMatchmaking(GroupSource):
         self._invalid_strikes: dict[str, int] = {}  # peer -> invalid payloads it sent (never reset)
         self._failed_in: dict[str, set[str]] = {}  # failed group id -> its culprits (SwarmMatchmaking.retry)
         self._retries: dict[str, tuple[str, set[str], int]] = {}  # retry group id -> (failed group id, culprits, round)
+        self.adaptive = bool(adaptive)
+        history = max(1, int(deadline_rounds))
+        self.window_deadline = AdaptiveDeadline(min(float(min_window), self.window), self.window, deadline_spread,
+                                                history, min(4, history))  # fmt: skip
+        self.confirm_deadline = AdaptiveDeadline(min(float(min_confirm), self.confirm_timeout), self.confirm_timeout,
+                                                 deadline_spread, history, min(4, history))  # fmt: skip
+        self._width = self.window  # the width of this peer's latest announcement
+        self._missed: dict[str, int] = {}  # expected peer -> the latest round it was absent from this peer's window
+        self._behind = False  # the round being formed is ahead of this peer's own (it is catching up)
 
     @property
     def ready_ttl(self) -> float:
@@ -526,13 +583,21 @@ class SwarmMatchmaking(GroupSource):
         return kept
 
     # ------------------------------------------------------------------ DHT entries
-    def _text(self, round_index: int, peer: str, t: float, name: str) -> bytes:
-        return "|".join(map(str, ("ready", self.run_id, round_index, peer, t, name))).encode()
+    def _text(self, round_index: int, peer: str, t: float, name: str, width: float | None = None) -> bytes:
+        parts = ("ready", self.run_id, round_index, peer, t, name) + (() if width is None else (width,))
+        return "|".join(map(str, parts)).encode()
+
+    @property
+    def window_width(self) -> float:
+        """Seconds of the windows this peer opens now: ``window``, or with ``adaptive`` its adaptive deadline."""
+        return self.window_deadline.value() if self.adaptive else self.window
 
     def _announce(self, round_index: int) -> float:
         now = get_dht_time()
-        value = {"t": now, "name": self.name, **sign_record(self.endpoint, self._text(round_index, self.peer_id, now,
-                                                                                       self.name))}  # fmt: skip
+        width = self._width = self.window_width
+        text = self._text(round_index, self.peer_id, now, self.name, width if self.adaptive else None)
+        value = {"t": now, "name": self.name, **({"w": width} if self.adaptive else {}),
+                 **sign_record(self.endpoint, text)}  # fmt: skip
         expiry = now + self.ready_ttl
         self.dht.store(f"{self.run_id}/ready/{round_index}", value, expiry, subkey=self.peer_id)
         return now
@@ -540,16 +605,18 @@ class SwarmMatchmaking(GroupSource):
     def _ready(self, round_index: int) -> list[Announcement]:
         def text(peer: str, value) -> bytes:
             float(value["t"])  # a time that does not parse is malformed
-            return self._text(round_index, peer, value["t"], str(value["name"]))
+            return self._text(round_index, peer, value["t"], str(value["name"]), value.get("w"))
 
         def check(peer: str, value: dict) -> str | None:
-            return record_time_error(value["t"], get_dht_time(), self.ready_ttl) or name_error(value["name"])
+            return (record_time_error(value["t"], get_dht_time(), self.ready_ttl) or name_error(value["name"])
+                    or ("w" in value and width_error(value["w"])) or None)  # fmt: skip
 
         found = self.dht.get(f"{self.run_id}/ready/{round_index}", latest=True)
         entries = signed_entries(found, text, self.endpoint, self._bad_entries, "DHT announcement", check,
                                  functools.partial(self._strike_record, round_index))  # fmt: skip
         self.endpoint.note_peers(peer for peer, _ in entries)
-        return [Announcement(peer, float(value["t"]), str(value["name"])) for peer, value in entries]
+        return [Announcement(peer, float(value["t"]), str(value["name"]),
+                             float(value["w"]) if "w" in value else None) for peer, value in entries]  # fmt: skip
 
     # ------------------------------------------------------------------ GroupSource
     def target(self, round_index: int, ahead: int) -> int:
@@ -602,6 +669,7 @@ class SwarmMatchmaking(GroupSource):
             record.outcome = f"busy: round {busy} still exchanging"
             self.matching = None
             return None
+        self._behind = target > round_index  # catching up with the swarm: it skipped rounds, the others are ahead
         try:
             group = self._form(target, record, started + timeout)
         except Exception as exc:  # noqa: BLE001 - the DHT or a peer failed: skip the round, keep training
@@ -625,6 +693,7 @@ class SwarmMatchmaking(GroupSource):
                 return None
         expected = self.expected(round_index) if self.expected is not None else set()
         mine = self._announce(round_index)
+        record.window_width = self._width
         claimed: frozenset[str] = frozenset()
         stale: str | None = None  # the group of a draw whose members disagreed, closed once the redraw differs
         for attempt in range(2):
@@ -632,7 +701,11 @@ class SwarmMatchmaking(GroupSource):
             # the group, attempt 1 reads the closed window, which every member sees alike, and also leaves
             # out the peers that the members of attempt 0's group said they leave out (penalties differ
             # between peers that saw a no-show a different number of times).
-            gathered = self._gather(round_index, record, deadline, mine, expected if attempt == 0 else set(), claimed)
+            try:
+                gathered = self._gather(round_index, record, deadline, mine, expected if attempt == 0 else set(),
+                                        claimed)  # fmt: skip
+            except _Late:  # the round formed without this peer: train on and join the next one, instead of waiting
+                record.outcome, gathered = "late", None  # alone in this one until the timeout
             if gathered is None:
                 if stale is not None:
                     self.endpoint.close_group(stale)
@@ -650,8 +723,12 @@ class SwarmMatchmaking(GroupSource):
             transport = self.endpoint.open_group(group_id, round_index, members)
             outside = [p for p in [*names, *self._window_excluded] if p not in members]
             try:
+                # behind the swarm and last in a window of three or more: the others may have read it before this
+                # peer announced (early: they no longer wait for a peer that missed a round), so their silence is
+                # no evidence against them: no strike
+                late = self._behind and len(in_window) > 2 and mine >= max(e.time for e in in_window)
                 self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0,
-                              window_peers=outside)  # fmt: skip
+                              window_peers=outside, strike=not (self.adaptive and late))  # fmt: skip
             except _Mismatch as exc:
                 claimed = self._claimed_exclusions(round_index, members, names)
                 # kept open until the redraw: if it draws the same group, a member that confirmed it meanwhile
@@ -754,17 +831,20 @@ class SwarmMatchmaking(GroupSource):
                 also: frozenset[str] = frozenset()):  # fmt: skip
         """Wait for this peer's window to be readable; ``(announcements in it, window start, my time)`` or None.
 
-        ``also``: peers left out of the draw besides this peer's own penalties.
+        ``also``: peers left out of the draw besides this peer's own penalties. With :attr:`adaptive`, raises
+        :class:`_Late` when this peer is alone in its window and an earlier window of the round already drew
+        two or more other peers (the round formed without it: it skips it and joins the next one).
         """
         while True:
-            entries = self._ready(round_index)
-            if not any(e.peer == self.peer_id for e in entries):
-                entries.append(Announcement(self.peer_id, mine, self.name))
-            start, end = next(w for w in windows([e.time for e in entries], self.window) if w[0] <= mine <= w[1])
+            entries = [e for e in self._ready(round_index) if e.peer != self.peer_id]
+            entries.append(Announcement(self.peer_id, mine, self.name, self._width))
+            cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
+            start, end = next(w for w in cut if w[0] <= mine <= w[1])
             in_window = self._drop_penalized([e for e in entries if start <= e.time <= end], round_index, also)
             present = {e.peer for e in in_window}
             now = get_dht_time()
-            wanted = {p for p in expected if not self.penalized(p, round_index)}
+            wanted = {p for p in expected
+                      if not self.penalized(p, round_index) and not self._missed_last(p, round_index)}  # fmt: skip
             everyone = bool(wanted) and wanted <= present
             if now < end + self.slack and not everyone:
                 if time.monotonic() > deadline:
@@ -773,7 +853,10 @@ class SwarmMatchmaking(GroupSource):
                 time.sleep(max(0.0, min(self.poll, end + self.slack - now)))
                 continue
             if len(in_window) > 1:
+                self._note_window(round_index, in_window, start, expected, present)
                 return in_window, start, mine
+            if self.adaptive and formed_before([e.time for e in entries], cut, start):
+                raise _Late(f"round {round_index} formed without this peer")
             # Alone in the window: move this peer's announcement to now and wait for the next window of
             # the round (nobody else was in the old window, so no other peer's draw changes).
             if time.monotonic() + self.slack > deadline:
@@ -782,8 +865,24 @@ class SwarmMatchmaking(GroupSource):
             mine = self._announce(round_index)
             expected = set()
 
+    def _missed_last(self, peer: str, round_index: int) -> bool:
+        """With :attr:`adaptive`: whether ``peer`` was expected in one of the last ``cycle`` rounds before
+        ``round_index`` and absent from this peer's window (a peer behind the swarm: not waited for again)."""
+        return self.adaptive and round_index - self.cycle <= self._missed.get(peer, -(10**9)) < round_index
+
+    def _note_window(self, round_index: int, in_window: list[Announcement], start: float, expected: set[str],
+                     present: set[str]) -> None:  # fmt: skip
+        """What the read window says for the adaptive deadlines: how late its last peer announced after it opened,
+        and which expected peers were absent (remembered for :meth:`_missed_last`)."""
+        self.window_deadline.observe(max(e.time for e in in_window) - start)
+        for peer in expected:
+            if peer in present:
+                self._missed.pop(peer, None)
+            else:
+                self._missed[peer] = round_index
+
     def _confirm(self, round_index, group_id, members, names, deadline, fast_mismatch: bool,
-                 window_peers: list[str] = ()) -> None:  # fmt: skip
+                 window_peers: list[str] = (), strike: bool = True) -> None:  # fmt: skip
         """Send ``join/<group id>`` to every other member and wait for theirs; raise on failure.
 
         The same ``join`` goes, in the background, to the window's peers outside the group (penalized
@@ -792,7 +891,9 @@ class SwarmMatchmaking(GroupSource):
         Members that sent nothing at all by the deadline are remembered (:meth:`_settle` strikes them).
         """
         channel = f"r{round_index}"
-        confirm_by = self._confirm_by = min(deadline, time.monotonic() + self.confirm_timeout)
+        began = time.monotonic()
+        wait = self.confirm_deadline.value() if self.adaptive else self.confirm_timeout
+        confirm_by = self._confirm_by = min(deadline, began + wait)
         others = [m for m in members if m != self.peer_id]
         tag = f"join/{group_id}"
         # the join says whom this peer left out of the window (a member whose penalties differ redraws with them)
@@ -820,11 +921,13 @@ class SwarmMatchmaking(GroupSource):
                 elif fast_mismatch and self.endpoint.control_tags(channel, member):
                     raise _Mismatch(f"{names[member]} formed a different group")
             if waiting and time.monotonic() > confirm_by:
-                self._silent.extend((m, round_index) for m in waiting if (m, round_index) not in self._heard
-                                    and not self.endpoint.control_tags(channel, m))  # fmt: skip
+                if strike:
+                    self._silent.extend((m, round_index) for m in waiting if (m, round_index) not in self._heard
+                                        and not self.endpoint.control_tags(channel, m))  # fmt: skip
                 raise TimeoutError(", ".join(sorted(names[m] for m in waiting)) + " did not confirm")
             if waiting:
                 time.sleep(0.02)
+        self.confirm_deadline.observe(time.monotonic() - began)  # every member confirmed: how long it took
 
     def retry(self, group: Group, error: BaseException) -> Group | None:
         """After ``group``'s exchange failed: the group of the members that delivered, confirmed by each of them.

@@ -387,8 +387,15 @@ def _validate_peer(peer) -> None:
         value = peer[key]
         _require(isinstance(value, int) and not isinstance(value, bool) and value >= least,
                  f"peer.{key} must be an integer >= {least}, got {value!r}")  # fmt: skip
-    for key in ("header_timeout", "state_interval"):
+    for key in ("header_timeout", "state_interval", "window", "confirm_timeout", "min_window", "min_confirm"):
         _require(number(peer[key]) and peer[key] > 0, f"peer.{key} must be a number of seconds > 0, got {peer[key]!r}")
+    _require(peer.deadlines in ("adaptive", "fixed"),
+             f"peer.deadlines must be adaptive or fixed, got {peer.deadlines!r}")  # fmt: skip
+    _require(number(peer.deadline_spread) and peer.deadline_spread >= 0,
+             f"peer.deadline_spread must be a number >= 0, got {peer.deadline_spread!r}")  # fmt: skip
+    value = peer.deadline_rounds
+    _require(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1000,
+             f"peer.deadline_rounds must be an integer in 1..1000, got {value!r}")  # fmt: skip
 
 
 def _exists(spec) -> bool:

@@ -84,6 +84,22 @@ def test_vmapped_inner_step_equals_each_worker_trained_alone():
     assert all(bool((p == 1).all()) for p in stack.params.values())
 
 
+def test_chunked_passes_give_the_same_steps_and_losses_as_one_pass():
+    """Workers in chunks of 2 (of 5: chunks 2, 2, 1) train and evaluate exactly as in one batched pass."""
+    cfg = model_config("tiny", dim=16, n_layers=1, n_heads=2, vocab_size=300, max_seq_len=16)
+    tokens = torch.randint(0, 300, (2, 5, 2, 9), generator=torch.Generator().manual_seed(1))
+    whole = StackedWorkers(LLaMA(cfg, seed=0), 5, lr=1e-2)
+    chunked = StackedWorkers(LLaMA(cfg, seed=0), 5, lr=1e-2, chunk=2)
+    for step in range(2):
+        x, y = tokens[step, ..., :-1], tokens[step, ..., 1:]
+        torch.testing.assert_close(chunked.inner_step(x, y), whole.inner_step(x, y), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked.flat(), whole.flat(), rtol=1e-5, atol=1e-6)
+    x, y = tokens[0, 0, :, :-1], tokens[0, 0, :, 1:]
+    torch.testing.assert_close(chunked.eval_loss(x, y), whole.eval_loss(x, y), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        StackedWorkers(LLaMA(cfg, seed=0), 5, lr=1e-2, chunk=0)
+
+
 def test_consensus_distance_is_zero_for_equal_workers_and_scale_free():
     same = torch.ones(4, 10)
     assert consensus_distance(same) == 0.0

@@ -120,6 +120,9 @@ class HivemindBackend(Backend):
             penalty_rounds=cfg.peer.penalty_rounds, strikes_before_penalty=cfg.peer.strikes_before_penalty,
             max_penalty_rounds=cfg.peer.max_penalty_rounds, cycle=int(cfg.outer.fragments),
             retry_wait=float(cfg.comm.recv_timeout) + float(cfg.peer.confirm_timeout),
+            adaptive=cfg.peer.deadlines == "adaptive", min_window=cfg.peer.min_window,
+            min_confirm=cfg.peer.min_confirm, deadline_spread=cfg.peer.deadline_spread,
+            deadline_rounds=cfg.peer.deadline_rounds,
         )  # fmt: skip
         self.registry.on_invalid = self.matchmaking.strike_record  # a bad registry entry strikes its signer
         self.state = StateServer(interval=cfg.peer.state_interval, concurrency=cfg.peer.state_concurrency,

@@ -1,0 +1,197 @@
+"""Stragglers cost nobody else: the other peers' tokens/s beside one slow peer, and a killed peer's rejoin time.
+
+N real swarm peers (``python train.py backend=hivemind``, a tiny model, NoLoCo pairs) on loopback, for each
+matchmaking mode of ``--deadlines`` (``adaptive``: per-round deadlines from recent rounds; ``fixed``: the
+``peer.window`` / ``peer.confirm_timeout`` waits; docs/swarm.md):
+
+1. **baseline**: N equal peers. Their compute seconds per inner step (training loop less outer steps) set the
+   straggler's delay.
+2. **straggler**: the same with one peer ``--factor`` times slower (``NOLOCO_FAULTS`` sleeps ``(factor − 1) ×``
+   the baseline's compute step before each of its inner steps). Reported: the other peers' median tokens/s
+   (training loop: start-up and the wait for peers left out) against the baseline's, their rounds joined, and
+   the straggler's.
+3. **restart** (adaptive only, unless ``--no-restart``): N equal peers with a checkpoint every round; one is
+   SIGKILLed (its process group: peer, DHT process, p2pd) after its second round and restarted at once from its
+   own checkpoint (``resume=``). Reported: seconds from the restart to its first outer round joined with the
+   swarm, and to its first inner step.
+
+Usage: ``python -m benchmarks.straggler [--peers 8] [--factor 4] [--steps 200] [--every 10] [--out DIR]``; writes
+``DIR/straggler.md`` and ``DIR/straggler.json`` (default ``runs/benchmarks/straggler/``; ``--name`` renames them);
+the peers' run folders go under ``runs/benchmarks/straggler/``. Needs about
+``--peers`` cores to be meaningful (each peer trains on one thread); on fewer, the peers' compute shares the
+cores and the baseline itself is slow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if not __package__:  # `python benchmarks/straggler.py`: rerun as `python -m benchmarks.straggler`, same arguments
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.straggler", *sys.argv[1:]])
+
+from benchmarks import common
+from benchmarks.peers import TINY, PeerSwarm, joined_seconds, slow_steps, tokens_per_second
+
+TOKENS_PER_STEP = 4 * 32  # data.batch_size × data.seq_len of benchmarks.peers.TINY
+
+
+def _start(swarm: PeerSwarm, names: list[str], common_args: list[str], env: dict[str, dict]) -> None:
+    """Start ``names`` (the first one bootstraps the others), all waiting for each other before training."""
+    wait = [f"peer.wait_for_peers={len(names) - 1}"]
+    swarm.peer(names[0], *common_args, *wait, "peer.rank=0", env=env.get(names[0]))
+    join = f'peer.initial_peers=["{swarm.maddr(names[0])}"]'
+    for rank, name in enumerate(names[1:], start=1):
+        swarm.peer(name, *common_args, *wait, join, f"peer.rank={rank}", env=env.get(name))
+
+
+def swarm_run(folder: Path, peers: int, steps: int, every: int, deadlines: str, slow_seconds: float = 0.0,
+              timeout: float = 1800) -> dict:  # fmt: skip
+    """One run of ``peers`` peers (the last one slowed by ``slow_seconds`` per step if > 0); per-peer numbers."""
+    names = [f"p{i}" for i in range(peers - 1)] + ["slow" if slow_seconds > 0 else f"p{peers - 1}"]
+    args = [*TINY, f"steps={steps}", f"outer.every={every}", f"eval.every={steps}", "checkpoint.every=0",
+            f"peer.deadlines={deadlines}"]  # fmt: skip
+    env = {"slow": {"NOLOCO_FAULTS": slow_steps(steps, slow_seconds)}} if slow_seconds > 0 else {}
+    with PeerSwarm(folder, args) as swarm:
+        _start(swarm, names, args, env)
+        codes = swarm.finish(names, timeout)
+        out = {}
+        for name in names:
+            s = swarm.summary(name)
+            if codes[name] != 0 or s is None:
+                raise RuntimeError(f"peer {name} exited {codes[name]}; see {folder}/{name}.log")
+            rounds = swarm.rounds(name)
+            loop = s["loop_seconds_by_worker"][0]
+            outer = s["outer_seconds_by_worker"][0] or 0.0
+            out[name] = {"tokens_per_second": tokens_per_second(s, TOKENS_PER_STEP), "rounds": s["rounds"],
+                         "rounds_joined": s["rounds_joined"], "loop_seconds": loop, "outer_seconds": outer,
+                         "compute_step_seconds": (loop - outer) / max(1, s["steps"] - s["eval_history"][0][0]),
+                         "matchmaking_seconds": joined_seconds(rounds, "matchmaking_seconds"),
+                         "outcomes": s["round_outcomes"],
+                         "window_widths": [r.get("window_width") for r in rounds]}  # fmt: skip
+        return out
+
+
+def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float = 1800) -> dict:
+    """Kill one of ``peers`` after its second round, restart it from its checkpoint; seconds to rejoin."""
+    names = [f"p{i}" for i in range(peers)]
+    args = [*TINY, f"steps={steps}", f"outer.every={every}", f"eval.every={steps}", f"checkpoint.every={every}",
+            "peer.deadlines=adaptive"]  # fmt: skip
+    victim = names[-1]
+    with PeerSwarm(folder, args) as swarm:
+        _start(swarm, names, args, {})
+        rounds = lambda: [m for m in swarm.metrics(victim) if "outer_round" in m and "outer_skipped" not in m]
+        swarm.wait(lambda: len(rounds()) >= 2, timeout, f"{victim} did not join two rounds")
+        swarm.kill(victim)
+        latest = swarm.peer_dir(victim) / "checkpoints" / "latest"
+        resumed_at = int(latest.resolve().name.split("_")[-1])
+        # the killed run's lines past the checkpoint stay until the resumed peer rewrites the file: only new ones count
+        before = {json.dumps(m, sort_keys=True) for m in swarm.metrics(victim)}
+        started = time.monotonic()
+        swarm.peer(victim, *args, f"resume={latest}", f'peer.initial_peers=["{swarm.maddr(names[0])}"]')
+        first_step = first_round = None
+        while first_round is None and time.monotonic() - started < timeout:
+            after = [m for m in swarm.metrics(victim)
+                     if m["step"] > resumed_at and json.dumps(m, sort_keys=True) not in before]  # fmt: skip
+            if first_step is None and after:
+                first_step = time.monotonic() - started
+            if any("outer_round" in m and "outer_skipped" not in m for m in after):
+                first_round = time.monotonic() - started
+            if swarm.procs[victim].poll() is not None and first_round is None:
+                break
+            time.sleep(0.05)
+        swarm.finish(names, timeout)
+        return {"resumed_at_step": resumed_at, "seconds_to_first_step": first_step,
+                "seconds_to_first_round": first_round}  # fmt: skip
+
+
+def _median(rows: dict, key: str, names) -> float:
+    return statistics.median(rows[n][key] for n in names)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.straggler", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--peers", type=int, default=8, help="swarm peers (8)")
+    parser.add_argument("--factor", type=float, default=4.0, help="the straggler is this many times slower (4)")
+    parser.add_argument("--steps", type=int, default=200, help="inner steps per peer (200)")
+    parser.add_argument("--every", type=int, default=10, help="inner steps per outer round (10)")
+    parser.add_argument("--deadlines", nargs="*", default=["adaptive", "fixed"], choices=["adaptive", "fixed"],
+                        help="matchmaking modes to compare (adaptive fixed); none: the restart only")
+    parser.add_argument("--no-restart", action="store_true", help="skip the kill-and-restart measurement")
+    common.add_out(parser, "straggler")
+    parser.add_argument("--name", default="straggler", help="report file names (straggler)")
+    args = parser.parse_args(argv)
+    if args.peers < 3 or args.factor <= 1 or args.steps < 3 * args.every or args.every < 1:
+        parser.error("need --peers >= 3, --factor > 1, --every >= 1 and --steps >= 3 x --every")
+    # the peers' run folders (checkpoints, logs) stay under runs/, whatever --out is
+    work = Path(tempfile.mkdtemp(prefix="straggler-", dir=common.out_dir(common.RUNS / "straggler")))
+    rows = []
+    for mode in args.deadlines:
+        base = swarm_run(work / f"{mode}-base", args.peers, args.steps, args.every, mode)
+        step = statistics.median(r["compute_step_seconds"] for r in base.values())
+        slow = swarm_run(work / f"{mode}-slow", args.peers, args.steps, args.every, mode, (args.factor - 1) * step)
+        others = [n for n in slow if n != "slow"]
+        row = {"deadlines": mode, "compute_step_seconds": step, "sleep_per_step": (args.factor - 1) * step,
+               "base_tokens_per_second": _median(base, "tokens_per_second", base),
+               "others_tokens_per_second": _median(slow, "tokens_per_second", others),
+               "base_rounds_joined": _median(base, "rounds_joined", base),
+               "others_rounds_joined": _median(slow, "rounds_joined", others),
+               "straggler_rounds_joined": slow["slow"]["rounds_joined"], "rounds": slow[others[0]]["rounds"],
+               "straggler_tokens_per_second": slow["slow"]["tokens_per_second"],
+               "base": base, "slow": slow}  # fmt: skip
+        row["ratio"] = row["others_tokens_per_second"] / row["base_tokens_per_second"]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("base", "slow")}), flush=True)
+    restart = None if args.no_restart else restart_run(work / "restart", args.peers, 3 * args.steps, args.every)
+    print(json.dumps({"restart": restart}), flush=True)
+    command, machine = common.command("straggler", argv), common.machine()
+    lines = _report(args, rows, restart, command, machine)
+    data = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "restart": restart, "work": str(work)}
+    common.write_report(args.out, args.name, lines, data, command=command, machine=machine)
+    print("\n".join(lines))
+    return 0
+
+
+def _report(args, rows: list[dict], restart: dict | None, command: str, machine: str) -> list[str]:
+    lines = [
+        "# Stragglers: the other peers' throughput beside one slow peer, and a killed peer's rejoin",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine}",
+        "",
+        f"{args.peers} swarm peers on loopback (tiny LLaMA, NoLoCo pairs, int4), {args.steps} inner steps, a round "
+        f"every {args.every}; one peer {args.factor:g}× slower (a sleep before each of its steps of "
+        f"{args.factor - 1:g}× the baseline's compute step). Tokens/s: per peer over its training loop (start-up "
+        "and the wait for peers left out), median over the peers.",
+        "",
+        "| deadlines | compute s/step | tokens/s, no straggler | tokens/s of the others, with it | ratio | rounds "
+        "joined (others, median) | rounds joined, no straggler | straggler's rounds joined |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['deadlines']} | {r['compute_step_seconds']:.4f} | {r['base_tokens_per_second']:,.0f} | "
+                     f"{r['others_tokens_per_second']:,.0f} | {r['ratio']:.3f} | {r['others_rounds_joined']:g}/"
+                     f"{r['rounds']} | {r['base_rounds_joined']:g}/{r['rounds']} | "
+                     f"{r['straggler_rounds_joined']}/{r['rounds']} |")  # fmt: skip
+    if restart is not None:
+        fmt = lambda v: "–" if v is None else f"{v:.2f}"
+        lines += ["", "## Restart to first round", "",
+                  f"One of {args.peers} peers SIGKILLed after its second round and restarted from its own checkpoint "
+                  f"(step {restart['resumed_at_step']}): {fmt(restart['seconds_to_first_step'])} s to its first "
+                  f"inner step, {fmt(restart['seconds_to_first_round'])} s to its first outer round joined with the "
+                  "swarm (process start, torch and hivemind imports, DHT and p2pd start, checkpoint load "
+                  "included)."]  # fmt: skip
+    return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""A real swarm of dozens: NoLoCo round time and rounds formed against N, beside a gloo ring all-reduce at the same N.
+
+For each N of ``--peers`` (8, 16, 32, 64):
+
+- **swarm**: N real peers (``python train.py backend=hivemind``: a tiny LLaMA, NoLoCo pairs, int4, adaptive
+  deadlines) on loopback, all bootstrapped from the first one, all waiting for each other before training.
+  Per peer, from its ``rounds.jsonl`` and ``summary.json``: the median seconds of its joined rounds' matchmaking
+  and exchange (together: the round's sync time), its training loop's seconds per round, and the share of its
+  rounds that formed. Reported: medians over the peers (and the worst peer's share of rounds formed).
+- **gloo**: N ``torch.distributed`` processes (backend gloo, TCP on loopback, one thread each) all-reduce a
+  vector of the model's parameter count in fp32 (the global mean DiLoCo needs each round) ``--reps`` times after
+  one warm-up; reported: the median seconds over repetitions of the slowest process.
+
+NoLoCo's claim (arXiv 2506.10911) is that its sync does not grow with N while the all-reduce's does. Everything
+shares one machine's cores here, so both also measure the machine's load: N beyond the cores slows every peer.
+
+Usage: ``python -m benchmarks.swarm_scale --peers 8 16 [--steps 60] [--every 10] [--reps 5] [--out DIR]``;
+writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default ``runs/benchmarks/swarm_scale/``; ``--name`` renames
+them); the peers' run folders go under ``runs/benchmarks/swarm_scale/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if not __package__:  # `python benchmarks/swarm_scale.py`: rerun as `python -m benchmarks.swarm_scale`
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.swarm_scale", *sys.argv[1:]])
+
+from benchmarks import common
+from benchmarks.peers import TINY, PeerSwarm, joined_seconds
+
+
+def _raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (inherited by the peers: each holds sockets to
+    the others, and a peer's p2pd one per connection); returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float) -> dict:
+    """N peers training ``steps`` steps with a round every ``every``: medians over peers of their rounds."""
+    names = [f"p{i}" for i in range(peers)]
+    args = [*TINY, f"steps={steps}", f"outer.every={every}", f"eval.every={steps}", "checkpoint.every=0",
+            f"peer.wait_for_peers={peers - 1}", "peer.live_timeout=60"]  # fmt: skip
+    started = time.monotonic()
+    with PeerSwarm(folder, args) as swarm:
+        swarm.peer(names[0], "peer.rank=0")
+        join = f'peer.initial_peers=["{swarm.maddr(names[0], timeout)}"]'
+        for rank, name in enumerate(names[1:], start=1):
+            swarm.peer(name, join, f"peer.rank={rank}")
+        codes = swarm.finish(names, timeout)
+        per_peer = []
+        for name in names:
+            s = swarm.summary(name)
+            if codes[name] != 0 or s is None:
+                raise RuntimeError(f"peer {name} exited {codes[name]}; see {folder}/{name}.log")
+            rounds = swarm.rounds(name)
+            sync = [r["matchmaking_seconds"] + r["exchange_seconds"] for r in rounds if r["outcome"] == "joined"]
+            per_peer.append({"peer": name, "rounds": s["rounds"], "joined": s["rounds_joined"],
+                             "sync_seconds": statistics.median(sync) if sync else None,
+                             "matchmaking_seconds": joined_seconds(rounds, "matchmaking_seconds"),
+                             "exchange_seconds": joined_seconds(rounds, "exchange_seconds"),
+                             "loop_seconds_per_round": s["loop_seconds_by_worker"][0] / max(1, s["rounds"]),
+                             "outcomes": s["round_outcomes"], "params": s["params"]})  # fmt: skip
+    synced = [p["sync_seconds"] for p in per_peer if p["sync_seconds"] is not None]
+    med = lambda key: statistics.median(p[key] for p in per_peer if p[key] is not None)
+    return {"peers": peers, "params": per_peer[0]["params"], "wall_seconds": time.monotonic() - started,
+            "sync_seconds": statistics.median(synced) if synced else None,
+            "matchmaking_seconds": med("matchmaking_seconds") if synced else None,
+            "exchange_seconds": med("exchange_seconds") if synced else None,
+            "loop_seconds_per_round": med("loop_seconds_per_round"),
+            "formed": statistics.median(p["joined"] / p["rounds"] for p in per_peer),
+            "formed_worst": min(p["joined"] / p["rounds"] for p in per_peer), "per_peer": per_peer}  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, world: int, port: int, numel: int, reps: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=600))  # fmt: skip
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    dist.all_reduce(x.clone())  # warm-up: connections
+    times = []
+    for _ in range(reps):
+        y = x.clone()
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(y)
+        times.append(time.perf_counter() - start)
+    queue.put((rank, times))
+    dist.destroy_process_group()
+
+
+def gloo_point(world: int, numel: int, reps: int, timeout: float = 900) -> dict:
+    """``world`` gloo processes all-reduce ``numel`` fp32 values ``reps`` times: the slowest process's seconds."""
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, world, port, numel, reps, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        times = dict(queue.get(timeout=timeout) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    slowest = [max(times[r][i] for r in range(world)) for i in range(reps)]
+    return {"peers": world, "numel": numel, "seconds": statistics.median(slowest), "reps": reps}
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    swarm = [r for r in rows if r.get("sync_seconds") is not None]
+    ax.plot([r["peers"] for r in swarm], [r["sync_seconds"] for r in swarm], "o-",
+            label="NoLoCo swarm round: matchmaking + exchange")  # fmt: skip
+    ax.plot([r["peers"] for r in rows], [r["gloo_seconds"] for r in rows], "s-", label="gloo ring all-reduce (fp32)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("peers N")
+    ax.set_ylabel("seconds per round")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.swarm_scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--peers", type=int, nargs="+", default=[8, 16, 32, 64], help="N values (8 16 32 64)")
+    parser.add_argument("--steps", type=int, default=60, help="inner steps per peer (60)")
+    parser.add_argument("--every", type=int, default=10, help="inner steps per round (10)")
+    parser.add_argument("--reps", type=int, default=5, help="gloo all-reduce repetitions (5)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one N may take (1800)")
+    common.add_out(parser, "swarm_scale")
+    parser.add_argument("--name", default="swarm_scale", help="report file names (swarm_scale)")
+    args = parser.parse_args(argv)
+    if min(args.peers) < 2 or args.steps < 2 * args.every or args.every < 1 or args.reps < 1:
+        parser.error("need --peers >= 2, --every >= 1, --steps >= 2 x --every, --reps >= 1")
+    fds = _raise_fd_limit()
+    out = common.out_dir(args.out)
+    # the peers' run folders (logs, metrics) stay under runs/, whatever --out is
+    work = Path(tempfile.mkdtemp(prefix="swarm_scale-", dir=common.out_dir(common.RUNS / "swarm_scale")))
+    rows = []
+    for n in args.peers:
+        row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout)
+        row["gloo_seconds"] = gloo_point(n, row["params"], args.reps)["seconds"]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "per_peer"}), flush=True)
+    command, machine = common.command("swarm_scale", argv), common.machine()
+    lines = _report(args, rows, command, machine, fds)
+    _plot(rows, out / f"{args.name}.png")
+    common.write_report(out, args.name, lines, {"rows": rows, "open_files_limit": fds, "work": str(work)},
+                        command=command, machine=machine)  # fmt: skip
+    print("\n".join(lines))
+    return 0
+
+
+def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> list[str]:
+    fmt = lambda v, spec=".3f": "–" if v is None else format(v, spec)
+    lines = [
+        "# A real swarm of dozens: NoLoCo rounds against a gloo all-reduce, N peers on one machine",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine} (open files limit {fds})",
+        "",
+        f"Swarm: N peers on loopback, tiny LLaMA ({rows[0]['params']:,} parameters), NoLoCo pairs, int4, adaptive "
+        f"deadlines, {args.steps} inner steps, a round every {args.every}. Sync = matchmaking + exchange of a joined "
+        "round (median over its rounds, then over the peers); formed = rounds joined / rounds (median, worst peer). "
+        f"gloo: N processes all-reduce the same number of fp32 values, median of {args.reps} (slowest process).",
+        "",
+        "| N | swarm sync (s) | matchmaking (s) | exchange (s) | loop s / round | rounds formed (median, worst) | "
+        "gloo all-reduce (s) | gloo ÷ swarm sync |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = r["gloo_seconds"] / r["sync_seconds"] if r["sync_seconds"] else None
+        lines.append(f"| {r['peers']} | {fmt(r['sync_seconds'])} | {fmt(r['matchmaking_seconds'])} | "
+                     f"{fmt(r['exchange_seconds'])} | {fmt(r['loop_seconds_per_round'])} | {r['formed']:.0%}, "
+                     f"{r['formed_worst']:.0%} | {fmt(r['gloo_seconds'], '.4f')} | {fmt(ratio, '.2f')} |")  # fmt: skip
+    swarm = [r for r in rows if r["sync_seconds"]]
+    if len(swarm) > 1:
+        lines += ["", f"Swarm sync from N = {swarm[0]['peers']} to {swarm[-1]['peers']}: "
+                  f"{swarm[-1]['sync_seconds'] / swarm[0]['sync_seconds']:.2f}×; gloo all-reduce: "
+                  f"{rows[-1]['gloo_seconds'] / rows[0]['gloo_seconds']:.2f}×."]  # fmt: skip
+    return lines + ["", f"![{args.name}.png]({args.name}.png)"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Adaptive per-round deadlines for swarm matchmaking: wait as long as recent rounds needed, not a fixed timeout.
+
+NoLoCo's open swarm (arXiv 2506.10911) must not wait for its slowest peer. A fixed wait (``peer.window``,
+``peer.confirm_timeout``) is either long, and every round with a late peer pays all of it, or short, and a
+swarm on slow links never forms. :class:`AdaptiveDeadline` instead sets each round's wait from the waits the
+recent rounds actually needed: the median of the last ``history`` observations plus ``spread`` times their
+spread (1.4826 × the median absolute deviation, which estimates the standard deviation of normal samples and
+ignores a few outliers, such as a straggler's late arrivals), clamped to ``[floor, ceiling]``. Until
+``min_samples`` observations have been made it answers ``ceiling``: a new peer starts with the configured
+timeouts and tightens them as it learns the swarm's pace.
+
+Pure and deterministic (no clock, no randomness): the same observations give the same deadline on every peer,
+which is what lets a deadline carried in a DHT record cut the same windows for every reader
+(:mod:`noloco.swarm.matchmaking`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+#: Scale of the median absolute deviation to the standard deviation of normally distributed samples.
+MAD_SCALE = 1.4826
+
+
+class AdaptiveDeadline:
+    """Seconds to wait for an event, from how long it took in recent rounds.
+
+    Args:
+        floor: the shortest deadline (seconds, > 0).
+        ceiling: the longest deadline (seconds, >= ``floor``); also the answer before ``min_samples`` observations.
+        spread: multiple of the robust spread added to the median (>= 0).
+        history: observations kept (the most recent ones, >= 1).
+        min_samples: observations needed before the deadline adapts (1 <= min_samples <= history).
+    """
+
+    def __init__(self, floor: float, ceiling: float, spread: float = 4.0, history: int = 16, min_samples: int = 4):
+        floor, ceiling, spread = float(floor), float(ceiling), float(spread)
+        if not (math.isfinite(floor) and math.isfinite(ceiling) and 0 < floor <= ceiling):
+            raise ValueError(f"need 0 < floor <= ceiling (finite seconds), got floor={floor}, ceiling={ceiling}")
+        if not (math.isfinite(spread) and spread >= 0):
+            raise ValueError(f"spread must be a finite number >= 0, got {spread}")
+        if not 1 <= int(min_samples) <= int(history):
+            raise ValueError(f"need 1 <= min_samples <= history, got min_samples={min_samples}, history={history}")
+        self.floor, self.ceiling, self.spread = floor, ceiling, spread
+        self.min_samples = int(min_samples)
+        self.samples: deque[float] = deque(maxlen=int(history))
+
+    def observe(self, seconds: float) -> None:
+        """Record how long the event took this round (seconds; non-finite or negative values are ignored).
+
+        Values above ``ceiling`` are kept as ``ceiling`` (the wait was cut there: all that is known is "at least").
+        Mutates :attr:`samples` (oldest dropped beyond ``history``).
+        """
+        seconds = float(seconds)
+        if math.isfinite(seconds) and seconds >= 0:
+            self.samples.append(min(seconds, self.ceiling))
+
+    def value(self) -> float:
+        """This round's deadline in seconds: ``clamp(median + spread × 1.4826 × MAD, floor, ceiling)``."""
+        if len(self.samples) < self.min_samples:
+            return self.ceiling
+        samples = list(self.samples)
+        median = statistics.median(samples)
+        mad = statistics.median(abs(s - median) for s in samples)
+        return min(self.ceiling, max(self.floor, median + self.spread * MAD_SCALE * mad))
+
+    def state(self) -> dict:
+        """What the deadline is built from, for the peer's summary: ``{"seconds", "samples", "median"}``."""
+        return {"seconds": self.value(), "samples": len(self.samples),
+                "median": statistics.median(self.samples) if self.samples else None}  # fmt: skip

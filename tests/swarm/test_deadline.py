@@ -1,0 +1,121 @@
+"""Adaptive per-round deadlines: the estimate, the windows cut from the widths announcements carry, and when a
+peer knows its round formed without it (pure functions: no DHT, no clock)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from noloco.swarm.deadline import MAD_SCALE, AdaptiveDeadline
+from noloco.swarm.matchmaking import MAX_WINDOW, cut_windows, formed_before, width_error, windows
+from noloco.train.config import ConfigError, load_config
+
+
+def test_the_deadline_is_the_ceiling_until_enough_rounds_were_seen():
+    deadline = AdaptiveDeadline(floor=0.5, ceiling=5.0, spread=4.0, history=8, min_samples=3)
+    assert deadline.value() == 5.0
+    deadline.observe(0.2)
+    deadline.observe(0.3)
+    assert deadline.value() == 5.0  # two of three
+    deadline.observe(0.4)
+    # median 0.3, MAD 0.1: 0.3 + 4 * 1.4826 * 0.1
+    assert deadline.value() == pytest.approx(0.3 + 4 * MAD_SCALE * 0.1)
+
+
+def test_the_deadline_is_clamped_to_floor_and_ceiling():
+    steady = AdaptiveDeadline(floor=0.5, ceiling=5.0, min_samples=2)
+    for _ in range(4):
+        steady.observe(0.1)  # no spread at all
+    assert steady.value() == 0.5
+    wild = AdaptiveDeadline(floor=0.5, ceiling=5.0, min_samples=2)
+    for seconds in (0.1, 3.0, 0.2, 4.0):
+        wild.observe(seconds)
+    assert wild.value() == 5.0
+
+
+def test_a_straggler_among_the_samples_moves_the_deadline_little():
+    """One late arrival in eight (a peer 4x slower) barely changes the median and the MAD."""
+    calm = AdaptiveDeadline(floor=0.1, ceiling=10.0, history=8)
+    late = AdaptiveDeadline(floor=0.1, ceiling=10.0, history=8)
+    samples = [0.30, 0.35, 0.25, 0.40, 0.30, 0.35, 0.30]
+    for s in samples:
+        calm.observe(s)
+        late.observe(s)
+    calm.observe(0.3)
+    late.observe(8.0)  # the straggler's round
+    assert late.value() < 1.5 * calm.value() < 1.0
+
+
+def test_old_rounds_leave_the_history():
+    deadline = AdaptiveDeadline(floor=0.1, ceiling=10.0, history=4, min_samples=4)
+    for _ in range(4):
+        deadline.observe(5.0)
+    assert deadline.value() == pytest.approx(5.0)
+    for _ in range(4):
+        deadline.observe(0.5)
+    assert deadline.value() == pytest.approx(0.5)
+    assert len(deadline.samples) == 4
+
+
+def test_bad_observations_are_ignored_and_long_ones_count_as_the_ceiling():
+    deadline = AdaptiveDeadline(floor=0.1, ceiling=2.0, min_samples=1)
+    for bad in (math.nan, math.inf, -1.0):
+        deadline.observe(bad)
+    assert not deadline.samples
+    deadline.observe(50.0)
+    assert list(deadline.samples) == [2.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(floor=0, ceiling=1), dict(floor=2, ceiling=1), dict(floor=1, ceiling=math.inf),
+     dict(floor=1, ceiling=2, spread=-1), dict(floor=1, ceiling=2, history=2, min_samples=3),
+     dict(floor=1, ceiling=2, min_samples=0)],
+)  # fmt: skip
+def test_impossible_bounds_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        AdaptiveDeadline(**kwargs)
+
+
+def test_windows_take_the_width_of_the_announcement_that_opens_them():
+    # a opens a 1 s window: b (0.5 s later) is in it, c (1.5 s) opens the next one with its own 3 s width
+    cut = cut_windows([(10.0, 1.0), (10.5, 5.0), (11.5, 3.0), (14.0, 1.0)])
+    assert cut == [(10.0, 11.0), (11.5, 14.5)]
+    # the order the records arrive in does not matter, and the fixed-width form is the same cut
+    assert cut_windows([(14.0, 1.0), (11.5, 3.0), (10.5, 5.0), (10.0, 1.0)]) == cut
+    assert windows([10.0, 10.5, 11.5], 1.0) == cut_windows([(10.0, 1.0), (10.5, 1.0), (11.5, 1.0)])
+
+
+def test_a_peer_alone_after_a_window_that_drew_others_knows_the_round_formed_without_it():
+    times = [10.0, 10.2, 10.3, 13.0]  # three peers in step, one 3 s late
+    cut = cut_windows([(t, 1.0) for t in times])
+    assert cut == [(10.0, 11.0), (13.0, 14.0)]
+    assert formed_before(times, cut, start=13.0)
+    assert not formed_before(times, cut, start=10.0)  # nothing before the first window
+    lone = [10.0, 13.0]  # the earlier window held one peer only (it re-announces): nothing formed
+    assert not formed_before(lone, cut_windows([(t, 1.0) for t in lone]), start=13.0)
+
+
+@pytest.mark.parametrize("width", [0, -1.0, math.nan, math.inf, MAX_WINDOW * 2, "1.0", True, None])
+def test_an_announced_width_outside_its_range_is_refused(width):
+    assert width_error(width) is not None
+
+
+def test_an_announced_width_in_range_is_accepted():
+    assert width_error(0.25) is None and width_error(MAX_WINDOW) is None and width_error(3) is None
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [("peer.deadlines=sometimes", "peer.deadlines must be adaptive or fixed"),
+     ("peer.min_window=0", "peer.min_window must be a number of seconds > 0"),
+     ("peer.min_confirm=-2", "peer.min_confirm must be a number of seconds > 0"),
+     ("peer.deadline_spread=-1", "peer.deadline_spread must be a number >= 0"),
+     ("peer.deadline_rounds=0", "peer.deadline_rounds must be an integer in 1..1000"),
+     ("peer.window=0", "peer.window must be a number of seconds > 0")],
+)  # fmt: skip
+def test_deadline_keys_out_of_range_are_one_line_errors(override, words):
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    assert words in str(info.value) and "\n" not in str(info.value)
