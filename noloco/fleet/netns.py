@@ -14,6 +14,13 @@ Shaping, per host, with ``tc`` (this kernel has tbf/htb but no netem):
   kernel cannot create an ifb, the bridge-side peer ``p<i>`` gets the tbf instead (same effect: all
   traffic to host *i* leaves the bridge through ``p<i>``) and :attr:`Fleet.ingress_mode` says so.
 
+Names: each host namespace gets its own ``/etc/hosts`` (``ip netns exec`` bind-mounts
+``/etc/netns/<namespace>/hosts`` over it): the machine's entries plus every fleet address, as IPv4 and as
+the IPv4-mapped IPv6 address a dual-stack listener sees, named ``<prefix>-h<i>``. Without them a reverse
+lookup of a peer (torch.distributed's TCPStore does one for every connection it accepts) falls through
+to DNS, which no namespace can reach, and fails (``[c10d] The hostname of the client socket cannot be
+retrieved``).
+
 tbf counts link-layer bytes (Ethernet + IP + TCP headers), so TCP goodput through a link is ~95% of
 ``rate`` at MTU 1500. Latency is *not* added here (no netem); see ``docs/fleet.md``.
 
@@ -33,9 +40,11 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 SUBNET = "10.201.0"  # the private /24, only inside namespaces created here
 IFNAME = "veth0"  # the host's interface name inside its namespace (GLOO_SOCKET_IFNAME)
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts NETNS_ETC/NS/<file> over /etc/<file>
 PREFIX_RE = re.compile(r"^nlc(\d+)(?:x\w+)?-(?:h\d+|br)$")
 
 
@@ -136,6 +145,8 @@ def cleanup_prefix(prefix: str, grace: float = 3.0) -> list[str]:
             finally:
                 run_cmd("ip", "netns", "del", namespace, check=False)
             removed.append(namespace)
+    for folder in NETNS_ETC.glob(f"{prefix}-*") if NETNS_ETC.is_dir() else []:
+        shutil.rmtree(folder, ignore_errors=True)
     # A crash between `ip link add` and moving a link could only leave links named after the prefix.
     for line in run_cmd("ip", "-o", "link", "show", check=False).stdout.splitlines():
         parts = line.split(":")
@@ -299,9 +310,25 @@ class Fleet:
             raise
         return self
 
+    def hosts_file(self) -> str:
+        """The ``/etc/hosts`` every host namespace sees: the machine's own, then one name per fleet address."""
+        try:
+            base = Path("/etc/hosts").read_text()
+        except OSError:
+            base = "127.0.0.1 localhost\n::1 localhost\n"
+        lines = [f"# noloco fleet {self.prefix}: IPv4 and IPv4-mapped IPv6 (what a dual-stack listener sees)"]
+        for host in range(self.hosts):
+            lines += [f"{self.ip(host)} {self.namespace(host)}", f"::ffff:{self.ip(host)} {self.namespace(host)}"]
+        return base.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+
     def _add_host(self, host: int) -> None:
         ns, peer = self.namespace(host), f"p{host}"
         self._add_namespace(ns)
+        try:
+            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / ns / "hosts").write_text(self.hosts_file())
+        except OSError as exc:
+            raise FleetError(f"cannot write {NETNS_ETC / ns / 'hosts'}: {exc}") from exc
         run_cmd("ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", peer, "netns", self.bridge_ns)
         run_cmd("ip", "-n", self.bridge_ns, "link", "set", peer, "master", "br0")
         run_cmd("ip", "-n", self.bridge_ns, "link", "set", peer, "up")

@@ -17,7 +17,7 @@ import pytest
 
 from noloco.fleet import launcher
 from noloco.fleet.launcher import NOT_ROOT, launch
-from noloco.fleet.netns import Fleet, is_root, list_namespaces, missing_tools
+from noloco.fleet.netns import NETNS_ETC, Fleet, is_root, list_namespaces, missing_tools
 
 REPO = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(
@@ -42,6 +42,7 @@ def _leftovers(prefix: str) -> list[str]:
     left += [line for line in links.splitlines() if prefix in line]
     procs = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     left += [line for line in procs.splitlines() if f"netns exec {prefix}-" in line]
+    left += [str(folder) for folder in NETNS_ETC.glob(f"{prefix}-*")]
     return left
 
 
@@ -108,6 +109,26 @@ def test_tcp_throughput_through_a_shaped_link_respects_the_rate():
     assert _leftovers(prefix) == []
 
 
+LOOKUP = """
+import socket, sys
+print(*(socket.getnameinfo((address, 0), 0)[0] for address in sys.argv[1:]))
+"""
+
+
+@needs_root
+def test_every_host_resolves_the_fleet_addresses_by_name_without_dns():
+    # a dual-stack listener (torch.distributed's store) sees peers as ::ffff:10.201.0.x and looks each one
+    # up; with no name inside the namespace the lookup fell through to an unreachable DNS server and failed
+    with Fleet(2, None, prefix=_prefix()) as fleet:
+        addresses = [fleet.ip(1), f"::ffff:{fleet.ip(1)}", fleet.ip(0), "127.0.0.1"]
+        lookup = subprocess.run(fleet.exec_args(0, [sys.executable, "-c", LOOKUP, *addresses]),
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        names, prefix = lookup.stdout.split(), fleet.prefix
+    assert lookup.returncode == 0, lookup.stderr
+    assert names[:3] == [f"{prefix}-h1", f"{prefix}-h1", f"{prefix}-h0"] and names[3] != "127.0.0.1"
+    assert _leftovers(prefix) == []
+
+
 @needs_root
 @pytest.mark.slow
 def test_short_training_job_runs_through_the_launcher_and_everything_is_torn_down(tmp_path):
@@ -117,7 +138,10 @@ def test_short_training_job_runs_through_the_launcher_and_everything_is_torn_dow
     assert result.returncode == 0, out.getvalue()[-3000:]
     assert result.summary is not None and result.summary["workers"] == 2
     assert (tmp_path / "job" / "fleet.json").exists() and (tmp_path / "job" / "fleet.h1.log").exists()
-    assert "[h0]" in out.getvalue() and "[h1]" in out.getvalue()
+    lines = out.getvalue().splitlines()[1:]  # after the banner: rank 0's progress; rank 1 has nothing to say
+    assert any(line.startswith("[h0] ") for line in lines) and all(line[:5] in ("[h0] ", "[h1] ") for line in lines)
+    # each host names its peers: no "[c10d] The hostname of the client socket cannot be retrieved" from either
+    assert not any("hostname of the client socket" in line for line in lines), lines
     # every payload byte crossed a shaped link: the shapers saw at least what the workers counted
     for host, stats in enumerate(result.link_stats):
         last = json.loads((tmp_path / "job" / f"metrics.rank{host}.jsonl").read_text().splitlines()[-1])

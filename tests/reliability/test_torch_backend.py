@@ -36,7 +36,6 @@ def test_sigkilled_worker_mid_exchange_leaves_its_partner_training_to_the_end(ti
     args = [*tiny_overrides, "backend=torch", "workers=2", "steps=12", "outer.every=4", "comm.timeout=5",
             "threads=1", "log.tensorboard=false", "log.plot=false", "run.name=kill"]  # fmt: skip
     env = {**os.environ, "NOLOCO_FAULTS": f"{point}@8/1=kill"}
-    started = time.monotonic()
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     try:
@@ -45,7 +44,6 @@ def test_sigkilled_worker_mid_exchange_leaves_its_partner_training_to_the_end(ti
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    elapsed = time.monotonic() - started
     run_dir = tmp_path / "kill"
     records = read_metrics(run_dir)
     dead = [r for r in records if r["worker"] == 1]
@@ -61,7 +59,6 @@ def test_sigkilled_worker_mid_exchange_leaves_its_partner_training_to_the_end(ti
     state = load_file(run_dir / "checkpoints" / "step_000012" / "worker_0.safetensors")
     slow = state["algorithm/slow"]
     assert slow.numel() > 0 and bool(torch.isfinite(slow).all())
-    assert elapsed < 180
 
 
 @pytest.mark.slow

@@ -239,8 +239,13 @@ def test_second_interrupt_removes_temporary_files_and_the_unfinished_folder(tmp_
 # --------------------------------------------------------------------------------- a real train.py
 
 
+# Long enough that Ctrl-C at step 12 lands mid-run on any machine (a tiny step is ~0.05 s here), and that the
+# bigger model's ~1 s steps cannot all run within the tests' 60 s; each run's clean twin and resume train them all.
+STEPS = 90
+
+
 def _args(tiny_overrides, *extra: str) -> list[str]:
-    return [*tiny_overrides, "workers=2", "threads=1", "steps=150", "outer.every=5", "log.tensorboard=false",
+    return [*tiny_overrides, "workers=2", "threads=1", f"steps={STEPS}", "outer.every=5", "log.tensorboard=false",
             "log.plot=false", *extra]  # fmt: skip
 
 
@@ -312,7 +317,7 @@ def test_ctrl_c_saves_every_worker_at_one_step_and_resumes_exactly(tiny_override
     match = LINE.fullmatch(err.strip().splitlines()[-1])
     assert match, err[-2000:]
     step = int(match.group(1))
-    assert 12 <= step < 150 and Path(match.group(2)) == run_dir
+    assert 12 <= step < STEPS and Path(match.group(2)) == run_dir
     folder, _, saved = checkpoint.resolve(run_dir / "checkpoints" / "latest")
     assert saved == step and checkpoint.worker_ranks(folder) == [0, 1]
     assert max(r["step"] for r in read_metrics(run_dir)) == step  # every worker stopped there
@@ -339,7 +344,7 @@ def test_second_ctrl_c_quits_at_once_and_keeps_the_last_complete_checkpoint(tiny
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err[-3000:]  # quit, not trained on (150 steps of about a second would not fit)
+    assert proc.returncode == 130, err[-3000:]  # quit, not trained on (STEPS steps of about a second would not fit)
     assert "interrupted again: quit without saving; resume from step" in err.strip().splitlines()[-1], err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     assert not _temporary_files(run_dir)
@@ -405,7 +410,7 @@ def test_second_ctrl_c_on_the_torch_backend_quits_at_once(tiny_overrides, tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130, err[-3000:]  # quit, not trained on (150 steps of about a second would not fit)
+    assert proc.returncode == 130, err[-3000:]  # quit, not trained on (STEPS steps of about a second would not fit)
     assert "interrupted again: quit without saving; resume from step" in err.strip().splitlines()[-1], err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     assert not _temporary_files(run_dir)
