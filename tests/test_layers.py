@@ -17,6 +17,7 @@ PACKAGE = ROOT / "noloco"
 #: bottom first; packages on the same floor must not import each other
 FLOORS = {
     "quant": 0,
+    "corpus": 0,
     "comm": 1,
     "collectives": 2,
     "gossip": 3,
