@@ -5,17 +5,22 @@
     python -m benchmarks.quality --preset tiny --parallel 2       # shortened, on a CPU box (not a quality result)
     python -m benchmarks.quality --dry-run                        # every run of the plan, none started
     python -m benchmarks.quality --report-only                    # the report from the runs already finished
+    python -m benchmarks.quality --prepare-only                   # tokenize the corpus (before packing it)
 
 The plan, one ``train.py`` process per run (``--parallel N`` at once, as :mod:`benchmarks.frontier`):
 
-1. the sweep (seed ``--seeds[0]``, codec ``--sweep-codecs``, int4 by default): DDP as it is (no outer keys); DiLoCo
-   at outer momentum μ ∈ {0.1, 0.3, 0.5, 0.9} and, at μ 0.3, outer lr 0.5 and 1.0; NoLoCo at μ ∈ {0, 0.1, 0.3, 0.5}
-   and, at μ 0.1, γ 0.5 (β 0.7: two messages a round), β = γ = 0.5 (one fused message) and groups of 4 (:data:`GRID`);
-   (``--grid quick``, the tiny preset's: μ 0.3 and 0.9 for DiLoCo, 0.1 and 0.5 for NoLoCo);
-2. the best of each (algorithm, codec) by final held-out loss, for every codec of ``--codecs`` (fp32 and int4: a
-   codec not swept takes the knobs of the swept one's best), repeated over every seed of ``--seeds``;
+1. the sweep (seed ``--seeds[0]``, codec ``--sweep-codecs``, int4 by default; :data:`GRID`): DiLoCo at outer
+   momentum μ ∈ {0.1, 0.3, 0.5, 0.9} and, at μ 0.3, outer lr 1.0; NoLoCo at μ ∈ {0, 0.1, 0.3, 0.5} and, at μ 0.1,
+   γ 0.5 (β stays 0.7: two messages a round) and groups of 4. (``--grid quick``, the tiny preset's: μ 0.3 and 0.9
+   for DiLoCo, 0.1 and 0.5 for NoLoCo.) DDP has no outer key to sweep: its seeds start with the sweep;
+2. the best of each (algorithm, codec) by final held-out loss, for every codec of ``--codecs`` (int4 by default;
+   ``--codecs fp32 int4`` adds exact messages: a codec not swept takes the knobs of the swept one's best), over
+   every seed of ``--seeds`` (0 1 2);
 3. the papers' comparison at their settings (each algorithm's defaults, fp32): NoLoCo at H = 50, DiLoCo at H = 100
-   and at H = 50 (``--paper-every``; NoLoCo arXiv 2506.10911, DiLoCo arXiv 2311.08105), seeds ``--paper-seeds``.
+   and at H = 50 (``--paper-every``; NoLoCo arXiv 2506.10911, DiLoCo arXiv 2311.08105), seeds ``--paper-seeds``
+   (default: the first seed).
+
+The first wave is DDP's seeds, the sweep and the papers' runs; the second, the other bests' seeds.
 
 Resumable: the runs go to ``--runs`` (``runs/quality/<preset>/``), each named by its method, knobs, seed and a hash
 of its whole config; a run whose ``summary.json`` exists is not run again, an unfinished one is started afresh, so a
@@ -66,11 +71,9 @@ METHODS = ("ddp", "diloco", "noloco")
 #: issue 34's table: μ matters most; NoLoCo's best μ was near 0.1, DiLoCo's near 0.3, the other knobs vary there)
 GRID: dict[str, list[tuple[str, ...]]] = {
     "ddp": [()],
-    "diloco": [*[(f"outer.momentum={m}",) for m in (0.1, 0.3, 0.5, 0.9)],
-               ("outer.momentum=0.3", "outer.lr=0.5"), ("outer.momentum=0.3", "outer.lr=1.0")],
+    "diloco": [*[(f"outer.momentum={m}",) for m in (0.1, 0.3, 0.5, 0.9)], ("outer.momentum=0.3", "outer.lr=1.0")],
     "noloco": [*[(f"outer.momentum={m}",) for m in (0, 0.1, 0.3, 0.5)],
-               ("outer.momentum=0.1", "outer.pull=0.5"), ("outer.momentum=0.1", "outer.lr=0.5", "outer.pull=0.5"),
-               ("outer.momentum=0.1", "outer.group_size=4")],
+               ("outer.momentum=0.1", "outer.pull=0.5"), ("outer.momentum=0.1", "outer.group_size=4")],
 }  # fmt: skip
 #: the shortened sweep (``--grid quick``, the tiny preset's default): two momenta per low-communication method
 QUICK: dict[str, list[tuple[str, ...]]] = {
@@ -126,10 +129,16 @@ def make_run(role: str, method: str, knobs: tuple[str, ...], seed: int, budget: 
 
 
 def sweep_plan(methods: list[str], codecs: list[str], seed: int, budget: list[str], grid: dict = GRID) -> list[Run]:
-    """Stage 1: every variant of ``grid`` (:data:`GRID` or :data:`QUICK`) of each method, at each codec of
-    ``codecs``, at ``seed``."""
+    """Stage 1: every variant of ``grid`` (:data:`GRID` or :data:`QUICK`) of each method that has more than one, at
+    each codec of ``codecs``, at ``seed``."""
     return [make_run("sweep", f"{algo}/{codec}", knobs, seed, budget)
-            for algo in methods for codec in codecs for knobs in grid[algo]]  # fmt: skip
+            for algo in methods if len(grid[algo]) > 1 for codec in codecs for knobs in grid[algo]]  # fmt: skip
+
+
+def fixed_knobs(methods: list[str], codecs: list[str], grid: dict = GRID) -> dict[str, tuple[str, ...]]:
+    """The methods with nothing to sweep (DDP: no outer keys) and their one variant, per codec of ``codecs``: their
+    best is known before any run, so their seeds start with the sweep."""
+    return {f"{algo}/{codec}": grid[algo][0] for algo in methods if len(grid[algo]) == 1 for codec in codecs}
 
 
 def best_knobs(results: dict[str, dict], sweep: list[Run]) -> dict[str, tuple[str, ...]]:
@@ -452,7 +461,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--grid", choices=("full", "quick"), default=None,
                         help="the sweep: full (GRID) or quick (QUICK); default: the preset's")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--codecs", nargs="+", default=["fp32", "int4"], help="codecs of the best-of-each runs")
+    parser.add_argument("--codecs", nargs="+", default=["int4"], help="codecs of the best-of-each runs (fp32 int4: "
+                        "exact messages too)")  # fmt: skip
     parser.add_argument("--sweep-codecs", nargs="+", default=["int4"], help="codecs the sweep runs at")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="the first also seeds the sweep")
     parser.add_argument("--paper-seeds", nargs="*", type=int, default=None, help="default: the first seed; none: skip")
@@ -470,6 +480,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_out(parser, "quality")
     parser.add_argument("--name", default="quality")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    parser.add_argument("--prepare-only", action="store_true", help="tokenize the corpus into its cache, run nothing")
     parser.add_argument("--report-only", action="store_true", help="start no run; report the finished ones")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     return parser
@@ -503,6 +514,13 @@ def prepare_data(budget: list[str]) -> None:
     prepare_corpus(data.source, data.path, data.vocab_size, data.eval_fraction, data.cache_dir)
 
 
+def collect(runs: list[Run], args, stop_at: float | None) -> dict[str, dict]:
+    """The figures of ``runs``: trained first where not finished, unless ``--report-only``."""
+    if args.report_only:
+        return {r.name: measure(r, args.runs, args.rate) for r in dict.fromkeys(runs) if finished(r, args.runs)}
+    return run_all(runs, args.runs, args.parallel, stop_at, args.rate)
+
+
 def main() -> int:
     parser = _parser()
     args = parser.parse_args()
@@ -514,18 +532,22 @@ def main() -> int:
     from noloco.train.data import DataError
 
     try:
-        check_data(budget)
+        if not args.dry_run:
+            check_data(budget)
         grid = QUICK if (args.grid or PRESETS[args.preset]["grid"]) == "quick" else GRID
+        fixed = fixed_knobs(args.methods, args.sweep_codecs, grid)
         plan = {"sweep": sweep_plan(args.methods, args.sweep_codecs, args.seeds[0], budget, grid),
-                "seed": [], "paper": paper_plan(tuple(args.paper_every or PRESETS[args.preset]["paper"]),
-                                                paper_seeds, budget)}  # fmt: skip
-        for run in [*plan["sweep"], *plan["paper"]]:
+                "seed": seed_plan(fixed, [m for m in args.methods if len(grid[m]) == 1], args.codecs, args.seeds,
+                                  budget),
+                "paper": paper_plan(tuple(args.paper_every or PRESETS[args.preset]["paper"]), paper_seeds, budget)}
+        for run in [*plan["seed"], *plan["sweep"], *plan["paper"]]:
             load_config(list(run.overrides))
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    first_wave = [*plan["seed"], *plan["sweep"], *plan["paper"]]  # DDP, the slowest, first
     if args.dry_run:
-        for run in [*plan["sweep"], *plan["paper"]]:
+        for run in first_wave:
             print(f"{run.role} {run.name}: train.py {' '.join(run.overrides)}")
         print(f"then the best of each of {', '.join(args.methods)} at {', '.join(args.codecs)}, seeds "
               f"{' '.join(map(str, args.seeds))}")  # fmt: skip
@@ -534,19 +556,13 @@ def main() -> int:
     try:
         if not args.report_only:
             prepare_data(budget)
-        launch_runs = not args.report_only
-        results = run_all([*plan["sweep"], *plan["paper"]], args.runs, args.parallel if launch_runs else 0, stop_at,
-                          args.rate) if launch_runs else {}  # fmt: skip
-        if not launch_runs:
-            results = {r.name: measure(r, args.runs, args.rate) for r in [*plan["sweep"], *plan["paper"]]
-                       if finished(r, args.runs)}  # fmt: skip
-        best = best_knobs(results, plan["sweep"])
+        if args.prepare_only:
+            print(f"corpus tokenized: {' '.join(o for o in budget if o.startswith('data.'))}")
+            return 0
+        results = collect(first_wave, args, stop_at)
+        best = {**fixed, **best_knobs(results, plan["sweep"])}
         plan["seed"] = seed_plan(best, args.methods, args.codecs, args.seeds, budget)
-        if launch_runs:  # a seed run that is also a sweep run keeps its first role
-            results = {**run_all(plan["seed"], args.runs, args.parallel, stop_at, args.rate), **results}
-        else:
-            results = {**{r.name: measure(r, args.runs, args.rate) for r in plan["seed"] if finished(r, args.runs)},
-                       **results}  # fmt: skip
+        results = {**collect(plan["seed"], args, stop_at), **results}  # a run of both stages keeps its first role
     except (DataError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
