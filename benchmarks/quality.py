@@ -1,7 +1,7 @@
 """Honest comparisons: each method at its best, over seeds, at equal steps, bytes and modelled wall-clock (issue 34).
 
     python -m benchmarks.quality --parallel 8                     # GPU machine: the small preset, library corpus
-    python -m benchmarks.quality --preset 125m --parallel 4       # the 125M model, same plan
+    python -m benchmarks.quality --preset 125m --parallel 8 --gpus 8   # the 125M model, same plan, 8 GPUs
     python -m benchmarks.quality --preset tiny --parallel 2       # shortened, on a CPU box (not a quality result)
     python -m benchmarks.quality --dry-run                        # every run of the plan, none started
     python -m benchmarks.quality --report-only                    # the report from the runs already finished
@@ -48,6 +48,7 @@ import argparse
 import hashlib
 import json
 import os
+import queue
 import shutil
 import statistics
 import sys
@@ -204,9 +205,11 @@ def finished(run: Run, folder: Path) -> bool:
     return (folder / run.name / "summary.json").is_file()
 
 
-def run_all(runs: list[Run], folder: Path, parallel: int, stop_at: float | None, rate_bps: float) -> dict[str, dict]:
+def run_all(runs: list[Run], folder: Path, parallel: int, stop_at: float | None, rate_bps: float,
+            gpus: int = 0) -> dict[str, dict]:  # fmt: skip
     """Train the runs not finished yet, ``parallel`` at once (an unfinished folder is removed first); none starts
-    after ``stop_at`` (a :func:`time.monotonic` time). Returns the figures of every run of ``runs`` that finished."""
+    after ``stop_at`` (a :func:`time.monotonic` time). ``gpus`` > 0: run slot ``i`` sees GPU ``i mod gpus`` alone
+    (``CUDA_VISIBLE_DEVICES``). Returns the figures of every run of ``runs`` that finished."""
     todo = [r for r in dict.fromkeys(runs) if not finished(r, folder)]
     for run in dict.fromkeys(runs):
         if run not in todo:
@@ -216,14 +219,22 @@ def run_all(runs: list[Run], folder: Path, parallel: int, stop_at: float | None,
         workers = max(load_config(list(r.overrides)).workers for r in todo)
         threads = max(1, usable_cores() // (min(parallel, len(todo)) * workers))
 
+        slots: queue.Queue[int] = queue.Queue()
+        for slot in range(parallel):
+            slots.put(slot)
+
         def one(run: Run) -> None:
             if stop_at is not None and time.monotonic() > stop_at:
                 print(f"   {run.name}: not started (--deadline)", flush=True)
                 return
             shutil.rmtree(folder / run.name, ignore_errors=True)
-            started = time.monotonic()
-            if launch(run, folder, threads) is not None:
-                print(f"== {run.name}: {time.monotonic() - started:.0f} s", flush=True)
+            started, slot = time.monotonic(), slots.get()
+            try:
+                env = {"CUDA_VISIBLE_DEVICES": str(slot % gpus)} if gpus else None
+                if launch(run, folder, threads, env) is not None:
+                    print(f"== {run.name}: {time.monotonic() - started:.0f} s", flush=True)
+            finally:
+                slots.put(slot)
 
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             list(pool.map(one, todo))
@@ -471,6 +482,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--every", type=int, default=None, help="H of the sweep and best-of-each runs")
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--parallel", type=int, default=1, metavar="N", help="runs at once")
+    parser.add_argument("--gpus", type=int, default=0, metavar="N", help="spread the runs over N GPUs of this host "
+                        "(CUDA_VISIBLE_DEVICES per run slot); 0: leave the device to each run")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=None, metavar="S", help="start no run after S seconds")
     parser.add_argument("--rate", type=float, default=RATE_BPS, help="link rate of the modelled wall-clock, bit/s")
     parser.add_argument("--step-seconds", type=float, default=None, help="compute seconds per inner step "
@@ -518,14 +531,14 @@ def collect(runs: list[Run], args, stop_at: float | None) -> dict[str, dict]:
     """The figures of ``runs``: trained first where not finished, unless ``--report-only``."""
     if args.report_only:
         return {r.name: measure(r, args.runs, args.rate) for r in dict.fromkeys(runs) if finished(r, args.runs)}
-    return run_all(runs, args.runs, args.parallel, stop_at, args.rate)
+    return run_all(runs, args.runs, args.parallel, stop_at, args.rate, args.gpus)
 
 
 def main() -> int:
     parser = _parser()
     args = parser.parse_args()
-    if args.parallel < 1 or not args.seeds or (args.steps is not None and args.steps < 1):
-        parser.error("--parallel and --steps must be >= 1 and --seeds must name one seed at least")
+    if args.parallel < 1 or args.gpus < 0 or not args.seeds or (args.steps is not None and args.steps < 1):
+        parser.error("--parallel and --steps must be >= 1, --gpus >= 0, and --seeds must name one seed at least")
     args.runs = args.runs or Path("runs/quality") / args.preset
     budget = budget_of(args)
     paper_seeds = args.seeds[:1] if args.paper_seeds is None else args.paper_seeds
