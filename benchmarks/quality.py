@@ -508,9 +508,8 @@ def budget_of(args) -> list[str]:
 
 def check_data(budget: list[str]) -> None:
     """``DataError`` (one line, saying how to get it) when the budget's ``data.source=files`` path is missing."""
-    from omegaconf import OmegaConf
-
     from noloco.train.data import DataError
+    from omegaconf import OmegaConf
 
     data = OmegaConf.from_dotlist([o for o in budget if o.startswith("data.")]).get("data", {})
     if data.get("source") == "files" and not Path(os.path.expanduser(str(data.get("path")))).exists():
