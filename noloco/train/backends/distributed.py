@@ -18,8 +18,10 @@ CPU they form gloo groups and the hook's messages are bytes.
 Every rank runs the same :func:`~noloco.train.loop.train_worker` as the local backend, with a
 :class:`DistributedBackend` over a :class:`~noloco.comm.torchdist.TorchDistTransport` on its own gloo
 group; so with the same config and ``threads`` the trajectory matches the local backend's. Each
-rank writes ``metrics.rank<r>.jsonl``; rank 0 gathers the final numbers (through torch.distributed
-collectives, not counted as traffic) and writes ``summary.json`` and ``curves.png``.
+rank writes its records to ``metrics.rank<r>.jsonl`` while it runs; rank 0 gathers the final numbers
+(through torch.distributed collectives, not counted as traffic), merges the ranks' records into
+``metrics.jsonl`` (also at a Ctrl-C stop and before a resumed run starts) and writes ``summary.json`` and
+``curves.png``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from noloco.train.backends.local import WorldBackend, check_vocab
 from noloco.train.config import ConfigError
 from noloco.train.device import local_index, worker_device
 from noloco.train.loop import RunContext, WorkerResult, train_worker
-from noloco.train.metrics import MetricsLogger, wandb_options
+from noloco.train.metrics import MetricsLogger, merge_parts, part_name, wandb_options
 from noloco.train.run import Progress, finish, new_run_folder, prepare, relative_spread, summarize, weight_sketch
 
 
@@ -73,6 +75,7 @@ def launch(
     corpus, _ = prepare(cfg, run_dir, quiet=True)  # the data cache built and the stream's shards checked once
     if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
         check_vocab(Path(resume_from), corpus.vocab_size)
+        merge_parts(run_dir, keep_through=resume_step)  # one metrics.jsonl, cut back to the checkpoint step
     import torch.multiprocessing as mp
 
     port = free_port()
@@ -114,6 +117,7 @@ def launch(
             proc.join()
         interrupt.armed = False
         codes = [p.exitcode for p in procs]
+        merge_parts(run_dir)  # (the ranks merged already unless one stopped before it could)
         if interrupt.requested and set(codes) <= {0, 130} and 130 in codes:
             reader = pipes[0][0]
             step, complete = reader.recv() if reader.poll() else (None, False)  # rank 0 completes checkpoints
@@ -294,6 +298,8 @@ def run_rank(
                 name[0] = str(new_run_folder(cfg))
             except ConfigError as exc:
                 name[1] = str(exc)
+        elif rank == 0 and resume_from is not None:  # before any rank writes a part of metrics.jsonl
+            merge_parts(Path(run_dir), keep_through=resume_step)
         dist.broadcast_object_list(name, src=0)
         if name[1] is not None:
             raise ConfigError(name[1])
@@ -315,7 +321,7 @@ def run_rank(
         if k > 1:
             replicas = Replicas(ddp_groups[worker], hook_groups[worker], worker * k, cfg.inner.grad_codec,
                                 cfg.inner.grad_error_feedback, cfg.comm.recv_timeout)  # fmt: skip
-        metrics = MetricsLogger(folder, tensorboard=cfg.log.tensorboard, filename=f"metrics.rank{rank}.jsonl",
+        metrics = MetricsLogger(folder, tensorboard=cfg.log.tensorboard, filename=part_name(rank),
                                 resume_step=resume_step if resume_from else None,
                                 wandb=wandb_options(cfg, folder.name))  # fmt: skip
         progress = Progress(cfg.steps, resume_step, 1, cfg.log.progress and not quiet and rank == 0)
@@ -385,6 +391,7 @@ def _gather_summary(cfg, folder: Path, corpus, params: int, result: WorkerResult
         raise _GatherFailed from None
     if rank != 0:
         return None
+    merge_parts(folder)  # every rank closed its part before the gather
     leaders = results[::k]  # one entry per worker: its first process (the others hold the same replica)
     extra = {
         "processes_per_worker": k,
