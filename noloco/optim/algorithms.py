@@ -44,13 +44,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from noloco.collectives import Codec, NormBound, NormRejections, ReductionErrorFeedback, allreduce, get_codec
+from noloco.collectives import Codec, NormRejections, ReductionErrorFeedback, allreduce, get_codec
 from noloco.comm import faults
 from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
@@ -275,24 +278,78 @@ def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _setting_problem(keyword: str, value, settings: Mapping) -> str | None:
+    """What is wrong with one setting of an algorithm (``settings``: the others given with it), or None."""
+    if keyword in ("timeout", "group_timeout") and not (value is None and keyword == "group_timeout"):
+        return None if _number(value) and value > 0 else f"must be > 0 seconds, got {value!r}"
+    if keyword == "error_feedback_decay":
+        return None if _number(value) and 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
+    if keyword == "every":
+        return None if _count(value) and value >= 1 else f"must be an integer >= 1, got {value!r}"
+    if keyword == "fragments":
+        every = settings.get("every", value)
+        if not (_count(value) and value >= 1):
+            return f"must be an integer >= 1, got {value!r}"
+        if _count(every) and every % value:
+            return f"={value} does not divide outer.every={every}"
+    if keyword == "slow_every":
+        if not (_count(value) and value >= 1):
+            return f"must be an integer >= 1, got {value!r}"
+        # eager moves φ before the partners' share lands, so a round without the slow term would pull φ back
+        # toward the φ it sent (its only stand-in for the partners' φ); delayed and provisional leave φ alone
+        if value > 1 and settings.get("overlap") == "eager":
+            return "> 1 does not run with outer.overlap=eager (use provisional or delayed)"
+    if keyword == "momentum" and value is not None and not (_number(value) and 0 <= value < 1):
+        return f"must be in [0, 1), got {value!r}"
+    if keyword == "lr" and not (_number(value) and value > 0):
+        return f"must be > 0, got {value!r}"
+    if keyword == "pull" and not (_number(value) and value >= 0):
+        return f"must be >= 0, got {value!r}"
+    if keyword == "max_norm_ratio" and value is not None and not (_number(value) and value > 1):
+        return f"must be a number > 1 (null disables the norm bound), got {value!r}"
+    return None
+
+
 class Algorithm:
-    """Base class: holds the model, inner optimizer and transport; counts inner steps."""
+    """Base class: holds the model, inner optimizer and transport; counts inner steps.
+
+    Its settings have one home each: the constructor's keyword and its default, :attr:`SETTINGS` (the config
+    key each is read from, ``noloco/train/defaults.yaml`` holding the same defaults: a test compares them), and
+    :meth:`check_settings` (the one validation, run by the constructor and by the config before a run starts).
+    """
 
     name = "base"
+    #: config key → constructor keyword: what a run's config sets (:meth:`settings_from`)
+    SETTINGS: ClassVar[dict[str, str]] = {
+        "comm.codec": "codec",
+        "comm.recv_timeout": "timeout",
+        "comm.error_feedback": "error_feedback",
+        "comm.error_feedback_decay": "error_feedback_decay",
+        "comm.reduction": "reduction",
+    }
 
     def __init__(
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
         transport: Transport | None,
-        codec: str | Codec = "fp32",
-        timeout: float = 60.0,
+        codec: str | Codec = "int4",
+        timeout: float = 120.0,
         error_feedback: bool = True,
         reduction: str = "two_phase",
         algorithm: str | None = None,
         same_start: str = "broadcast",
         error_feedback_decay: float = 1.0,
     ):
+        self.check_settings({"timeout": timeout, "error_feedback_decay": error_feedback_decay})
         self.model, self.inner_opt, self.transport = model, inner_opt, transport
         self.params = _unique_params(model)
         self.codec: Codec = get_codec(codec)  # parsed once; equal specs compare equal
@@ -307,6 +364,28 @@ class Algorithm:
         self.norm_rejections = NormRejections()  # partners' contributions a norm bound refused (none for DDP)
         if transport is not None:
             agree_on_start(self.params, transport, same_start, self.timeout)
+
+    @classmethod
+    def settings_from(cls, config: Mapping) -> dict:
+        """The constructor keywords a run's ``config`` (nested mappings: ``config["comm"]["codec"]``) sets, by
+        :attr:`SETTINGS`; null passes None (the constructor's meaning of it), a missing key leaves the default."""
+        out = {}
+        for key, keyword in cls.SETTINGS.items():
+            section, name = key.split(".")
+            if section in config and name in config[section]:
+                out[keyword] = config[section][name]
+        return out
+
+    @classmethod
+    def check_settings(cls, settings: Mapping) -> None:
+        """ValueError, naming the config key, for a setting out of range (keywords absent from ``settings`` are
+        not checked). The one check of each: the constructor runs it, and so does the config before a run."""
+        keys = {keyword: key for key, keyword in cls.SETTINGS.items()}
+        for keyword, value in settings.items():
+            problem = _setting_problem(keyword, value, settings)
+            if problem is not None:
+                gap = "" if problem.startswith("=") else " "  # "outer.fragments=3 does not divide ..."
+                raise ValueError(f"{keys.get(keyword, keyword)}{gap}{problem}")
 
     def _new_feedback(self) -> ReductionErrorFeedback:
         """A fresh error-feedback state of this algorithm's decay (ValueError unless in (0, 1])."""
@@ -434,6 +513,18 @@ class OuterAlgorithm(Algorithm):
     partners legitimately moved by about one pseudo-gradient; for the fused θ − φ_0, its own.
     """
 
+    SETTINGS: ClassVar[dict[str, str]] = {
+        **Algorithm.SETTINGS,
+        "outer.every": "every",
+        "comm.slow_codec": "slow_codec",
+        "comm.max_norm_ratio": "max_norm_ratio",
+        "comm.group_timeout": "group_timeout",
+        "outer.overlap": "overlap",
+        "outer.overlap_steps": "overlap_steps",
+        "outer.fragments": "fragments",
+        "outer.offload": "offload",
+    }
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -441,8 +532,8 @@ class OuterAlgorithm(Algorithm):
         groups: GroupSource,
         rule: OuterRule,
         every: int,
-        codec: str | Codec = "fp32",
-        timeout: float = 60.0,
+        codec: str | Codec = "int4",
+        timeout: float = 120.0,
         skip_failed_rounds: bool = True,
         slow_codec: str | Codec | None = None,
         error_feedback: bool = True,
@@ -458,6 +549,8 @@ class OuterAlgorithm(Algorithm):
         slow_every: int = 1,
         error_feedback_decay: float = 1.0,
     ):
+        self.check_settings({"every": every, "fragments": fragments, "slow_every": slow_every, "overlap": overlap,
+                             "group_timeout": group_timeout, "max_norm_ratio": max_norm_ratio})  # fmt: skip
         super().__init__(
             model,
             inner_opt,
@@ -471,10 +564,6 @@ class OuterAlgorithm(Algorithm):
         )
         # seconds a round may spend forming its group (an open swarm's matchmaking); default: timeout
         self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
-        if every < 1:
-            raise ValueError(f"outer.every must be >= 1, got {every}")
-        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or every % fragments:
-            raise ValueError(f"outer.fragments={fragments!r} must be an integer >= 1 that divides outer.every={every}")
         self.rule, self.every, self.groups = rule, int(every), groups
         self.skip_failed_rounds = bool(skip_failed_rounds)
         self.replicas = None  # set for a worker of several processes (see noloco.train.backends.distributed)
@@ -484,8 +573,6 @@ class OuterAlgorithm(Algorithm):
         self.reference = self.slow.clone()
         self.slow_feedback = self._new_feedback() if error_feedback and not self.slow_codec.exact else None
         # the slow-weight term crosses the link every `slow_every`-th cycle of rounds only (docs/design.md §3.2)
-        if isinstance(slow_every, bool) or not isinstance(slow_every, int) or slow_every < 1:
-            raise ValueError(f"outer.slow_every={slow_every!r} must be an integer >= 1")
         self.slow_every = slow_every
         # fragments: slices of the flat vector, one exchanged every `period` steps in turn, each with its own
         # error feedback (one fragment: the whole vector, today's feedback objects, part None everywhere)
@@ -495,17 +582,11 @@ class OuterAlgorithm(Algorithm):
         if fragments > 1:
             fresh = lambda feedback: None if feedback is None else self._new_feedback()  # noqa: E731
             self._feedbacks = [(fresh(self.feedback), fresh(self.slow_feedback)) for _ in self.fragments]
-        if max_norm_ratio is not None:
-            NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
         # overlap: round r's exchange runs in the background during round r + 1, under the rule it names
         # (noloco.optim.overlap: "provisional", "eager", "delayed"; True: the default, provisional); False: None
         self.overlap = overlap_rule(overlap)
         self._overlapped = None if self.overlap is None else OverlappedRounds(self, self.overlap)
-        if self.slow_every > 1 and self.overlap == "eager":
-            # eager moves φ before the partners' share lands, so a round without the slow term would pull φ back
-            # toward the φ it sent (its only stand-in for the partners' φ); delayed and provisional leave φ alone
-            raise ValueError("outer.slow_every > 1 does not run with outer.overlap=eager (use provisional or delayed)")
         # inner steps an exchange may take: it lands (is waited for and applied) that many steps after it was sent
         self.overlap_steps = check_overlap_steps(overlap_steps, self.overlap, self.period)
         # offload: between outer steps the outer state lives in pinned host memory (a no-op on the CPU)
@@ -848,20 +929,32 @@ class NoLoCo(OuterAlgorithm):
     """
 
     name = "noloco"
+    DEFAULT_MOMENTUM: ClassVar[float] = 0.5  # μ where ``momentum`` is None (outer.momentum: null)
+    SETTINGS: ClassVar[dict[str, str]] = {
+        **OuterAlgorithm.SETTINGS,
+        "outer.slow_every": "slow_every",
+        "outer.lr": "lr",
+        "outer.pull": "pull",
+        "outer.momentum": "momentum",
+        "outer.group_size": "group_size",
+        "run.seed": "seed",
+    }
 
     def __init__(
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
         transport: Transport | GroupSource,
-        every: int = 50,
+        every: int = 20,
         lr: float = 0.7,
         pull: float = 0.7,
-        momentum: float = 0.5,
+        momentum: float | None = None,
         group_size: int = 2,
         seed: int = 0,
         **exchange,
     ):
+        self.check_settings({"lr": lr, "pull": pull, "momentum": momentum})
+        momentum = self.DEFAULT_MOMENTUM if momentum is None else momentum
         groups = _group_source(transport, group_size, seed)
         super().__init__(model, inner_opt, groups, NoLoCoRule(lr, pull, momentum), every, **exchange)
 
@@ -873,18 +966,27 @@ class DiLoCo(OuterAlgorithm):
     """DiLoCo: global average of pseudo-gradients, outer SGD with Nesterov momentum."""
 
     name = "diloco"
+    DEFAULT_MOMENTUM: ClassVar[float] = 0.9  # μ where ``momentum`` is None (outer.momentum: null)
+    SETTINGS: ClassVar[dict[str, str]] = {
+        **OuterAlgorithm.SETTINGS,
+        "outer.lr": "lr",
+        "outer.momentum": "momentum",
+        "outer.nesterov": "nesterov",
+    }
 
     def __init__(
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
         transport: Transport | GroupSource,
-        every: int = 50,
+        every: int = 20,
         lr: float = 0.7,
-        momentum: float = 0.9,
+        momentum: float | None = None,
         nesterov: bool = True,
         **exchange,
     ):
+        self.check_settings({"lr": lr, "momentum": momentum})
+        momentum = self.DEFAULT_MOMENTUM if momentum is None else momentum
         groups = _group_source(transport, None, 0)
         super().__init__(model, inner_opt, groups, DiLoCoRule(lr, momentum, nesterov), every, **exchange)
 
@@ -899,8 +1001,12 @@ class PeriodicAveraging(OuterAlgorithm):
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
         transport: Transport | GroupSource,
-        every: int = 50,
+        every: int = 20,
         **exchange,
     ):
         super().__init__(model, inner_opt, _group_source(transport, None, 0), AveragingRule(), every, **exchange)
+
+
+#: ``outer.algo`` → the class that runs it (the one list of algorithm names)
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (NoLoCo, DiLoCo, PeriodicAveraging, DDP)}
 

@@ -17,9 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from noloco.collectives import REDUCTIONS, get_codec, known_codecs
+from noloco.optim import ALGORITHMS, NoLoCo
 from noloco.optim.overlap import OVERLAP_RULES, check_overlap_steps, overlap_rule
 
-ALGOS = ("noloco", "diloco", "avg", "ddp")
+ALGOS = tuple(ALGORITHMS)
 BACKENDS = ("local", "torch", "hivemind")
 
 
@@ -171,13 +172,9 @@ def _resolve_deprecated(cfg: DictConfig) -> None:
 
 
 def default_momentum(algo: str) -> float:
-    """The outer momentum an algorithm defaults to: the library class's own default (NoLoCo 0.5, DiLoCo 0.9)."""
-    import inspect
-
-    from noloco.optim import DiLoCo, NoLoCo
-
-    cls = DiLoCo if algo == "diloco" else NoLoCo
-    return float(inspect.signature(cls).parameters["momentum"].default)
+    """The outer momentum an algorithm defaults to: its class's own (NoLoCo 0.5, DiLoCo 0.9; NoLoCo's for the
+    algorithms without momentum, so the saved config reads as before)."""
+    return float(getattr(ALGORITHMS[algo], "DEFAULT_MOMENTUM", NoLoCo.DEFAULT_MOMENTUM))
 
 
 def load_config(overrides: list[str] | None = None, config_files: list[str] | None = None) -> DictConfig:
@@ -217,6 +214,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_outer(cfg)
     _validate_comm(cfg.comm)
     _validate_inner(cfg)
+    _validate_algorithm(cfg)
     _validate_exchange_schedule(cfg)
     _validate_data(cfg.data)
     _validate_sources(cfg)
@@ -261,7 +259,6 @@ def _validate_outer(cfg: DictConfig) -> None:
     """The outer algorithm, its groups (clamped to a single worker's run) and its momentum default."""
     outer = cfg.outer
     _require(outer.algo in ALGOS, f"outer.algo={outer.algo!r} is not one of {ALGOS}")
-    _require(outer.every >= 1, f"outer.every must be >= 1, got {outer.every}")
     if outer.algo == "noloco" and cfg.backend != "hivemind":
         if cfg.workers < outer.group_size:  # a single-worker sanity run: its group is itself
             print(f"note: outer.group_size={outer.group_size} clamped to workers={cfg.workers}", file=sys.stderr)
@@ -280,8 +277,16 @@ def _validate_outer(cfg: DictConfig) -> None:
               "(every worker trains alone)", file=sys.stderr)  # fmt: skip
     if outer.momentum is None:
         outer.momentum = default_momentum(outer.algo)
-    _require(0 <= outer.momentum < 1, f"outer.momentum must be in [0, 1), got {outer.momentum}")
-    _require(outer.lr > 0 and outer.pull >= 0, "outer.lr must be > 0 and outer.pull >= 0")
+
+
+def _validate_algorithm(cfg: DictConfig) -> None:
+    """The settings the outer algorithm reads from the config, checked by the algorithm's class itself
+    (``check_settings``: the same check its constructor runs)."""
+    cls = ALGORITHMS[cfg.outer.algo]
+    try:
+        cls.check_settings(cls.settings_from(cfg))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 def _validate_comm(comm) -> None:
     """The ``comm`` section: codecs, reduction, error feedback, timeouts, the norm bound."""
@@ -293,16 +298,10 @@ def _validate_comm(comm) -> None:
                      f"comm.reduction={comm.reduction} cannot carry the top-k codec comm.{key}={value!r}; "
                      "use two_phase or allgather")
     _require(comm.reduction in REDUCTIONS, f"comm.reduction={comm.reduction!r} is not one of {REDUCTIONS}")
-    decay = comm.error_feedback_decay
-    _require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1,
-             f"comm.error_feedback_decay must be in (0, 1], got {decay!r}")
-    for key in ("recv_timeout", "group_timeout", "startup_timeout"):
-        _require(comm[key] > 0, f"comm.{key} must be > 0 seconds, got {comm[key]}")
-    ratio = comm.max_norm_ratio
-    _require(
-        ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 1 < ratio < math.inf),
-        f"comm.max_norm_ratio must be a number > 1 (null disables the norm bound), got {ratio!r}",
-    )
+    # comm.recv_timeout, group_timeout, error_feedback_decay and max_norm_ratio: the algorithm's own check
+    startup = comm.startup_timeout  # (the run's, not the algorithm's: processes meeting)
+    _require(isinstance(startup, (int, float)) and not isinstance(startup, bool) and 0 < startup < math.inf,
+             f"comm.startup_timeout must be > 0 seconds, got {startup!r}")  # fmt: skip
 
 def _validate_inner(cfg: DictConfig) -> None:
     """The ``inner`` section: learning rates, clipping, processes per worker, their gradient codec."""
@@ -322,20 +321,12 @@ def _validate_exchange_schedule(cfg: DictConfig) -> None:
     _require(isinstance(outer.overlap, bool) or outer.overlap in OVERLAP_RULES,
              f"outer.overlap={outer.overlap!r} is not one of false, true, {', '.join(OVERLAP_RULES)}")  # fmt: skip
     _require(not (outer.overlap and outer.algo == "ddp"), "outer.overlap is for the outer algorithms, not ddp")
-    fragments = outer.fragments
-    _require(isinstance(fragments, int) and not isinstance(fragments, bool) and fragments >= 1,
-             f"outer.fragments must be an integer >= 1, got {fragments!r}")  # fmt: skip
-    slow_every = outer.slow_every
-    _require(isinstance(slow_every, int) and not isinstance(slow_every, bool) and slow_every >= 1,
-             f"outer.slow_every must be an integer >= 1, got {slow_every!r}")  # fmt: skip
-    _require(slow_every == 1 or outer.overlap != "eager", "outer.slow_every > 1 does not run with "
-             "outer.overlap=eager (use provisional or delayed)")  # fmt: skip
-    _require(outer.every % fragments == 0, f"outer.fragments={fragments} does not divide outer.every={outer.every}")
+    fragments = outer.fragments  # its range, and slow_every's, are the algorithm's own check (_validate_algorithm)
+    _require(fragments == 1 or outer.algo != "ddp", "outer.fragments is for the outer algorithms, not ddp")
     try:
         check_overlap_steps(outer.overlap_steps, overlap_rule(outer.overlap), outer.every // fragments)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _require(fragments == 1 or outer.algo != "ddp", "outer.fragments is for the outer algorithms, not ddp")
     _require(isinstance(outer.offload, bool), f"outer.offload must be true or false, got {outer.offload!r}")
     _require(not (outer.offload and outer.overlap), "outer.offload does not run with outer.overlap (the exchange "
              "in flight needs the outer state on the GPU)")  # fmt: skip

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm.base import Transport
 from noloco.gossip.base import GroupSource
-from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, OuterAlgorithm, PeriodicAveraging
+from noloco.optim import ALGORITHMS, Algorithm, OuterAlgorithm
 from noloco.optim.algorithms import copy_flat_into
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
@@ -122,33 +122,13 @@ def build_inner_optimizer(
 def build_algorithm(
     cfg: DictConfig, model, opt, transport: Transport | GroupSource, skip_failed_rounds: bool = False
 ) -> Algorithm:
-    """``transport`` is a fixed world's transport or, in an open swarm, a group source (then rounds may be skipped)."""
-    outer, comm = cfg.outer, cfg.comm
-    common = dict(codec=comm.codec, timeout=comm.recv_timeout, error_feedback=comm.error_feedback,
-                  reduction=comm.reduction, error_feedback_decay=comm.error_feedback_decay)  # fmt: skip
-    if outer.algo == "ddp":
-        return DDP(model, opt, transport, **common)
-    common["slow_codec"] = comm.slow_codec
-    common["max_norm_ratio"] = comm.max_norm_ratio
-    common["group_timeout"] = comm.group_timeout
-    common["overlap"] = outer.overlap
-    common["overlap_steps"] = outer.overlap_steps
-    common["fragments"] = outer.fragments
-    common["offload"] = outer.offload
-    if outer.algo == "noloco":
-        common["slow_every"] = outer.slow_every
-    if skip_failed_rounds:
-        common["skip_failed_rounds"] = True
-    own = {  # each outer algorithm's own knobs
-        "noloco": (NoLoCo, dict(lr=outer.lr, pull=outer.pull, momentum=outer.momentum, group_size=outer.group_size,
-                                seed=cfg.run.seed)),
-        "diloco": (DiLoCo, dict(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)),
-        "avg": (PeriodicAveraging, {}),
-    }
-    if outer.algo in own:
-        cls, kwargs = own[outer.algo]
-        return cls(model, opt, transport, every=outer.every, **kwargs, **common)
-    raise ValueError(f"unknown outer.algo {outer.algo!r}")
+    """``transport`` is a fixed world's transport or, in an open swarm, a group source (then rounds may be skipped).
+
+    The algorithm ``outer.algo`` names reads its own settings from ``cfg`` (its ``SETTINGS``), so a new setting
+    is a keyword of its class, a key of its config section and a line of ``defaults.yaml``, nothing here."""
+    cls = ALGORITHMS[cfg.outer.algo]
+    extra = {"skip_failed_rounds": True} if skip_failed_rounds else {}
+    return cls(model, opt, transport, **cls.settings_from(cfg), **extra)
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ class WorldBackend(Backend):
 
     name = "world"
 
-    def __init__(self, transport: Transport, rank: int | None = None, startup_timeout: float = 60.0):
+    def __init__(self, transport: Transport, rank: int | None = None, startup_timeout: float = 120.0):
         super().__init__(transport.rank if rank is None else rank)
         self.transport, self.barrier_timeout = transport, float(startup_timeout)
 
