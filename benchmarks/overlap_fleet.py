@@ -328,7 +328,8 @@ def rerun_args(args: argparse.Namespace) -> list[str]:
             *(["--", *args.overrides] if args.overrides else [])]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.overlap_fleet``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overlap_fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=4)
@@ -352,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     common.add_out(parser, "overlap_fleet")
     parser.add_argument("--name", default="overlap_fleet", help="output name: <out>/<name>.md/.json/.png")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     parse_rate(args.rate)  # fail on a typo before any run
     ddp_rate = args.ddp_rate or args.rate

@@ -19,9 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 from noloco.collectives import REDUCTIONS, get_codec, known_codecs
 from noloco.optim import ALGORITHMS, NoLoCo
 from noloco.optim.overlap import OVERLAP_RULES, check_overlap_steps, overlap_rule
+from noloco.train.backends import BACKENDS
 
 ALGOS = tuple(ALGORITHMS)
-BACKENDS = ("local", "torch", "hivemind")
 
 
 class ConfigError(ValueError):
@@ -240,7 +240,7 @@ def validate(cfg: DictConfig) -> None:
 
 def _validate_process(cfg: DictConfig) -> None:
     """The run as a whole: backend, workers, steps, device, precision, logging."""
-    _require(cfg.backend in BACKENDS, f"backend={cfg.backend!r} is not one of {BACKENDS}")
+    _require(cfg.backend in BACKENDS, f"backend={cfg.backend!r} is not one of {tuple(BACKENDS)}")
     _require(isinstance(cfg.workers, int) and cfg.workers >= 1, f"workers must be an integer >= 1, got {cfg.workers!r}")
     _require(isinstance(cfg.steps, int) and cfg.steps >= 1, f"steps must be an integer >= 1, got {cfg.steps!r}")
     from noloco.train.device import DeviceError, check_device
@@ -259,7 +259,7 @@ def _validate_outer(cfg: DictConfig) -> None:
     """The outer algorithm, its groups (clamped to a single worker's run) and its momentum default."""
     outer = cfg.outer
     _require(outer.algo in ALGOS, f"outer.algo={outer.algo!r} is not one of {ALGOS}")
-    if outer.algo == "noloco" and cfg.backend != "hivemind":
+    if outer.algo == "noloco" and BACKENDS[cfg.backend].fixed_world:  # (an open swarm's groups: whoever is ready)
         if cfg.workers < outer.group_size:  # a single-worker sanity run: its group is itself
             print(f"note: outer.group_size={outer.group_size} clamped to workers={cfg.workers}", file=sys.stderr)
             outer.group_size = cfg.workers
@@ -310,8 +310,10 @@ def _validate_inner(cfg: DictConfig) -> None:
     _require(inner.warmup >= 0 and inner.grad_clip >= 0, "inner.warmup and inner.grad_clip must be >= 0")
     _require(isinstance(inner.processes, int) and inner.processes >= 1, "inner.processes must be an integer >= 1")
     _require(
-        inner.processes == 1 or cfg.backend == "torch",
-        f"inner.processes={inner.processes} needs backend=torch (a process per device of a worker)",
+        inner.processes == 1 or BACKENDS[cfg.backend].processes_per_worker,
+        f"inner.processes={inner.processes} needs a backend whose workers may be several processes: "
+        f"{', '.join(f'backend={n}' for n, b in BACKENDS.items() if b.processes_per_worker)} (a process per device "
+        "of a worker)",
     )
     _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
 

@@ -90,8 +90,10 @@ def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
 
 
 def workers_per_process(cfg: DictConfig) -> int:
-    """Workers whose models one process holds: all of them on the local backend, one elsewhere."""
-    return int(cfg.workers) if cfg.get("backend", "local") == "local" else 1
+    """Workers whose models one process holds: all of them where they are threads of one process, else one."""
+    from noloco.train.backends import spec
+
+    return int(cfg.workers) if spec(cfg).workers_share_a_process else 1
 
 
 def build_inner_optimizer(
@@ -290,7 +292,7 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         torch.cuda.set_device(device)
     model = build_model(cfg, ctx.corpus.vocab_size).to(device)
     opt, schedule = build_inner_optimizer(cfg, model)
-    algo = build_algorithm(cfg, model, opt, backend.groups(), skip_failed_rounds=backend.skip_failed_rounds)
+    algo = build_algorithm(cfg, model, opt, backend.peers(), skip_failed_rounds=backend.skip_failed_rounds)
     forward = backend.wrap(model, algo)
     worker = Worker(
         rank=backend.rank,
@@ -306,11 +308,8 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         device=device,
         precision=resolve_precision(str(cfg.precision), device),
     )
-    if ctx.resume_from is not None:  # checked as a whole (noloco.train.cli) before the run wrote anything
-        state = checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step)
-        layout = checkpoint.Layout.of(model, opt, outer=isinstance(algo, OuterAlgorithm), schedule=schedule)
-        layout.check(state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
-        worker.load(state)
+    if ctx.resume_from is not None:  # checked as a whole (Run.check_resume) before the run wrote anything
+        worker.load(checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step))
     else:
         worker.start = backend.start(algo, model)
         advance_schedule(schedule, worker.start)  # the LR schedule continues where the live peers are

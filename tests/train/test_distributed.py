@@ -93,12 +93,12 @@ def _replica_rank(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
     from torch.nn.utils import parameters_to_vector
 
-    from noloco.train.backends.distributed import Replicas, _groups
+    from noloco.train.backends.distributed import Replicas, _process_groups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        _, ddp, hook = _groups(2, 2)
+        _, ddp, hook = _process_groups(2, 2)
         results = {}
         for path, hook_group in (("bytes", hook[0]), ("device", None)):  # None: what an NCCL worker does
             torch.manual_seed(0)
