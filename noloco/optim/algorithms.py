@@ -479,7 +479,7 @@ class DDP(Algorithm):
 
 
 class OuterAlgorithm(Algorithm):
-    """Inner steps locally; every ``every`` steps an outer step over the group ``groups`` forms.
+    """Inner steps locally; every ``every`` steps an outer step over the group ``group_source`` forms.
 
     ``skip_failed_rounds`` (default True): when the group cannot be formed or the exchange fails (a
     dead, silent or misbehaving member, in an open swarm or a fixed world), leave φ, θ and the
@@ -529,7 +529,7 @@ class OuterAlgorithm(Algorithm):
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        groups: GroupSource,
+        group_source: GroupSource,
         rule: OuterRule,
         every: int,
         codec: str | Codec = "int4",
@@ -554,7 +554,7 @@ class OuterAlgorithm(Algorithm):
         super().__init__(
             model,
             inner_opt,
-            getattr(groups, "transport", None),
+            getattr(group_source, "transport", None),
             codec=codec,
             timeout=timeout,
             error_feedback=error_feedback,
@@ -564,7 +564,7 @@ class OuterAlgorithm(Algorithm):
         )
         # seconds a round may spend forming its group (an open swarm's matchmaking); default: timeout
         self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
-        self.rule, self.every, self.groups = rule, int(every), groups
+        self.rule, self.every, self.group_source = rule, int(every), group_source
         self.skip_failed_rounds = bool(skip_failed_rounds)
         self.replicas = None  # set for a worker of several processes (see noloco.train.backends.distributed)
         self.slow = parameters_to_vector(self.params).detach().float().clone()
@@ -598,7 +598,7 @@ class OuterAlgorithm(Algorithm):
 
     @property
     def counter(self) -> ByteCounter:
-        return self.groups.counter
+        return self.group_source.counter
 
     def _after_inner_step(self) -> OuterRoundInfo | None:
         phase = self.inner_step % self.period
@@ -727,7 +727,7 @@ class OuterAlgorithm(Algorithm):
         if guarded:  # contribute a zero pseudo-gradient; partners are not poisoned, this worker restarts from φ
             self.nonfinite_events += 1
             fast = slow.clone()
-        group = self.groups.form(round_index, self.group_timeout)
+        group = self.group_source.form(round_index, self.group_timeout)
         if group is None:
             if not self.skip_failed_rounds:
                 raise CommError(f"round {round_index}: no group could be formed")
@@ -748,13 +748,13 @@ class OuterAlgorithm(Algorithm):
                 raise
             except (CommError, ValueError) as exc:
                 # a member failed: the source may regroup those that delivered (an open swarm) for one more try
-                retry = self.groups.retry(group, exc) if self.skip_failed_rounds else None
+                retry = self.group_source.retry(group, exc) if self.skip_failed_rounds else None
                 if retry is None:
                     raise
                 try:
                     means, members = exchange(retry), retry.peer_ids or retry.members
                 finally:
-                    self.groups.release(retry)
+                    self.group_source.release(retry)
         except CommAborted:
             raise
         except (CommError, ValueError) as exc:
@@ -764,7 +764,7 @@ class OuterAlgorithm(Algorithm):
                                   rejected=self.norm_rejections.total - rejected_before, fragment=fragment)  # fmt: skip
             return _RoundResult(info, None, guarded)
         finally:
-            self.groups.release(group)
+            self.group_source.release(group)
         info = OuterRoundInfo(round=round_index, group=members, rejected=self.norm_rejections.total - rejected_before,
                               fragment=fragment)  # fmt: skip
         return _RoundResult(info, means, guarded)
@@ -955,8 +955,8 @@ class NoLoCo(OuterAlgorithm):
     ):
         self.check_settings({"lr": lr, "pull": pull, "momentum": momentum})
         momentum = self.DEFAULT_MOMENTUM if momentum is None else momentum
-        groups = _group_source(transport, group_size, seed)
-        super().__init__(model, inner_opt, groups, NoLoCoRule(lr, pull, momentum), every, **exchange)
+        group_source = _group_source(transport, group_size, seed)
+        super().__init__(model, inner_opt, group_source, NoLoCoRule(lr, pull, momentum), every, **exchange)
 
     def _fused_exchange(self) -> bool:  # Codec equality: int4 == int4:g128
         return self.rule.lr == self.rule.pull and self.codec == self.slow_codec and self.slow_every == 1
@@ -987,8 +987,8 @@ class DiLoCo(OuterAlgorithm):
     ):
         self.check_settings({"lr": lr, "momentum": momentum})
         momentum = self.DEFAULT_MOMENTUM if momentum is None else momentum
-        groups = _group_source(transport, None, 0)
-        super().__init__(model, inner_opt, groups, DiLoCoRule(lr, momentum, nesterov), every, **exchange)
+        group_source = _group_source(transport, None, 0)
+        super().__init__(model, inner_opt, group_source, DiLoCoRule(lr, momentum, nesterov), every, **exchange)
 
 
 class PeriodicAveraging(OuterAlgorithm):

@@ -122,15 +122,16 @@ def build_inner_optimizer(
 
 
 def build_algorithm(
-    cfg: DictConfig, model, opt, transport: Transport | GroupSource, skip_failed_rounds: bool = False
+    cfg: DictConfig, model, opt, peers: Transport | GroupSource, skip_failed_rounds: bool = False
 ) -> Algorithm:
-    """``transport`` is a fixed world's transport or, in an open swarm, a group source (then rounds may be skipped).
+    """``peers`` (:meth:`Backend.peers`): a fixed world's transport, whose groups the algorithm draws, or, in an open
+    swarm, a group source (then rounds may be skipped).
 
     The algorithm ``outer.algo`` names reads its own settings from ``cfg`` (its ``SETTINGS``), so a new setting
     is a keyword of its class, a key of its config section and a line of ``defaults.yaml``, nothing here."""
     cls = ALGORITHMS[cfg.outer.algo]
     extra = {"skip_failed_rounds": True} if skip_failed_rounds else {}
-    return cls(model, opt, transport, **cls.settings_from(cfg), **extra)
+    return cls(model, opt, peers, **cls.settings_from(cfg), **extra)
 
 
 @torch.no_grad()
