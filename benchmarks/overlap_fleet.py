@@ -15,7 +15,7 @@ the way overlap changes it, from each worker's ``summary.json`` timings (:func:`
 - *idle fraction*: blocked over the loop, mean over workers.
 
 Each figure is given over the whole run, and over its *steady rounds* from the per-round records of
-``metrics.rank<i>.jsonl`` (:func:`steady`): without the first two rounds (the first exchange compiles its
+``metrics.jsonl`` (:func:`steady`): without the first two rounds (the first exchange compiles its
 kernels, seconds on CUDA) and the last (overlapped, the last exchange has nothing to hide behind). The targets
 are judged on the steady rounds where there are any. For the overlapped runs a table gives each exchange's own
 time, from its send until its result was ready (``exchange_ms``), beside the compute it hides behind, and how
@@ -50,6 +50,7 @@ from pathlib import Path
 
 from benchmarks import common, throttled
 from noloco.fleet.netns import is_root, parse_rate
+from noloco.train.metrics import metrics_files
 from noloco.train.plots import plot_runs
 
 METHODS = ["ddp/fp32", "noloco/int4", "noloco/int4/outer.overlap=true",
@@ -116,14 +117,22 @@ def measure(run_dir: Path) -> dict:
 
 
 def _worker_records(run_dir: Path) -> list[list[dict]]:
-    """Each worker's records of ``metrics.rank<i>.jsonl``, in rank order."""
-    return [[json.loads(line) for line in path.read_text().splitlines() if line]
-            for path in sorted(run_dir.glob("metrics.rank*.jsonl"))]  # fmt: skip
+    """Each worker's records, in worker order, each worker's in the order written: from ``metrics.jsonl`` and the
+    parts ``metrics.jsonl`` of a run that stopped before merging them (a record without ``worker`` is
+    the part's rank's)."""
+    by_worker: dict[int, list[dict]] = {}
+    for path in metrics_files(run_dir):
+        rank = path.name.removeprefix("metrics.rank").removesuffix(".jsonl")
+        for line in path.read_text().splitlines():
+            if line:
+                record = json.loads(line)
+                by_worker.setdefault(int(record.get("worker", rank if rank.isdigit() else 0)), []).append(record)
+    return [by_worker[w] for w in sorted(by_worker)]
 
 
 def round_times(run_dir: Path) -> list[list[tuple[float, float]]]:
     """Per worker, each outer round's ``(wall seconds, seconds inside the outer step that ends it)``, from the
-    round-boundary records of ``metrics.rank<i>.jsonl`` (the first record of each step with ``outer_ms``)."""
+    round-boundary records of ``metrics.jsonl`` (the first record of each step with ``outer_ms``)."""
     workers = []
     for records in _worker_records(run_dir):
         bounds, seen = [(0.0, 0.0)], set()
@@ -154,7 +163,7 @@ def steady(run_dir: Path, fragments: int = 1) -> dict:
 
 def step_times(run_dir: Path, every: int, fragments: int = 1) -> list[float]:
     """Per worker, the mean seconds of an inner step over the steady rounds (:func:`steady`): the wall between two
-    consecutive training-step records of ``metrics.rank<i>.jsonl``, leaving out steps that end an exchange
+    consecutive training-step records of ``metrics.jsonl``, leaving out steps that end an exchange
     (``outer_ms``) or follow an evaluation. A worker slowed by something beside its exchange shows up here
     against its peers and against the blocking run. Empty for a worker with no such step."""
     period = every // fragments  # the config refuses fragments that do not divide H
@@ -172,7 +181,7 @@ def step_times(run_dir: Path, every: int, fragments: int = 1) -> list[float]:
 
 def exchange_times(run_dir: Path, fragments: int = 1) -> dict:
     """An overlapped run's exchanges over its steady rounds (as :func:`steady` leaves rounds out), from the
-    ``exchange_ms`` and ``wait_ms`` of ``metrics.rank<i>.jsonl``: the mean seconds an exchange ran on its thread
+    ``exchange_ms`` and ``wait_ms`` of ``metrics.jsonl``: the mean seconds an exchange ran on its thread
     (from its send) and the mean seconds training waited for it where it landed, each a mean over workers; the
     largest worker's mean wait too. Empty for a blocking run or too few rounds."""
     exchanges, waits = [], []
@@ -319,7 +328,8 @@ def rerun_args(args: argparse.Namespace) -> list[str]:
             *(["--", *args.overrides] if args.overrides else [])]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.overlap_fleet``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overlap_fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=4)
@@ -343,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     common.add_out(parser, "overlap_fleet")
     parser.add_argument("--name", default="overlap_fleet", help="output name: <out>/<name>.md/.json/.png")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     parse_rate(args.rate)  # fail on a typo before any run
     ddp_rate = args.ddp_rate or args.rate

@@ -76,7 +76,7 @@ def allreduce(
     codec: str | Codec = "fp32",
     reduction: str = "two_phase",
     op: str = "mean",
-    timeout: float = 30.0,
+    timeout: float = 120.0,
     tag: str | None = None,
     *,
     algorithm: str | None = None,

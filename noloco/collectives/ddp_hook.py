@@ -62,7 +62,7 @@ class QuantizedHookState:
     codec: str = "int8"
     error_feedback: bool = False
     reduction: str = "two_phase"
-    timeout: float = 60.0
+    timeout: float = 120.0
     min_compress_numel: int | None = None
     calls: dict[int, int] = field(default_factory=dict)
     feedback: dict[int, ReductionErrorFeedback] = field(default_factory=dict)

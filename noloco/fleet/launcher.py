@@ -56,6 +56,7 @@ from noloco.fleet.netns import (
     plural,
     stale_prefixes,
 )
+from noloco.train.metrics import merge_parts
 
 NOT_ROOT = (
     "noloco-fleet: needs root to build network namespaces and tc shapers; without root, predict the "
@@ -328,6 +329,8 @@ def _record_result(result: FleetResult, fleet: Fleet, command: list[str], hosts:
     # the first worker that failed on its own (a positive code), not the ones stopped after it
     failed = [code for code in codes if code is not None and code > 0]
     result.returncode = failed[0] if failed else (0 if all(code == 0 for code in codes) else 1)
+    if folder is not None and folder.is_dir():  # the workers are gone: their metrics parts become metrics.jsonl
+        merge_parts(folder)  # (a finished run's rank 0 did it already; a stopped or failed run's parts are here)
     if folder is not None and (folder / "summary.json").exists():
         result.summary = json.loads((folder / "summary.json").read_text())
     if folder is not None:

@@ -8,6 +8,7 @@ source) and run inside anyone's loop::
 """
 
 from noloco.optim.algorithms import (
+    ALGORITHMS,
     DDP,
     DEFAULT_MAX_NORM_RATIO,
     Algorithm,
@@ -23,6 +24,7 @@ from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.noloco import NoLoCoRule
 
 __all__ = [
+    "ALGORITHMS",
     "DDP",
     "DEFAULT_MAX_NORM_RATIO",
     "Algorithm",

@@ -45,13 +45,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from noloco.collectives import Codec, NormBound, NormRejections, ReductionErrorFeedback, allreduce, get_codec
+from noloco.collectives import Codec, NormRejections, ReductionErrorFeedback, allreduce, get_codec
 from noloco.comm import faults
 from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
@@ -241,24 +244,80 @@ def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _setting_problem(keyword: str, value, settings: Mapping) -> str | None:
+    """What is wrong with one setting of an algorithm (``settings``: the others given with it), or None."""
+    if keyword in ("timeout", "group_timeout") and not (value is None and keyword == "group_timeout"):
+        return None if _number(value) and value > 0 else f"must be > 0 seconds, got {value!r}"
+    if keyword == "error_feedback_decay":
+        return None if _number(value) and 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
+    if keyword == "every":
+        return None if _count(value) and value >= 1 else f"must be an integer >= 1, got {value!r}"
+    if keyword == "fragments":
+        every = settings.get("every", value)
+        if not (_count(value) and value >= 1):
+            return f"must be an integer >= 1, got {value!r}"
+        if _count(every) and every % value:
+            return f"={value} does not divide outer.every={every}"
+    if keyword == "slow_every":
+        if not (_count(value) and value >= 1):
+            return f"must be an integer >= 1, got {value!r}"
+        # eager moves φ before the partners' share lands, so a round without the slow term would pull φ back
+        # toward the φ it sent (its only stand-in for the partners' φ); delayed and provisional leave φ alone
+        if value > 1 and settings.get("overlap") == "eager":
+            return "> 1 does not run with outer.overlap=eager (use provisional or delayed)"
+    if keyword == "slow_stagger" and (not isinstance(value, bool) or (value and settings.get("slow_every", 1) == 1)):
+        return f"={value!r} must be true or false, and true needs outer.slow_every > 1"
+    if keyword == "momentum" and value is not None and not (_number(value) and 0 <= value < 1):
+        return f"must be in [0, 1), got {value!r}"
+    if keyword == "lr" and not (_number(value) and value > 0):
+        return f"must be > 0, got {value!r}"
+    if keyword == "pull" and not (_number(value) and value >= 0):
+        return f"must be >= 0, got {value!r}"
+    if keyword == "max_norm_ratio" and value is not None and not (_number(value) and value > 1):
+        return f"must be a number > 1 (null disables the norm bound), got {value!r}"
+    return None
+
+
 class Algorithm:
-    """Base class: holds the model, inner optimizer and transport; counts inner steps."""
+    """Base class: holds the model, inner optimizer and transport; counts inner steps.
+
+    Its settings have one home each: the constructor's keyword and its default, :attr:`SETTINGS` (the config
+    key each is read from, ``noloco/train/defaults.yaml`` holding the same defaults: a test compares them), and
+    :meth:`check_settings` (the one validation, run by the constructor and by the config before a run starts).
+    """
 
     name = "base"
+    #: config key → constructor keyword: what a run's config sets (:meth:`settings_from`)
+    SETTINGS: ClassVar[dict[str, str]] = {
+        "comm.codec": "codec",
+        "comm.recv_timeout": "timeout",
+        "comm.error_feedback": "error_feedback",
+        "comm.error_feedback_decay": "error_feedback_decay",
+        "comm.reduction": "reduction",
+    }
 
     def __init__(
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
         transport: Transport | None,
-        codec: str | Codec = "fp32",
-        timeout: float = 60.0,
+        codec: str | Codec = "int4",
+        timeout: float = 120.0,
         error_feedback: bool = True,
         reduction: str = "two_phase",
         algorithm: str | None = None,
         same_start: str = "broadcast",
         error_feedback_decay: float = 1.0,
     ):
+        self.check_settings({"timeout": timeout, "error_feedback_decay": error_feedback_decay})
         self.model, self.inner_opt, self.transport = model, inner_opt, transport
         self.params = _unique_params(model)
         self.codec: Codec = get_codec(codec)  # parsed once; equal specs compare equal
@@ -273,6 +332,28 @@ class Algorithm:
         self.norm_rejections = NormRejections()  # partners' contributions a norm bound refused (none for DDP)
         if transport is not None:
             agree_on_start(self.params, transport, same_start, self.timeout)
+
+    @classmethod
+    def settings_from(cls, config: Mapping) -> dict:
+        """The constructor keywords a run's ``config`` (nested mappings: ``config["comm"]["codec"]``) sets, by
+        :attr:`SETTINGS`; null passes None (the constructor's meaning of it), a missing key leaves the default."""
+        out = {}
+        for key, keyword in cls.SETTINGS.items():
+            section, name = key.split(".")
+            if section in config and name in config[section]:
+                out[keyword] = config[section][name]
+        return out
+
+    @classmethod
+    def check_settings(cls, settings: Mapping) -> None:
+        """ValueError, naming the config key, for a setting out of range (keywords absent from ``settings`` are
+        not checked). The one check of each: the constructor runs it, and so does the config before a run."""
+        keys = {keyword: key for key, keyword in cls.SETTINGS.items()}
+        for keyword, value in settings.items():
+            problem = _setting_problem(keyword, value, settings)
+            if problem is not None:
+                gap = "" if problem.startswith("=") else " "  # "outer.fragments=3 does not divide ..."
+                raise ValueError(f"{keys.get(keyword, keyword)}{gap}{problem}")
 
     def _new_feedback(self) -> ReductionErrorFeedback:
         """A fresh error-feedback state of this algorithm's decay (ValueError unless in (0, 1])."""
@@ -381,7 +462,7 @@ class DDP(Algorithm):
 
 
 class OuterAlgorithm(Algorithm):
-    """Inner steps locally; every ``every`` steps an outer step over the group ``groups`` forms.
+    """Inner steps locally; every ``every`` steps an outer step over the group ``group_source`` forms.
 
     ``skip_failed_rounds`` (default True): when the group cannot be formed or the exchange fails (a
     dead, silent or misbehaving member, in an open swarm or a fixed world), leave φ, θ and the
@@ -417,15 +498,27 @@ class OuterAlgorithm(Algorithm):
     partners legitimately moved by about one pseudo-gradient; for the fused θ − φ_0, its own.
     """
 
+    SETTINGS: ClassVar[dict[str, str]] = {
+        **Algorithm.SETTINGS,
+        "outer.every": "every",
+        "comm.slow_codec": "slow_codec",
+        "comm.max_norm_ratio": "max_norm_ratio",
+        "comm.group_timeout": "group_timeout",
+        "outer.overlap": "overlap",
+        "outer.overlap_steps": "overlap_steps",
+        "outer.fragments": "fragments",
+        "outer.offload": "offload",
+    }
+
     def __init__(
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        groups: GroupSource,
+        group_source: GroupSource,
         rule: OuterRule,
         every: int,
-        codec: str | Codec = "fp32",
-        timeout: float = 60.0,
+        codec: str | Codec = "int4",
+        timeout: float = 120.0,
         skip_failed_rounds: bool = True,
         slow_codec: str | Codec | None = None,
         error_feedback: bool = True,
@@ -442,10 +535,13 @@ class OuterAlgorithm(Algorithm):
         error_feedback_decay: float = 1.0,
         slow_stagger: bool = False,
     ):
+        self.check_settings({"every": every, "fragments": fragments, "slow_every": slow_every, "overlap": overlap,
+                             "slow_stagger": slow_stagger, "group_timeout": group_timeout,
+                             "max_norm_ratio": max_norm_ratio})  # fmt: skip
         super().__init__(
             model,
             inner_opt,
-            getattr(groups, "transport", None),
+            getattr(group_source, "transport", None),
             codec=codec,
             timeout=timeout,
             error_feedback=error_feedback,
@@ -455,11 +551,7 @@ class OuterAlgorithm(Algorithm):
         )
         # seconds a round may spend forming its group (an open swarm's matchmaking); default: timeout
         self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
-        if every < 1:
-            raise ValueError(f"outer.every must be >= 1, got {every}")
-        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or every % fragments:
-            raise ValueError(f"outer.fragments={fragments!r} must be an integer >= 1 that divides outer.every={every}")
-        self.rule, self.every, self.groups = rule, int(every), groups
+        self.rule, self.every, self.group_source = rule, int(every), group_source
         self.skip_failed_rounds = bool(skip_failed_rounds)
         self._replicas = None  # a worker of several processes: its relay (set_replicas)
         self.slow = parameters_to_vector(self.params).detach().float().clone()
@@ -468,13 +560,8 @@ class OuterAlgorithm(Algorithm):
         self.reference = self.slow.clone()
         self.slow_feedback = self._new_feedback() if error_feedback and not self.slow_codec.exact else None
         # the slow-weight term crosses the link every `slow_every`-th cycle of rounds only (docs/design.md §3.2)
-        if isinstance(slow_every, bool) or not isinstance(slow_every, int) or slow_every < 1:
-            raise ValueError(f"outer.slow_every={slow_every!r} must be an integer >= 1")
         self.slow_every = slow_every
         # staggered: 1/k of the term every round, a rotating slice of each fragment (noloco.optim.stagger)
-        if not isinstance(slow_stagger, bool) or (slow_stagger and slow_every == 1):
-            raise ValueError(f"outer.slow_stagger={slow_stagger!r} must be true or false, and true needs "
-                             "outer.slow_every > 1")  # fmt: skip
         self.slow_stagger = slow_stagger
         # fragments: slices of the flat vector, one exchanged every `period` steps in turn, each with its own
         # error feedback (one fragment: the whole vector, today's feedback objects, part None everywhere)
@@ -486,17 +573,11 @@ class OuterAlgorithm(Algorithm):
             fresh = lambda feedback: None if feedback is None else self._new_feedback()  # noqa: E731
             self.fragment_states = [Fragment(part, fresh(self.feedback), fresh(self.slow_feedback))
                                     for part in self.fragments]  # fmt: skip
-        if max_norm_ratio is not None:
-            NormBound(max_norm_ratio)  # ValueError unless a finite number > 1
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
         # overlap: round r's exchange runs in the background during round r + 1, under the rule it names
         # (noloco.optim.overlap: "provisional", "eager", "delayed"; True: the default, provisional); False: None
         self.overlap = overlap_rule(overlap)
         self._overlapped = None if self.overlap is None else OverlappedRounds(self, self.overlap)
-        if self.slow_every > 1 and self.overlap == "eager":
-            # eager moves φ before the partners' share lands, so a round without the slow term would pull φ back
-            # toward the φ it sent (its only stand-in for the partners' φ); delayed and provisional leave φ alone
-            raise ValueError("outer.slow_every > 1 does not run with outer.overlap=eager (use provisional or delayed)")
         # inner steps an exchange may take: it lands (is waited for and applied) that many steps after it was sent
         self.overlap_steps = check_overlap_steps(overlap_steps, self.overlap, self.period)
         # offload: between outer steps the outer state lives in pinned host memory (a no-op on the CPU)
@@ -508,7 +589,7 @@ class OuterAlgorithm(Algorithm):
 
     @property
     def counter(self) -> ByteCounter:
-        return self.groups.counter
+        return self.group_source.counter
 
     @property
     def replicas(self):
@@ -651,7 +732,7 @@ class OuterAlgorithm(Algorithm):
         if guarded:  # contribute a zero pseudo-gradient; partners are not poisoned, this worker restarts from φ
             self.nonfinite_events += 1
             fast = slow.clone()
-        group = self.groups.form(round_index, self.group_timeout)
+        group = self.group_source.form(round_index, self.group_timeout)
         if group is None:
             if not self.skip_failed_rounds:
                 raise CommError(f"round {round_index}: no group could be formed")
@@ -672,13 +753,13 @@ class OuterAlgorithm(Algorithm):
                 raise
             except (CommError, ValueError) as exc:
                 # a member failed: the source may regroup those that delivered (an open swarm) for one more try
-                retry = self.groups.retry(group, exc) if self.skip_failed_rounds else None
+                retry = self.group_source.retry(group, exc) if self.skip_failed_rounds else None
                 if retry is None:
                     raise
                 try:
                     means, members = exchange(retry), retry.peer_ids or retry.members
                 finally:
-                    self.groups.release(retry)
+                    self.group_source.release(retry)
         except CommAborted:
             raise
         except (CommError, ValueError) as exc:
@@ -688,7 +769,7 @@ class OuterAlgorithm(Algorithm):
                                   rejected=self.norm_rejections.total - rejected_before, fragment=fragment)  # fmt: skip
             return _RoundResult(info, None, guarded)
         finally:
-            self.groups.release(group)
+            self.group_source.release(group)
         info = OuterRoundInfo(round=round_index, group=members, rejected=self.norm_rejections.total - rejected_before,
                               fragment=fragment)  # fmt: skip
         return _RoundResult(info, means, guarded)
@@ -875,22 +956,35 @@ class NoLoCo(OuterAlgorithm):
     """
 
     name = "noloco"
+    DEFAULT_MOMENTUM: ClassVar[float] = 0.5  # μ where ``momentum`` is None (outer.momentum: null)
+    SETTINGS: ClassVar[dict[str, str]] = {
+        **OuterAlgorithm.SETTINGS,
+        "outer.slow_every": "slow_every",
+        "outer.slow_stagger": "slow_stagger",
+        "outer.lr": "lr",
+        "outer.pull": "pull",
+        "outer.momentum": "momentum",
+        "outer.group_size": "group_size",
+        "run.seed": "seed",
+    }
 
     def __init__(
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
         transport: Transport | GroupSource,
-        every: int = 50,
+        every: int = 20,
         lr: float = 0.7,
         pull: float = 0.7,
-        momentum: float = 0.5,
+        momentum: float | None = None,
         group_size: int = 2,
         seed: int = 0,
         **exchange,
     ):
-        groups = _group_source(transport, group_size, seed)
-        super().__init__(model, inner_opt, groups, NoLoCoRule(lr, pull, momentum), every, **exchange)
+        self.check_settings({"lr": lr, "pull": pull, "momentum": momentum})
+        momentum = self.DEFAULT_MOMENTUM if momentum is None else momentum
+        group_source = _group_source(transport, group_size, seed)
+        super().__init__(model, inner_opt, group_source, NoLoCoRule(lr, pull, momentum), every, **exchange)
 
     def _fused_exchange(self) -> bool:  # Codec equality: int4 == int4:g128
         return self.rule.lr == self.rule.pull and self.codec == self.slow_codec and self.slow_every == 1
@@ -900,20 +994,29 @@ class DiLoCo(OuterAlgorithm):
     """DiLoCo: global average of pseudo-gradients, outer SGD with Nesterov momentum."""
 
     name = "diloco"
+    DEFAULT_MOMENTUM: ClassVar[float] = 0.9  # μ where ``momentum`` is None (outer.momentum: null)
+    SETTINGS: ClassVar[dict[str, str]] = {
+        **OuterAlgorithm.SETTINGS,
+        "outer.lr": "lr",
+        "outer.momentum": "momentum",
+        "outer.nesterov": "nesterov",
+    }
 
     def __init__(
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
         transport: Transport | GroupSource,
-        every: int = 50,
+        every: int = 20,
         lr: float = 0.7,
-        momentum: float = 0.9,
+        momentum: float | None = None,
         nesterov: bool = True,
         **exchange,
     ):
-        groups = _group_source(transport, None, 0)
-        super().__init__(model, inner_opt, groups, DiLoCoRule(lr, momentum, nesterov), every, **exchange)
+        self.check_settings({"lr": lr, "momentum": momentum})
+        momentum = self.DEFAULT_MOMENTUM if momentum is None else momentum
+        group_source = _group_source(transport, None, 0)
+        super().__init__(model, inner_opt, group_source, DiLoCoRule(lr, momentum, nesterov), every, **exchange)
 
 
 class PeriodicAveraging(OuterAlgorithm):
@@ -926,8 +1029,12 @@ class PeriodicAveraging(OuterAlgorithm):
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
         transport: Transport | GroupSource,
-        every: int = 50,
+        every: int = 20,
         **exchange,
     ):
         super().__init__(model, inner_opt, _group_source(transport, None, 0), AveragingRule(), every, **exchange)
+
+
+#: ``outer.algo`` → the class that runs it (the one list of algorithm names)
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (NoLoCo, DiLoCo, PeriodicAveraging, DDP)}
 

@@ -448,10 +448,10 @@ class OverlappedRounds:
     def _group_size(self) -> int:
         """ñ: the group's size when a schedule fixes it (a fixed world), else that of the last group that arrived
         (before any: the source's ``group_size``, or 2)."""
-        schedule = getattr(self.algo.groups, "schedule", None)
+        schedule = getattr(self.algo.group_source, "schedule", None)
         if schedule is not None:
             return schedule.group_size
-        return self._last_size or getattr(self.algo.groups, "group_size", None) or 2
+        return self._last_size or getattr(self.algo.group_source, "group_size", None) or 2
 
     def _arrive(self):
         """Wait for the exchange in flight and keep its partners' share (the leader; a failed one: none)."""

@@ -109,7 +109,7 @@ def start_dht(poll: float = 1.0, **kwargs):
 
 
 def start_peer_dht(initial_peers: list[str] | None, host_maddrs: list[str], announce_maddrs: list[str] | None = None,
-                   startup_timeout: float = 60.0, attempts: int = 3, identity: PeerIdentity | None = None,
+                   startup_timeout: float = 120.0, attempts: int = 3, identity: PeerIdentity | None = None,
                    **kwargs):  # fmt: skip
     """:func:`start_dht` for a swarm peer; p2pd sometimes fails to reach a busy bootstrap peer, so retry.
 

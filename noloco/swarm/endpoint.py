@@ -302,7 +302,7 @@ class SwarmEndpoint:
         key: RunKey,
         max_message_bytes: int = 1 << 28,
         max_buffered_bytes: int = 1 << 30,
-        send_timeout: float = 60.0,
+        send_timeout: float = 120.0,
         header_timeout: float = HEADER_TIMEOUT,
         max_unauth_per_peer: int = MAX_UNAUTH_PER_PEER,
         max_unauth_streams: int = MAX_UNAUTH_STREAMS,

@@ -20,68 +20,16 @@ two) writes the summary.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
-from pathlib import Path
 
-import torch
-from omegaconf import DictConfig, OmegaConf
-from torch.nn.utils import parameters_to_vector
+from omegaconf import OmegaConf
 
-from noloco.data import stream_end
 from noloco.data.documents import DataError
 from noloco.models.hf import ModelError
 from noloco.train import backends, checkpoint
 from noloco.train.config import ConfigError, commented_yaml, load_config
 from noloco.train.interrupt import INTERRUPT, Interrupted
-from noloco.train.state import WorkerState
-
-
-def check_resume(cfg: DictConfig, folder: Path, step: int) -> None:
-    """Load and check every worker's state of the checkpoint against the model, AdamW and algorithm ``cfg``
-    builds (their state owners, :class:`noloco.train.state.WorkerState`), before anything of the run is written;
-    CheckpointError if any fails."""
-    from noloco.train.loop import build_inner_optimizer, build_model
-
-    if cfg.backend == "hivemind":  # a peer's folder holds its own worker, whatever its rank
-        ranks = checkpoint.worker_ranks(folder)
-        if not ranks:
-            raise checkpoint.CheckpointError(f"{folder} holds no worker state")
-    elif cfg.backend == "torch":
-        ranks = range(int(os.environ.get("WORLD_SIZE") or cfg.workers * cfg.inner.processes))
-    else:
-        ranks = range(cfg.workers)
-    layouts: dict[int | None, WorkerState] = {}
-    seed_digests: dict[int | None, str] = {}
-    stream_ends: dict[int, list[int]] = {}  # data.streaming: the steps each worker's shard ended at
-
-    def check(state: dict, rank: int) -> None:
-        where = f"{folder}/worker_{rank}"
-        vocab = checkpoint.state_vocab_size(state)
-        if vocab is not None and not 2 <= vocab <= cfg.data.max_vocab_size:  # before a model is built from it
-            raise checkpoint.CheckpointError(f"{where}: a vocabulary of {vocab}, not in [2, data.max_vocab_size="
-                                             f"{cfg.data.max_vocab_size}] (raise it if this is right)")  # fmt: skip
-        if vocab not in layouts:
-            with torch.device("meta"):  # shapes only: nothing allocated
-                model = build_model(cfg, vocab or cfg.data.vocab_size)
-                opt, schedule = build_inner_optimizer(cfg, model)
-            layouts[vocab] = WorkerState.for_check(model, opt, schedule, outer=cfg.outer.algo != "ddp")
-        layouts[vocab].check(state, step, where)
-        if isinstance(state.get("sampler"), dict):
-            stream_ends[rank] = [int(s) for s in state["sampler"].get("ends", [])]
-        reference = state["algorithm"].get("reference")
-        if isinstance(reference, dict):  # φ₀ is rebuilt from run.seed: the seed's initial weights must match
-            if vocab not in seed_digests:
-                model = build_model(cfg, vocab or cfg.data.vocab_size)
-                seed_digests[vocab] = checkpoint.digest(parameters_to_vector(model.parameters()))
-                del model
-            if seed_digests[vocab] != reference["sha256"]:
-                raise checkpoint.CheckpointError(f"{where}: its initial weights are not those of run.seed="
-                                                 f"{cfg.run.seed} (was run.seed or the model changed?)")  # fmt: skip
-
-    checkpoint.load_run(folder, step, ranks, check)
-    stream_end.check_resume(cfg, folder, step, stream_ends)  # a run that stopped as its stream ran out stays stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,10 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:  # the resolved values, each with its comment from defaults.yaml
             print(commented_yaml(cfg), end="")
             return 0
-        if resume_from is not None:
-            check_resume(cfg, resume_from, resume_step)  # all or nothing: before config.yaml or metrics change
         interrupt.install(signal.SIGINT)
-        # local: threads of this process; torch: a process per worker; hivemind: one swarm peer (docs/swarm.md)
+        # the backend places the workers; the run's lifecycle (noloco.train.run.Run) checks a resume, all or
+        # nothing, before config.yaml or metrics change
         backends.launch(cfg, run_dir=run_dir, resume_from=resume_from, resume_step=resume_step)  # Interrupted: Ctrl-C
         if interrupt.requested:  # after the last step: the run is complete
             print("interrupted after the last step: the run is complete", file=sys.stderr)

@@ -17,10 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from noloco.collectives import REDUCTIONS, get_codec, known_codecs
+from noloco.optim import ALGORITHMS, NoLoCo
 from noloco.optim.overlap import OVERLAP_RULES, check_overlap_steps, overlap_rule
+from noloco.train.backends import BACKENDS
 
-ALGOS = ("noloco", "diloco", "avg", "ddp")
-BACKENDS = ("local", "torch", "hivemind")
+ALGOS = tuple(ALGORITHMS)
 
 
 class ConfigError(ValueError):
@@ -171,13 +172,9 @@ def _resolve_deprecated(cfg: DictConfig) -> None:
 
 
 def default_momentum(algo: str) -> float:
-    """The outer momentum an algorithm defaults to: the library class's own default (NoLoCo 0.5, DiLoCo 0.9)."""
-    import inspect
-
-    from noloco.optim import DiLoCo, NoLoCo
-
-    cls = DiLoCo if algo == "diloco" else NoLoCo
-    return float(inspect.signature(cls).parameters["momentum"].default)
+    """The outer momentum an algorithm defaults to: its class's own (NoLoCo 0.5, DiLoCo 0.9; NoLoCo's for the
+    algorithms without momentum, so the saved config reads as before)."""
+    return float(getattr(ALGORITHMS[algo], "DEFAULT_MOMENTUM", NoLoCo.DEFAULT_MOMENTUM))
 
 
 def load_config(overrides: list[str] | None = None, config_files: list[str] | None = None) -> DictConfig:
@@ -217,6 +214,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_outer(cfg)
     _validate_comm(cfg.comm)
     _validate_inner(cfg)
+    _validate_algorithm(cfg)
     _validate_exchange_schedule(cfg)
     _validate_data(cfg.data)
     _validate_sources(cfg)
@@ -242,7 +240,7 @@ def validate(cfg: DictConfig) -> None:
 
 def _validate_process(cfg: DictConfig) -> None:
     """The run as a whole: backend, workers, steps, device, precision, logging."""
-    _require(cfg.backend in BACKENDS, f"backend={cfg.backend!r} is not one of {BACKENDS}")
+    _require(cfg.backend in BACKENDS, f"backend={cfg.backend!r} is not one of {tuple(BACKENDS)}")
     _require(isinstance(cfg.workers, int) and cfg.workers >= 1, f"workers must be an integer >= 1, got {cfg.workers!r}")
     _require(isinstance(cfg.steps, int) and cfg.steps >= 1, f"steps must be an integer >= 1, got {cfg.steps!r}")
     from noloco.train.device import DeviceError, check_device
@@ -261,8 +259,7 @@ def _validate_outer(cfg: DictConfig) -> None:
     """The outer algorithm, its groups (clamped to a single worker's run) and its momentum default."""
     outer = cfg.outer
     _require(outer.algo in ALGOS, f"outer.algo={outer.algo!r} is not one of {ALGOS}")
-    _require(outer.every >= 1, f"outer.every must be >= 1, got {outer.every}")
-    if outer.algo == "noloco" and cfg.backend != "hivemind":
+    if outer.algo == "noloco" and BACKENDS[cfg.backend].fixed_world:  # (an open swarm's groups: whoever is ready)
         if cfg.workers < outer.group_size:  # a single-worker sanity run: its group is itself
             print(f"note: outer.group_size={outer.group_size} clamped to workers={cfg.workers}", file=sys.stderr)
             outer.group_size = cfg.workers
@@ -280,8 +277,16 @@ def _validate_outer(cfg: DictConfig) -> None:
               "(every worker trains alone)", file=sys.stderr)  # fmt: skip
     if outer.momentum is None:
         outer.momentum = default_momentum(outer.algo)
-    _require(0 <= outer.momentum < 1, f"outer.momentum must be in [0, 1), got {outer.momentum}")
-    _require(outer.lr > 0 and outer.pull >= 0, "outer.lr must be > 0 and outer.pull >= 0")
+
+
+def _validate_algorithm(cfg: DictConfig) -> None:
+    """The settings the outer algorithm reads from the config, checked by the algorithm's class itself
+    (``check_settings``: the same check its constructor runs)."""
+    cls = ALGORITHMS[cfg.outer.algo]
+    try:
+        cls.check_settings(cls.settings_from(cfg))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 def _validate_comm(comm) -> None:
     """The ``comm`` section: codecs, reduction, error feedback, timeouts, the norm bound."""
@@ -293,16 +298,10 @@ def _validate_comm(comm) -> None:
                      f"comm.reduction={comm.reduction} cannot carry the top-k codec comm.{key}={value!r}; "
                      "use two_phase or allgather")
     _require(comm.reduction in REDUCTIONS, f"comm.reduction={comm.reduction!r} is not one of {REDUCTIONS}")
-    decay = comm.error_feedback_decay
-    _require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1,
-             f"comm.error_feedback_decay must be in (0, 1], got {decay!r}")
-    for key in ("recv_timeout", "group_timeout", "startup_timeout"):
-        _require(comm[key] > 0, f"comm.{key} must be > 0 seconds, got {comm[key]}")
-    ratio = comm.max_norm_ratio
-    _require(
-        ratio is None or (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 1 < ratio < math.inf),
-        f"comm.max_norm_ratio must be a number > 1 (null disables the norm bound), got {ratio!r}",
-    )
+    # comm.recv_timeout, group_timeout, error_feedback_decay and max_norm_ratio: the algorithm's own check
+    startup = comm.startup_timeout  # (the run's, not the algorithm's: processes meeting)
+    _require(isinstance(startup, (int, float)) and not isinstance(startup, bool) and 0 < startup < math.inf,
+             f"comm.startup_timeout must be > 0 seconds, got {startup!r}")  # fmt: skip
 
 def _validate_inner(cfg: DictConfig) -> None:
     """The ``inner`` section: learning rates, clipping, processes per worker, their gradient codec."""
@@ -311,8 +310,10 @@ def _validate_inner(cfg: DictConfig) -> None:
     _require(inner.warmup >= 0 and inner.grad_clip >= 0, "inner.warmup and inner.grad_clip must be >= 0")
     _require(isinstance(inner.processes, int) and inner.processes >= 1, "inner.processes must be an integer >= 1")
     _require(
-        inner.processes == 1 or cfg.backend == "torch",
-        f"inner.processes={inner.processes} needs backend=torch (a process per device of a worker)",
+        inner.processes == 1 or BACKENDS[cfg.backend].processes_per_worker,
+        f"inner.processes={inner.processes} needs a backend whose workers may be several processes: "
+        f"{', '.join(f'backend={n}' for n, b in BACKENDS.items() if b.processes_per_worker)} (a process per device "
+        "of a worker)",
     )
     _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
 
@@ -322,22 +323,12 @@ def _validate_exchange_schedule(cfg: DictConfig) -> None:
     _require(isinstance(outer.overlap, bool) or outer.overlap in OVERLAP_RULES,
              f"outer.overlap={outer.overlap!r} is not one of false, true, {', '.join(OVERLAP_RULES)}")  # fmt: skip
     _require(not (outer.overlap and outer.algo == "ddp"), "outer.overlap is for the outer algorithms, not ddp")
-    fragments = outer.fragments
-    _require(isinstance(fragments, int) and not isinstance(fragments, bool) and fragments >= 1,
-             f"outer.fragments must be an integer >= 1, got {fragments!r}")  # fmt: skip
-    slow_every = outer.slow_every
-    _require(isinstance(slow_every, int) and not isinstance(slow_every, bool) and slow_every >= 1,
-             f"outer.slow_every must be an integer >= 1, got {slow_every!r}")  # fmt: skip
-    _require(slow_every == 1 or outer.overlap != "eager", "outer.slow_every > 1 does not run with "
-             "outer.overlap=eager (use provisional or delayed)")  # fmt: skip
-    _require(isinstance(outer.slow_stagger, bool) and (slow_every > 1 or not outer.slow_stagger),
-             f"outer.slow_stagger={outer.slow_stagger!r} must be true or false, and true needs outer.slow_every > 1")
-    _require(outer.every % fragments == 0, f"outer.fragments={fragments} does not divide outer.every={outer.every}")
+    fragments = outer.fragments  # its range, and slow_every's, are the algorithm's own check (_validate_algorithm)
+    _require(fragments == 1 or outer.algo != "ddp", "outer.fragments is for the outer algorithms, not ddp")
     try:
         check_overlap_steps(outer.overlap_steps, overlap_rule(outer.overlap), outer.every // fragments)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _require(fragments == 1 or outer.algo != "ddp", "outer.fragments is for the outer algorithms, not ddp")
     _require(isinstance(outer.offload, bool), f"outer.offload must be true or false, got {outer.offload!r}")
     _require(not (outer.offload and outer.overlap), "outer.offload does not run with outer.overlap (the exchange "
              "in flight needs the outer state on the GPU)")  # fmt: skip

@@ -26,7 +26,7 @@ from noloco.data.stream_end import StreamEnd
 from noloco.data.tokens import TokenizedCorpus
 from noloco.gossip.base import GroupSource
 from noloco.models.llama import LLaMA, model_config
-from noloco.optim import DDP, Algorithm, DiLoCo, NoLoCo, PeriodicAveraging
+from noloco.optim import ALGORITHMS, Algorithm
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.config import ConfigError
@@ -96,8 +96,10 @@ def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
 
 
 def workers_per_process(cfg: DictConfig) -> int:
-    """Workers whose models one process holds: all of them on the local backend, one elsewhere."""
-    return int(cfg.workers) if cfg.get("backend", "local") == "local" else 1
+    """Workers whose models one process holds: all of them where they are threads of one process, else one."""
+    from noloco.train.backends import spec
+
+    return int(cfg.workers) if spec(cfg).workers_share_a_process else 1
 
 
 def build_inner_optimizer(
@@ -126,36 +128,16 @@ def build_inner_optimizer(
 
 
 def build_algorithm(
-    cfg: DictConfig, model, opt, transport: Transport | GroupSource, skip_failed_rounds: bool = False
+    cfg: DictConfig, model, opt, peers: Transport | GroupSource, skip_failed_rounds: bool = False
 ) -> Algorithm:
-    """``transport`` is a fixed world's transport or, in an open swarm, a group source (then rounds may be skipped)."""
-    outer, comm = cfg.outer, cfg.comm
-    common = dict(codec=comm.codec, timeout=comm.recv_timeout, error_feedback=comm.error_feedback,
-                  reduction=comm.reduction, error_feedback_decay=comm.error_feedback_decay)  # fmt: skip
-    if outer.algo == "ddp":
-        return DDP(model, opt, transport, **common)
-    common["slow_codec"] = comm.slow_codec
-    common["max_norm_ratio"] = comm.max_norm_ratio
-    common["group_timeout"] = comm.group_timeout
-    common["overlap"] = outer.overlap
-    common["overlap_steps"] = outer.overlap_steps
-    common["fragments"] = outer.fragments
-    common["offload"] = outer.offload
-    if outer.algo == "noloco":
-        common["slow_every"] = outer.slow_every
-        common["slow_stagger"] = outer.slow_stagger
-    if skip_failed_rounds:
-        common["skip_failed_rounds"] = True
-    own = {  # each outer algorithm's own knobs
-        "noloco": (NoLoCo, dict(lr=outer.lr, pull=outer.pull, momentum=outer.momentum, group_size=outer.group_size,
-                                seed=cfg.run.seed)),
-        "diloco": (DiLoCo, dict(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)),
-        "avg": (PeriodicAveraging, {}),
-    }
-    if outer.algo in own:
-        cls, kwargs = own[outer.algo]
-        return cls(model, opt, transport, every=outer.every, **kwargs, **common)
-    raise ValueError(f"unknown outer.algo {outer.algo!r}")
+    """``peers`` (:meth:`Backend.peers`): a fixed world's transport, whose groups the algorithm draws, or, in an open
+    swarm, a group source (then rounds may be skipped).
+
+    The algorithm ``outer.algo`` names reads its own settings from ``cfg`` (its ``SETTINGS``), so a new setting
+    is a keyword of its class, a key of its config section and a line of ``defaults.yaml``, nothing here."""
+    cls = ALGORITHMS[cfg.outer.algo]
+    extra = {"skip_failed_rounds": True} if skip_failed_rounds else {}
+    return cls(model, opt, peers, **cls.settings_from(cfg), **extra)
 
 
 @torch.no_grad()
@@ -260,7 +242,7 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         torch.cuda.set_device(device)
     model = build_model(cfg, ctx.corpus.vocab_size).to(device)
     opt, schedule = build_inner_optimizer(cfg, model)
-    algo = build_algorithm(cfg, model, opt, backend.groups(), skip_failed_rounds=backend.skip_failed_rounds)
+    algo = build_algorithm(cfg, model, opt, backend.peers(), skip_failed_rounds=backend.skip_failed_rounds)
     forward = backend.wrap(model, algo)
     worker = Worker(
         rank=backend.rank,
@@ -276,10 +258,8 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         device=device,
         precision=resolve_precision(str(cfg.precision), device),
     )
-    if ctx.resume_from is not None:  # checked as a whole (noloco.train.cli) before the run wrote anything
-        state = checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step)
-        worker.owners().check(state, ctx.resume_step, f"{ctx.resume_from}/worker_{worker.rank}")
-        worker.load(state)
+    if ctx.resume_from is not None:  # checked as a whole (Run.check_resume) before the run wrote anything
+        worker.load(checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step))
     else:
         worker.start = backend.start(algo, model)
         advance_schedule(schedule, worker.start)  # the LR schedule continues where the live peers are

@@ -87,8 +87,8 @@ class WandbRuns:
 
 
 class MetricsLogger:
-    """``filename``: ``metrics.jsonl`` for one process; ``metrics.rank<r>.jsonl`` per process of a
-    multi-process run (all ``metrics*.jsonl`` of a run folder are read together). ``wandb``:
+    """``filename``: ``metrics.jsonl`` for one process; :func:`part_name` per process of a multi-process run,
+    merged into ``metrics.jsonl`` when the run ends or stops (:func:`merge_parts`). ``wandb``:
     :func:`wandb_options` (None: no wandb)."""
 
     def __init__(
@@ -138,10 +138,51 @@ class MetricsLogger:
 
 
 def metrics_files(run_dir: Path) -> list[Path]:
-    """The metrics files of a run folder, in name order: ``metrics.jsonl``, ``metrics.rank<r>.jsonl`` of a
-    multi-process run, ``metrics.attempt-<k>.jsonl`` kept from a restarted swarm peer's earlier attempts
-    (``metrics.attempt-*`` sorts before ``metrics.jsonl``, so the latest attempt's records come last)."""
+    """The metrics files of a run folder, in name order: ``metrics.jsonl``, the parts ``metrics.rank<r>.jsonl``
+    of a multi-process run still under way (or one that died before :func:`merge_parts`),
+    ``metrics.attempt-<k>.jsonl`` kept from a restarted swarm peer's earlier attempts (``metrics.attempt-*``
+    sorts before ``metrics.jsonl``, so the latest attempt's records come last)."""
     return sorted(p for p in Path(run_dir).glob("metrics*.jsonl") if p.is_file())
+
+
+def part_name(rank: int) -> str:
+    """The file one process of a multi-process run writes its records to while it runs."""
+    return f"metrics.rank{int(rank)}.jsonl"
+
+
+def merge_parts(run_dir: Path, keep_through: int | None = None) -> Path:
+    """Fold the parts of a multi-process run (``metrics.rank<r>.jsonl``) into ``metrics.jsonl``, then remove them.
+
+    ``metrics.jsonl`` ends up as one run's file: its own records and the parts', ordered by step then worker
+    (records of one step and worker keep their order), without the records after ``keep_through`` (a resumed
+    run: the checkpoint step) where given. A record already in ``metrics.jsonl`` is not added twice (a merge
+    cut short between writing the file and removing the parts). The file is replaced atomically (a temporary
+    file, then a rename), so a kill leaves the old file or the new one. Call it when no process writes a part:
+    before the ranks start and after they closed their loggers. Returns the path of ``metrics.jsonl``.
+    """
+    run_dir = Path(run_dir)
+    target = run_dir / "metrics.jsonl"
+    parts = sorted(run_dir.glob("metrics.rank*.jsonl"))
+    if not parts and keep_through is None:
+        return target
+    records = _parse(target) if target.is_file() else []
+    seen = {json.dumps(r, sort_keys=True) for r in records}
+    for path in parts:
+        for record in _parse(path):
+            key = json.dumps(record, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                records.append(record)
+    if keep_through is not None:
+        records = [r for r in records if r["step"] <= keep_through]
+    records.sort(key=lambda r: (r["step"], r["worker"]))
+    if target.is_file() or records:
+        temporary = run_dir / f".metrics.jsonl.{secrets.token_hex(4)}.tmp"
+        temporary.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        temporary.replace(target)
+    for path in parts:
+        path.unlink()
+    return target
 
 
 def _parse(path: Path) -> list[dict]:

@@ -85,10 +85,17 @@ def _config(run_dir: Path) -> dict | None:
     return _flatten(tree) if isinstance(tree, dict) else None
 
 
+def _backend(summary: dict, config: dict):
+    """The spec of the backend a run folder names (:data:`~noloco.train.backends.BACKENDS`; local's if none)."""
+    from noloco.train.backends import BACKENDS
+
+    return BACKENDS.get(str(summary.get("backend") or config.get("backend") or "local"), BACKENDS["local"])
+
+
 def _processes(summary: dict, config: dict) -> int:
     """Processes per worker (``inner.processes`` of a torch run), 1 elsewhere."""
     k = summary.get("processes_per_worker")
-    if k is None and (summary.get("backend") or config.get("backend")) == "torch":
+    if k is None and _backend(summary, config).processes_per_worker:
         k = config.get("inner.processes")
     try:
         return max(1, int(k or 1))
@@ -100,7 +107,7 @@ def _workers(summary: dict, config: dict) -> int | None:
     """Workers of the run: a swarm peer is a run of one worker (older peer summaries lack ``workers``)."""
     if isinstance(summary.get("workers"), int):
         return summary["workers"]
-    if "peer" in summary or (summary.get("backend") or config.get("backend")) == "hivemind":
+    if "peer" in summary or not _backend(summary, config).fixed_world:
         return 1
     for key in ("bytes_sent_by_worker", "final_eval_loss_per_worker"):
         if isinstance(summary.get(key), list) and summary[key]:

@@ -1,9 +1,13 @@
-"""What every backend's run shares: the run folder, data preparation, progress, and the run summary.
+"""One run's lifecycle, the same on every backend: :class:`Run`.
 
-A backend's ``launch`` calls :func:`prepare` (run folder, tokenized corpus, torch threads, the
-announcement line), shows a :class:`Progress` bar, runs its workers, and ends with :func:`finish`,
-which writes one :class:`RunSummary`-shaped ``summary.json`` (the same keys on every backend; the
-README lists them), ``curves.png`` and the printed table.
+A backend's ``launch`` makes a :class:`Run` and supplies only where the workers run (threads, processes,
+swarm peers) and what they exchange over. The run does the rest, once for every backend: the tokenized corpus
+(:meth:`Run.load_corpus`), a resumed run's one check (:meth:`Run.check_resume`: every worker's state against
+what this config builds, the corpus's vocabulary, φ₀'s seed, a stopped stream), the run folder with
+``tokenizer.json``, ``config.yaml`` and ``metrics.jsonl`` cut back to the checkpoint step (:meth:`Run.create`),
+the metrics, the :class:`Progress` bar, Ctrl-C armed around the workers (:meth:`Run.train`, then
+:meth:`Run.raise_if_stopped`) and the end: :func:`finish` writes one :class:`RunSummary`-shaped
+``summary.json`` (the same keys on every backend; the README lists them), ``curves.png`` and the printed table.
 """
 
 from __future__ import annotations
@@ -13,20 +17,27 @@ import os
 import shutil
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.utils import parameters_to_vector
 
+from noloco.data import stream_end
 from noloco.data.corpus import prepare_corpus
 from noloco.data.sampler import eval_batches
 from noloco.data.stream import stream_summary
 from noloco.data.stream_end import describe
 from noloco.train import checkpoint
-from noloco.train.loop import WorkerResult, build_model
+from noloco.train.interrupt import INTERRUPT, Interrupted
+from noloco.train.loop import RunContext, WorkerResult, build_inner_optimizer, build_model
+from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.plots import plot_runs
+from noloco.train.state import WorkerState
 
 
 class Progress:
@@ -232,33 +243,163 @@ def load_corpus(cfg: DictConfig):
                           **corpus_options(data))  # fmt: skip
 
 
-def prepare(cfg: DictConfig, run_dir: Path, quiet: bool = False, check_shards: bool = True):
-    """Load or build the tokenized corpus, create the run folder, set torch threads, announce the run.
+class Run:
+    """One run (or, on a swarm, one peer's run of one worker) from its corpus to its summary.
 
-    A streamed corpus (``data.streaming``) has every worker's shard checked first (``check_shards``: a
-    process whose launcher checked them already skips it): one with no training document is a DataError
-    before the run folder exists."""
-    corpus = load_corpus(cfg)
-    if check_shards and hasattr(corpus, "check_shards"):
-        world = cfg.workers * cfg.inner.processes  # the shards the stream is cut into (as build_worker cuts it)
-        corpus.check_shards(range(world), world)
-    with torch.device("meta"):  # sizes from the config and the tokenizer checked before the run folder exists
-        params = build_model(cfg, corpus.vocab_size).num_parameters()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if getattr(corpus, "tokenizer_path", None) and Path(corpus.tokenizer_path).is_file():
-        shutil.copyfile(corpus.tokenizer_path, run_dir / "tokenizer.json")  # export and sample read it here
-    # threads share the cores: local workers are threads of this process; torch workers are processes,
-    # LOCAL_WORLD_SIZE of them on this host (set by torchrun and by the local launcher)
-    per_process = cfg.workers if cfg.backend == "local" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(cfg.threads or max(1, usable_cores() // per_process))
-    if not quiet:
-        print(
-            f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers ({cfg.backend}) · "
-            f"{params / 1e6:.2f}M params · {cfg.steps} steps · data {cfg.data.source}: {corpus.train.size:,} train / "
-            f"{corpus.val.size:,} held-out tokens · {run_dir}",
-            flush=True,
-        )
-    return corpus, params
+    ``run_dir``: the folder (a resumed run's, or one a launcher chose); None: :meth:`create` picks a new one.
+    ``resume_from``/``resume_step``: the checkpoint a resumed run continues from. ``stop_after``: a testing
+    hook (return after that step, as if killed). ``quiet``: no announcement, table or bar.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | None = None,
+                 resume_step: int = 0, stop_after: int | None = None, quiet: bool = False):  # fmt: skip
+        self.cfg, self.quiet, self.stop_after = cfg, quiet, stop_after
+        self.folder = Path(run_dir) if run_dir else None
+        self.resume_from = Path(resume_from) if resume_from else None
+        self.resume_step = int(resume_step) if resume_from else 0
+        self.started = time.perf_counter()
+        self.corpus, self.params = None, 0
+
+    def load_corpus(self, shards: tuple[Iterable[int], int] | None = None):
+        """The run's tokenized corpus (bundled, files, or a ``datasets`` source; cached) and the model's size.
+
+        ``shards``: ``(ranks, world)`` of a streamed corpus (``data.streaming``) whose shards must each hold a
+        training document; checked here, before the run folder exists (None: not checked by this process)."""
+        cfg = self.cfg
+        self.corpus = load_corpus(cfg)
+        if shards is not None and hasattr(self.corpus, "check_shards"):
+            self.corpus.check_shards(*shards)
+        with torch.device("meta"):  # sizes from the config and the tokenizer checked before the run folder exists
+            self.params = build_model(cfg, self.corpus.vocab_size).num_parameters()
+        return self.corpus
+
+    def check_resume(self, ranks: Iterable[int]) -> None:
+        """The one check of a resumed run, all or nothing, before anything of the run is written: every one of
+        ``ranks`` (the workers the backend places) has its state in the checkpoint, loaded one at a time and
+        checked against the model, AdamW and algorithm this config builds (their state owners,
+        :class:`~noloco.train.state.WorkerState`, on the meta device), the corpus's vocabulary and ``run.seed``'s
+        initial weights; a run that stopped as its stream ran out stays stopped. CheckpointError if any fails. Nothing happens for a fresh run."""
+        if self.resume_from is None:
+            return
+        stream_ends: dict[int, list[int]] = {}  # data.streaming: the steps each worker's shard ended at
+        checkpoint.load_run(self.resume_from, self.resume_step, ranks, _StateCheck(self, stream_ends))
+        stream_end.check_resume(self.cfg, self.resume_from, self.resume_step, stream_ends)
+
+    def create(self, folder: Path | None = None, writes: bool = True, announce: bool = True,
+               workers_here: int = 1, threads: int | None = None) -> Path:  # fmt: skip
+        """The run folder: ``folder``, else the one given, else a new one (:func:`new_run_folder`); made, with
+        ``tokenizer.json``; torch threads (``threads``, else ``cfg.threads``, else the cores split between the
+        ``workers_here`` workers of this process's host); the
+        announcement line (``announce``). ``writes``: this process writes ``config.yaml`` (one process per folder).
+        A resumed run's ``metrics.jsonl`` is cut back to the checkpoint step by :meth:`metrics` (the parts of a
+        run of several processes are merged first, by :func:`~noloco.train.metrics.merge_parts`)."""
+        cfg, corpus = self.cfg, self.corpus
+        self.folder = Path(folder or self.folder or new_run_folder(cfg))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if getattr(corpus, "tokenizer_path", None) and Path(corpus.tokenizer_path).is_file():
+            shutil.copyfile(corpus.tokenizer_path, self.folder / "tokenizer.json")  # export and sample read it here
+        torch.set_num_threads(threads or cfg.threads or max(1, usable_cores() // workers_here))
+        if announce and not self.quiet:
+            print(f"noloco: {cfg.outer.algo} ({cfg.comm.codec}) · {cfg.workers} workers ({cfg.backend}) · "
+                  f"{self.params / 1e6:.2f}M params · {cfg.steps} steps · data {cfg.data.source}: "
+                  f"{corpus.train.size:,} train / {corpus.val.size:,} held-out tokens · {self.folder}",
+                  flush=True)  # fmt: skip
+        if writes:
+            (self.folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        return self.folder
+
+    def metrics(self, filename: str = "metrics.jsonl", wandb_name: str | None = None,
+                wandb_group: str | None = None) -> MetricsLogger:  # fmt: skip
+        """The run's metrics logger (``filename``: a part, for one process of several); a resumed run's file is
+        cut back to the checkpoint step and TensorBoard purges what followed it."""
+        cfg, folder = self.cfg, self.folder
+        return MetricsLogger(folder, tensorboard=cfg.log.tensorboard, filename=filename,
+                             resume_step=self.resume_step if self.resume_from else None,
+                             wandb=wandb_options(cfg, wandb_group or folder.name, wandb_name))  # fmt: skip
+
+    def context(self, metrics: MetricsLogger, workers: int, show: bool = True, stop=None,
+                **progress) -> RunContext:  # fmt: skip
+        """What this process's ``workers`` workers share (:class:`RunContext`), with a step bar (``show``: this
+        process shows one) and ``stop``, the Ctrl-C agreement of the run's workers (None: one worker alone)."""
+        cfg = self.cfg
+        bar = Progress(cfg.steps, self.resume_step, workers, cfg.log.progress and show and not self.quiet,
+                       **progress)  # fmt: skip
+        ctx = RunContext(cfg, self.corpus, self.folder, metrics, self.resume_from, self.resume_step, bar,
+                         self.stop_after)  # fmt: skip
+        ctx.stop = stop
+        return ctx
+
+    def train(self, ctx: RunContext, workers: Callable[[], object], arm: bool = True):
+        """Run ``workers`` (the backend's placement: it starts :func:`~noloco.train.loop.train_worker` for each
+        worker of this process and returns their results) with Ctrl-C armed (``arm``; else Ctrl-C is armed at the
+        first step boundary, and before it stays a KeyboardInterrupt: a swarm peer joining); the bar, the Ctrl-C
+        agreement and the metrics are closed whatever happens."""
+        interrupt = INTERRUPT
+        if arm:
+            interrupt.run_dir, interrupt.armed = ctx.run_dir, True
+        try:
+            return workers()
+        finally:
+            if arm:
+                interrupt.armed = False
+            if hasattr(ctx.stop, "close"):
+                ctx.stop.close()
+            ctx.progress.close()
+            ctx.metrics.close()
+
+    def raise_if_stopped(self, ctx: RunContext, quiet: bool = False, kind: type = Interrupted) -> None:
+        """A Ctrl-C stop before the last step: the run is not finished, so no summary (``kind`` raised, with the
+        stop step and whether its checkpoint is complete). At the last step the run is complete."""
+        target = ctx.stop.target if ctx.stop is not None else INTERRUPT.solo.target
+        if target is not None and target < self.cfg.steps:
+            complete = (checkpoint.step_dir(ctx.run_dir, target) / checkpoint.COMPLETE).exists()
+            raise kind(target, ctx.run_dir, complete, quiet=quiet)
+
+    def summary(self, results: list[WorkerResult], consensus: float | None, folder: Path | None = None,
+                start: int | None = None, extra: dict | None = None) -> RunSummary:  # fmt: skip
+        """The :class:`RunSummary` of ``results`` (one per worker, in worker order) in ``folder`` (the run's);
+        ``start``: the step this process's workers started at (a resumed run's checkpoint step by default)."""
+        return summarize(self.cfg, folder or self.folder, self.corpus, self.params, results, consensus,
+                         time.perf_counter() - self.started, self.stop_after or self.cfg.steps,
+                         self.resume_step if start is None else start, extra)  # fmt: skip
+
+
+class _StateCheck:
+    """:meth:`Run.check_resume`'s check of one worker's state (called by :func:`checkpoint.load_run`)."""
+
+    def __init__(self, run: Run, stream_ends: dict[int, list[int]]):
+        self.run, self.stream_ends = run, stream_ends
+        self.layouts: dict[int | None, WorkerState] = {}
+        self.seed_digests: dict[int | None, str] = {}
+
+    def __call__(self, state: dict, rank: int) -> None:
+        cfg, folder = self.run.cfg, self.run.resume_from
+        where = f"{folder}/worker_{rank}"
+        vocab = checkpoint.state_vocab_size(state)
+        if vocab is not None and not 2 <= vocab <= cfg.data.max_vocab_size:  # before a model is built from it
+            raise checkpoint.CheckpointError(f"{where}: a vocabulary of {vocab}, not in [2, data.max_vocab_size="
+                                             f"{cfg.data.max_vocab_size}] (raise it if this is right)")  # fmt: skip
+        corpus_vocab = self.run.corpus.vocab_size
+        if vocab is not None and vocab != corpus_vocab:
+            raise checkpoint.CheckpointError(f"resume={folder}: its models have a vocabulary of {vocab}, this run's "
+                                             f"data {corpus_vocab} (were data.* overrides given?)")  # fmt: skip
+        if vocab not in self.layouts:
+            with torch.device("meta"):  # shapes only: nothing allocated
+                model = build_model(cfg, vocab or cfg.data.vocab_size)
+                opt, schedule = build_inner_optimizer(cfg, model)
+            self.layouts[vocab] = WorkerState.for_check(model, opt, schedule, outer=cfg.outer.algo != "ddp")
+        self.layouts[vocab].check(state, self.run.resume_step, where)
+        if isinstance(state.get("sampler"), dict):
+            self.stream_ends[rank] = [int(s) for s in state["sampler"].get("ends", [])]
+        reference = state["algorithm"].get("reference")
+        if isinstance(reference, dict):  # φ₀ is rebuilt from run.seed: the seed's initial weights must match
+            if vocab not in self.seed_digests:
+                model = build_model(cfg, vocab or cfg.data.vocab_size)
+                self.seed_digests[vocab] = checkpoint.digest(parameters_to_vector(model.parameters()))
+                del model
+            if self.seed_digests[vocab] != reference["sha256"]:
+                raise checkpoint.CheckpointError(f"{where}: its initial weights are not those of run.seed="
+                                                 f"{cfg.run.seed} (was run.seed or the model changed?)")  # fmt: skip
 
 
 @dataclass

@@ -18,6 +18,7 @@ import pytest
 from noloco.fleet import launcher
 from noloco.fleet.launcher import NOT_ROOT, launch
 from noloco.fleet.netns import NETNS_ETC, Fleet, is_root, list_namespaces, missing_tools
+from noloco.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(
@@ -144,8 +145,9 @@ def test_short_training_job_runs_through_the_launcher_and_everything_is_torn_dow
     assert not any("hostname of the client socket" in line for line in lines), lines
     # every payload byte crossed a shaped link: the shapers saw at least what the workers counted
     for host, stats in enumerate(result.link_stats):
-        last = json.loads((tmp_path / "job" / f"metrics.rank{host}.jsonl").read_text().splitlines()[-1])
+        last = [r for r in read_metrics(tmp_path / "job") if r["worker"] == host][-1]
         assert stats["tx_bytes"] >= last["bytes_sent"] > 0
+    assert not list((tmp_path / "job").glob("metrics.rank*.jsonl"))  # merged into metrics.jsonl
     assert _leftovers(prefix) == []
 
 

@@ -55,10 +55,10 @@ def _check(folder, layout) -> bool:
         state = checkpoint.load_worker(folder, 0, 10)
         vocab = checkpoint.state_vocab_size(state)
         if vocab is not None and vocab != layout.vocab_size:
-            raise checkpoint.CheckpointError("another vocabulary")  # cli.check_resume builds no other model
+            raise checkpoint.CheckpointError("another vocabulary")  # Run.check_resume builds no other model
         layout.check(state, 10)
         reference = state["algorithm"]["reference"]
-        if isinstance(reference, dict) and reference["sha256"] != layout.seed_digest:  # as cli.check_resume
+        if isinstance(reference, dict) and reference["sha256"] != layout.seed_digest:  # as Run.check_resume
             raise checkpoint.CheckpointError("not the initial weights of run.seed")
     except checkpoint.CheckpointError:
         return False

@@ -115,3 +115,75 @@ def test_outer_offload_is_a_flag_and_does_not_run_with_overlap():
         load_config(["outer.offload=sometimes"])
     with pytest.raises(ConfigError, match="outer.offload does not run with outer.overlap"):
         load_config(["outer.offload=true", "outer.overlap=true"])
+
+
+def _keyword_defaults(*functions) -> dict:
+    """Keyword → default over ``functions``, later ones overriding (a subclass's ``__init__`` after its base's)."""
+    import inspect
+
+    out = {}
+    for function in functions:
+        out.update({name: p.default for name, p in inspect.signature(function).parameters.items()
+                    if p.default is not inspect.Parameter.empty})  # fmt: skip
+    return out
+
+
+def test_the_library_defaults_are_the_defaults_yaml_values():
+    """Each setting has one default: a library class's keyword default is defaults.yaml's value for its key."""
+    from noloco.collectives import allreduce
+    from noloco.collectives.ddp_hook import QuantizedHookState
+    from noloco.optim import ALGORITHMS
+    from noloco.swarm.dht import start_peer_dht
+    from noloco.swarm.endpoint import SwarmEndpoint
+    from noloco.swarm.matchmaking import SwarmMatchmaking
+    from noloco.train.backends.local import WorldBackend
+    from noloco.train.config import default_config
+
+    cfg = default_config()
+    for cls in ALGORITHMS.values():
+        inits = [vars(klass)["__init__"] for klass in reversed(cls.__mro__) if "__init__" in vars(klass)]
+        defaults = _keyword_defaults(*inits)
+        defaults["group_timeout"] = defaults["timeout"]  # None: the same as timeout
+        assert set(cls.SETTINGS) >= {"comm.codec", "comm.recv_timeout", "comm.error_feedback_decay"}
+        for key, keyword in cls.SETTINGS.items():
+            section, leaf = key.split(".")
+            assert defaults[keyword] == cfg[section][leaf], f"{cls.__name__}({keyword}=...) vs {key} in defaults.yaml"
+    others = [  # (function, keyword, key of defaults.yaml)
+        (allreduce, "timeout", "comm.recv_timeout"),
+        (QuantizedHookState, "timeout", "comm.recv_timeout"),
+        (QuantizedHookState, "codec", "inner.grad_codec"),
+        (QuantizedHookState, "error_feedback", "inner.grad_error_feedback"),
+        (SwarmEndpoint.__init__, "send_timeout", "comm.recv_timeout"),
+        (start_peer_dht, "startup_timeout", "comm.startup_timeout"),
+        (WorldBackend.__init__, "startup_timeout", "comm.startup_timeout"),
+        (SwarmMatchmaking.__init__, "confirm_timeout", "peer.confirm_timeout"),
+        (SwarmMatchmaking.__init__, "timeout", "peer.matchmaking_timeout"),
+    ]
+    for function, keyword, key in others:
+        section, leaf = key.split(".")
+        default = _keyword_defaults(function)[keyword]
+        assert default == cfg[section][leaf], f"{function.__qualname__}({keyword}={default}) vs {key}"
+
+
+def test_an_outer_setting_flows_from_its_config_key_to_the_algorithm():
+    """comm.error_feedback_decay: the config's value reaches the class through its SETTINGS, and a bad one is
+    refused by the class's own check, the same line from the config and from the constructor."""
+    import torch
+
+    from noloco.comm import LocalFabric
+    from noloco.optim import NoLoCo
+
+    cfg = load_config(["comm.error_feedback_decay=0.95", "comm.codec=int2"])
+    settings = NoLoCo.settings_from(cfg)
+    assert settings["error_feedback_decay"] == 0.95 and settings["codec"] == "int2" and settings["seed"] == 0
+
+    def build(transport, **extra):
+        model = torch.nn.Linear(4, 2)
+        return NoLoCo(model, torch.optim.AdamW(model.parameters()), transport, **{**settings, **extra})
+
+    algos = LocalFabric(2).run(build)
+    assert all(a.feedback.decay == 0.95 for a in algos)
+    with pytest.raises(ValueError, match=r"comm.error_feedback_decay must be in \(0, 1\], got 1.5"):
+        LocalFabric(2).run(lambda t: build(t, error_feedback_decay=1.5))
+    with pytest.raises(ConfigError, match=r"comm.error_feedback_decay must be in \(0, 1\], got 1.5"):
+        load_config(["comm.error_feedback_decay=1.5"])

@@ -20,7 +20,36 @@ def test_torch_backend_matches_local_backend_exactly(tiny_config, tmp_path):
         json.loads((tmp_path / "torch" / "summary.json").read_text())["consensus_distance"]
         == local["consensus_distance"]
     )
-    assert (tmp_path / "torch" / "metrics.rank1.jsonl").exists()
+    # one metrics.jsonl, as on the local backend: the ranks' parts were merged into it and are gone
+    assert not list((tmp_path / "torch").glob("metrics.rank*.jsonl"))
+    merged = [(r["step"], r["worker"]) for r in _records(tmp_path / "torch")]
+    assert merged == sorted((r["step"], r["worker"]) for r in _records(tmp_path / "local"))  # ordered by step, worker
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resumed_torch_run_has_one_metrics_file_cut_back_to_its_checkpoint(tiny_config, tmp_path):
+    """A 2-process run resumed from its step-4 checkpoint: metrics.jsonl is cut back to step 4, the resumed ranks'
+    records are merged after it, and the file holds every (worker, step) once, with the uninterrupted run's losses."""
+    from noloco.train.backends.distributed import launch as run_distributed
+    from noloco.train.checkpoint import resolve
+
+    common = ("steps=8", "outer.every=4", "workers=2", "threads=1", "log.tensorboard=false", "log.plot=false",
+              "backend=torch", "checkpoint.every=4", "checkpoint.keep=2", "run.name=torch")  # fmt: skip
+    run_distributed(tiny_config(*common), quiet=True)
+    run_dir = tmp_path / "torch"
+    clean = _records(run_dir)
+    folder, _, step = resolve(run_dir / "checkpoints" / "step_000004")
+    assert step == 4
+    run_distributed(tiny_config(*common, f"resume={folder}"), run_dir=run_dir, resume_from=folder, resume_step=4,
+                    quiet=True)  # fmt: skip
+    resumed = _records(run_dir)
+    assert not list(run_dir.glob("metrics.rank*.jsonl"))
+    key = lambda r: (r["worker"], r["step"], r.get("loss"), r.get("eval_loss"), r["bytes_sent"])  # noqa: E731
+    assert [key(r) for r in resumed] == [key(r) for r in clean]
+    assert [r["wall"] for r in resumed if r["step"] <= 4] == [r["wall"] for r in clean if r["step"] <= 4]
 
 
 def test_workers_of_two_processes_share_a_replica_through_the_quantized_ddp_hook(tiny_config, tmp_path):
@@ -64,12 +93,12 @@ def _replica_rank(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
     from torch.nn.utils import parameters_to_vector
 
-    from noloco.train.backends.distributed import Replicas, _groups
+    from noloco.train.backends.distributed import Replicas, _process_groups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        _, ddp, hook = _groups(2, 2)
+        _, ddp, hook = _process_groups(2, 2)
         results = {}
         for path, hook_group in (("bytes", hook[0]), ("device", None)):  # None: what an NCCL worker does
             torch.manual_seed(0)

@@ -382,6 +382,7 @@ def test_ctrl_c_on_the_torch_backend_stops_every_rank_at_one_step(tiny_overrides
     folder, _, saved = checkpoint.resolve(run_dir / "checkpoints" / "latest")
     assert saved == step and checkpoint.worker_ranks(folder) == [0, 1]
     assert {max(r["step"] for r in read_metrics(run_dir) if r["worker"] == w) for w in (0, 1)} == {step}
+    assert (run_dir / "metrics.jsonl").is_file() and not list(run_dir.glob("metrics.rank*.jsonl"))  # merged
     assert not _temporary_files(run_dir)
     _resume_matches_clean(f"{run_dir}/checkpoints/latest", clean, run_dir)
 

@@ -4,8 +4,8 @@ A backend runs a run's workers (threads over the in-process fabric, processes ov
 torch.distributed, peers of a hivemind swarm). :func:`~noloco.train.loop.train_worker` is the same
 loop on every backend; it talks to its worker's :class:`Backend` for the six things that differ:
 
-- :meth:`Backend.groups`: what the outer algorithm exchanges over (a fixed world's transport, or a
-  group source such as swarm matchmaking, where failed rounds are skipped);
+- :meth:`Backend.peers`: who the outer algorithm exchanges with (a fixed world's transport, whose groups the
+  algorithm draws itself, or a group source such as swarm matchmaking, where failed rounds are skipped);
 - :meth:`Backend.wrap`: the module the loop calls forward on (a worker of several processes wraps
   its replica in DDP with the quantized gradient hook);
 - :meth:`Backend.start`: the step to start from (a swarm peer may join from a live peer's state);
@@ -14,8 +14,9 @@ loop on every backend; it talks to its worker's :class:`Backend` for the six thi
 - :meth:`Backend.agree_stop`: whether the run ends at this round boundary because a worker's data stream
   ran out (``data.stream_end=stop``; called only then, so other runs never pay for it).
 
-Adding a backend is one module here with a ``launch(cfg, run_dir, resume, quiet)`` function and a
-:class:`Backend` subclass, plus its line in :data:`noloco.train.backends.LAUNCHERS`.
+Adding a backend is one module here with a ``launch(cfg, run_dir, resume_from, resume_step, quiet)`` function
+that drives a :class:`~noloco.train.run.Run` and supplies its placement, and a :class:`Backend` subclass, plus
+its line in :data:`noloco.train.backends.BACKENDS` (docs/architecture.md, "A run, from train.py to the wire").
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Backend(ABC):
         self.rank = int(rank)
 
     @abstractmethod
-    def groups(self) -> Transport | GroupSource:
+    def peers(self) -> Transport | GroupSource:
         """The world's transport (fixed world) or a group source (open swarm) for the outer algorithm."""
 
     def wrap(self, model: torch.nn.Module, algo) -> torch.nn.Module:

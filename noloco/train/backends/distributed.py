@@ -18,8 +18,10 @@ CPU they form gloo groups and the hook's messages are bytes.
 Every rank runs the same :func:`~noloco.train.loop.train_worker` as the local backend, with a
 :class:`DistributedBackend` over a :class:`~noloco.comm.torchdist.TorchDistTransport` on its own gloo
 group; so with the same config and ``threads`` the trajectory matches the local backend's. Each
-rank writes ``metrics.rank<r>.jsonl``; rank 0 gathers the final numbers (through torch.distributed
-collectives, not counted as traffic) and writes ``summary.json`` and ``curves.png``.
+rank writes its records to ``metrics.rank<r>.jsonl`` while it runs; rank 0 gathers the final numbers
+(through torch.distributed collectives, not counted as traffic), merges the ranks' records into
+``metrics.jsonl`` (also at a Ctrl-C stop and before a resumed run starts) and writes ``summary.json`` and
+``curves.png``.
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ from omegaconf import DictConfig, OmegaConf
 from noloco.comm.torchdist import TorchDistTransport, free_port
 from noloco.optim import OuterAlgorithm
 from noloco.train import checkpoint
-from noloco.train.backends.local import WorldBackend, check_vocab
+from noloco.train.backends.local import WorldBackend
 from noloco.train.config import ConfigError
 from noloco.train.device import local_index, worker_device
 from noloco.train.interrupt import INTERRUPT, Interrupted, StoreStop, hard_exit
-from noloco.train.loop import RunContext, WorkerResult, train_worker
-from noloco.train.metrics import MetricsLogger, wandb_options
-from noloco.train.run import Progress, finish, new_run_folder, prepare, relative_spread, summarize, weight_sketch
+from noloco.train.loop import WorkerResult, train_worker
+from noloco.train.metrics import merge_parts, part_name
+from noloco.train.run import Run, finish, new_run_folder, relative_spread, weight_sketch
 
 
 def _under_launcher() -> bool:
@@ -70,16 +72,18 @@ def launch(
             stop_after,
             quiet,
         )
-    run_dir = Path(run_dir) if run_dir else new_run_folder(cfg)  # (a resume passes its own folder)
-    corpus, _ = prepare(cfg, run_dir, quiet=True)  # the data cache built and the stream's shards checked once
-    if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
-        check_vocab(Path(resume_from), corpus.vocab_size)
+    world = cfg.workers * cfg.inner.processes
+    run = Run(cfg, run_dir, resume_from, resume_step, stop_after, quiet=True)
+    run.load_corpus(shards=(range(world), world))  # the data cache built and the stream's shards checked once
+    run.check_resume(range(world))  # once, here: the ranks do not check again
+    run_dir = run.create(writes=False, announce=False)  # (the ranks write config.yaml; rank 0 announces)
+    if resume_from is not None:
+        merge_parts(run_dir, keep_through=resume_step)  # one metrics.jsonl, cut back to the checkpoint step
     import torch.multiprocessing as mp
 
     port = free_port()
     ctx = mp.get_context("spawn")
     # (step, complete) from each rank that stopped on Ctrl-C; pipes, not a queue: no semaphores to leak on a hard exit
-    world = cfg.workers * cfg.inner.processes
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
     procs = []
     for rank in range(world):
@@ -115,6 +119,7 @@ def launch(
             proc.join()
         interrupt.armed = False
         codes = [p.exitcode for p in procs]
+        merge_parts(run_dir)  # (the ranks merged already unless one stopped before it could)
         if interrupt.requested and set(codes) <= {0, 130} and 130 in codes:
             reader = pipes[0][0]
             step, complete = reader.recv() if reader.poll() else (None, False)  # rank 0 completes checkpoints
@@ -162,7 +167,7 @@ def _spawned_rank(env: dict, stopped, *args) -> None:
     interrupt.announce = False  # the launcher tells the user
     interrupt.install(signal.SIGUSR1)
     try:
-        run_rank(*args, shards_checked=True)  # (the launcher checked every rank's stream shard)
+        run_rank(*args, checked=True)  # (the launcher checked every rank's stream shard and a resume)
     except Interrupted as exc:
         stopped.send((exc.step, exc.complete))
         sys.exit(130)
@@ -209,8 +214,9 @@ class Replicas:
             self.hook_state.transport.close()
 
 
-def _groups(world: int, k: int, nccl: bool = False):
-    """(outer groups by local index, DDP groups by worker, hook groups by worker or None); collective calls.
+def _process_groups(world: int, k: int, nccl: bool = False):
+    """torch.distributed process groups (not the outer algorithm's groups, which it draws over the outer ones):
+    (outer process groups by local index, DDP groups by worker, hook groups by worker or None); collective calls.
 
     The outer groups (the workers' leaders and their peers, a byte transport) are gloo. A worker's own
     processes form its DDP group: NCCL when its processes run on GPUs (``nccl``), and then the quantized hook
@@ -271,79 +277,36 @@ def run_rank(
     resume_step: int,
     stop_after: int | None,
     quiet: bool,
-    shards_checked: bool = False,
+    checked: bool = False,
 ) -> dict | None:
     """One rank of a ``backend=torch`` run (environment as set by torchrun). Under torchrun every rank checks
-    every rank's stream shard (``data.streaming``), so all of them stop with the same error; a rank the local
-    launcher started does not (``shards_checked``: the launcher did)."""
+    every rank's stream shard (``data.streaming``) and a resumed run's checkpoint, so all of them stop with the
+    same error; a rank the local launcher started does not (``checked``: the launcher did)."""
     cfg = OmegaConf.create(cfg_yaml)
-    started = time.perf_counter()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     k = int(cfg.inner.processes)
     if world % k:
         raise ValueError(f"WORLD_SIZE={world} is not a multiple of inner.processes={k}")
     cfg.workers = world // k
-    worker, local = divmod(rank, k)
+    run = Run(cfg, None, resume_from, resume_step, stop_after, quiet)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.comm.startup_timeout))
     transport, replicas = None, None
     try:
-        # Rank 0 names the run (and checks that its folder holds no other run), so every rank writes into the
-        # same folder, or every rank refuses with the same line.
-        name: list = [run_dir, None]
-        if rank == 0 and run_dir is None:
-            try:
-                name[0] = str(new_run_folder(cfg))
-            except ConfigError as exc:
-                name[1] = str(exc)
-        dist.broadcast_object_list(name, src=0)
-        if name[1] is not None:
-            raise ConfigError(name[1])
-        folder = Path(name[0])
-        corpus, params = prepare(cfg, folder, quiet=quiet or rank != 0, check_shards=not shards_checked)
-        if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
-            check_vocab(Path(resume_from), corpus.vocab_size)
-        if rank == 0:
-            (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        device = worker_device(str(cfg.device), local_index(rank))
-        # NCCL needs a GPU of its own per process of a worker (placed round robin: cfg.device cuda or auto)
-        spread = str(cfg.device) in ("cuda", "auto") and torch.cuda.device_count() >= k
-        nccl = device.type == "cuda" and spread and dist.is_nccl_available()
-        if nccl:
-            torch.cuda.set_device(device)  # NCCL groups bind each process to its GPU
-        outer_groups, ddp_groups, hook_groups = _groups(world, k, nccl)
-        # its ranks are the workers; NOLOCO_LINK_LATENCY (noloco-fleet --latency) applies to these links only
-        transport = TorchDistTransport(outer_groups[local])
-        if k > 1:
-            replicas = Replicas(ddp_groups[worker], hook_groups[worker], worker * k, cfg.inner.grad_codec,
-                                cfg.inner.grad_error_feedback, cfg.comm.recv_timeout)  # fmt: skip
-        metrics = MetricsLogger(folder, tensorboard=cfg.log.tensorboard, filename=f"metrics.rank{rank}.jsonl",
-                                resume_step=resume_step if resume_from else None,
-                                wandb=wandb_options(cfg, folder.name))  # fmt: skip
-        progress = Progress(cfg.steps, resume_step, 1, cfg.log.progress and not quiet and rank == 0)
-        ctx = RunContext(cfg, corpus, folder, metrics, Path(resume_from) if resume_from else None, resume_step,
-                         progress, stop_after)  # fmt: skip
-        # Ctrl-C: every rank stops at one step, agreed over the run's store (a client of its own, with a short
-        # timeout, so a dead store host costs a rank one timeout; keys fresh for each torchrun attempt)
-        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                               timeout=timedelta(seconds=10))  # fmt: skip
-        store = dist.PrefixStore(f"noloco/stop/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)
-        ctx.stop = StoreStop(store, rank, world, resume_step, cfg.comm.startup_timeout)
+        folder = _run_folder(run, rank, run_dir)
+        run.load_corpus(shards=None if checked else (range(world), world))
+        if not checked:
+            run.check_resume(range(world))
+        run.create(folder, writes=rank == 0, announce=rank == 0,
+                   workers_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # fmt: skip
+        transport, replicas = _place(cfg, rank, world, k)
+        ctx = run.context(run.metrics(part_name(rank)), 1, show=rank == 0, stop=_store_stop(run, rank, world))
         interrupt = INTERRUPT
-        interrupt.run_dir, interrupt.armed = folder, True
         interrupt.announce = interrupt.announce and rank == 0
-        try:
-            result = train_worker(ctx, DistributedBackend(transport, rank, replicas, cfg.comm.startup_timeout))
-        finally:
-            interrupt.armed = False
-            ctx.stop.close()
-            progress.close()
-            metrics.close()
-        if ctx.stop.target is not None and ctx.stop.target < cfg.steps:  # (at the last step: complete)
-            complete = (checkpoint.step_dir(folder, ctx.stop.target) / checkpoint.COMPLETE).exists()
-            raise Interrupted(ctx.stop.target, folder, complete, quiet=rank != 0)
+        backend = DistributedBackend(transport, rank, replicas, cfg.comm.startup_timeout)
+        result = run.train(ctx, lambda: train_worker(ctx, backend))
+        run.raise_if_stopped(ctx, quiet=rank != 0)
         inner_bytes = replicas.hook_state.counter.bytes_sent if replicas else 0
-        summary = _gather_summary(cfg, folder, corpus, params, result, transport, inner_bytes, k,
-                                  time.perf_counter() - started, stop_after, resume_step, quiet)  # fmt: skip
+        summary = _gather_summary(run, result, transport, inner_bytes, k)
         dist.barrier()
         return summary
     except _GatherFailed:
@@ -356,14 +319,60 @@ def run_rank(
         dist.destroy_process_group()
 
 
+def _run_folder(run: Run, rank: int, run_dir: str | None) -> Path:
+    """The run's folder, named by rank 0 (which checks that it holds no other run), so every rank writes into the
+    same folder, or every rank refuses with the same line. A resumed run's metrics are merged and cut back to
+    the checkpoint step by rank 0 first, before any rank writes a part of them (collective call)."""
+    name: list = [run_dir, None]
+    if rank == 0 and run_dir is None:
+        try:
+            name[0] = str(new_run_folder(run.cfg))
+        except ConfigError as exc:
+            name[1] = str(exc)
+    elif rank == 0 and run.resume_from is not None:
+        merge_parts(Path(run_dir), keep_through=run.resume_step)
+    dist.broadcast_object_list(name, src=0)
+    if name[1] is not None:
+        raise ConfigError(name[1])
+    return Path(name[0])
+
+
+def _place(cfg: DictConfig, rank: int, world: int, k: int) -> tuple[TorchDistTransport, Replicas | None]:
+    """This rank's device, its outer transport (its ranks are the workers) and, for a worker of ``k > 1``
+    processes, its :class:`Replicas` (collective calls: every rank makes them in the same order)."""
+    worker, local = divmod(rank, k)
+    device = worker_device(str(cfg.device), local_index(rank))
+    # NCCL needs a GPU of its own per process of a worker (placed round robin: cfg.device cuda or auto)
+    spread = str(cfg.device) in ("cuda", "auto") and torch.cuda.device_count() >= k
+    nccl = device.type == "cuda" and spread and dist.is_nccl_available()
+    if nccl:
+        torch.cuda.set_device(device)  # NCCL groups bind each process to its GPU
+    outer_groups, ddp_groups, hook_groups = _process_groups(world, k, nccl)
+    # NOLOCO_LINK_LATENCY (noloco-fleet --latency) applies to the outer links only
+    transport = TorchDistTransport(outer_groups[local])
+    if k == 1:
+        return transport, None
+    return transport, Replicas(ddp_groups[worker], hook_groups[worker], worker * k, cfg.inner.grad_codec,
+                               cfg.inner.grad_error_feedback, cfg.comm.recv_timeout)  # fmt: skip
+
+
+def _store_stop(run: Run, rank: int, world: int) -> StoreStop:
+    """Ctrl-C: every rank stops at one step, agreed over the run's store (a client of its own, with a short
+    timeout, so a dead store host costs a rank one timeout; keys fresh for each torchrun attempt)."""
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timedelta(seconds=10))  # fmt: skip
+    store = dist.PrefixStore(f"noloco/stop/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)
+    return StoreStop(store, rank, world, run.resume_step, run.cfg.comm.startup_timeout)
+
+
 class _GatherFailed(Exception):
     """A rank died before the end-of-run gather; this survivor wrote its own summary."""
 
 
-def _gather_summary(cfg, folder: Path, corpus, params: int, result: WorkerResult, transport, inner_bytes: int,
-                    k: int, seconds: float, stop_after, resume_step: int, quiet: bool) -> dict | None:
+def _gather_summary(run: Run, result: WorkerResult, transport, inner_bytes: int, k: int) -> dict | None:
     """Gather every rank's numbers (plain torch.distributed collectives, not counted as traffic); rank 0 writes
     the run's summary. When a rank is gone, each survivor writes ``summary.rank<r>.json`` of its own instead."""
+    cfg, folder = run.cfg, run.folder
     rank, world = dist.get_rank(), dist.get_world_size()
     results: list = [None] * world
     waits: list = [None] * world
@@ -386,6 +395,7 @@ def _gather_summary(cfg, folder: Path, corpus, params: int, result: WorkerResult
         raise _GatherFailed from None
     if rank != 0:
         return None
+    merge_parts(folder)  # every rank closed its part before the gather
     leaders = results[::k]  # one entry per worker: its first process (the others hold the same replica)
     extra = {
         "processes_per_worker": k,
@@ -395,9 +405,7 @@ def _gather_summary(cfg, folder: Path, corpus, params: int, result: WorkerResult
         # seconds each worker spent blocked waiting for peers' messages (the network or slower peers)
         "comm_wait_seconds_per_worker": [round(w, 3) for w in waits[::k]],
     }
-    summary = summarize(cfg, folder, corpus, params, leaders, consensus, seconds, stop_after or cfg.steps,
-                        resume_step, extra)  # fmt: skip
-    return finish(cfg, summary, quiet)
+    return finish(cfg, run.summary(leaders, consensus, extra=extra), run.quiet)
 
 
 def _write_own_summary(folder: Path, rank: int, result: WorkerResult, transport, exc: BaseException) -> None:

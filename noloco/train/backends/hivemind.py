@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from noloco.comm.base import CommError
 from noloco.gossip.base import Group, GroupSource
@@ -82,9 +82,8 @@ from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.config import ConfigError
 from noloco.train.interrupt import INTERRUPT, Interrupted
-from noloco.train.loop import RunContext, WorkerResult, build_model, train_worker
-from noloco.train.metrics import MetricsLogger, wandb_options
-from noloco.train.run import Progress, finish, load_corpus, summarize
+from noloco.train.loop import WorkerResult, train_worker
+from noloco.train.run import Progress, Run, finish
 
 
 def exchange_period(cfg: DictConfig) -> int:
@@ -92,7 +91,10 @@ def exchange_period(cfg: DictConfig) -> int:
     return int(cfg.outer.every) // int(cfg.outer.fragments)
 
 
-def _peer_rank(peer_id: str) -> int:
+def worker_of(peer_id: str) -> int:
+    """A peer's worker index when ``peer.rank`` is not set: a 31-bit hash of its peer id. It picks the peer's data
+    stream (batches by ``(seed, worker, step)``) and names its checkpoint file; it orders nothing (a swarm has
+    no ranks: groups are formed by matchmaking)."""
     return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
 
 
@@ -152,7 +154,7 @@ class HivemindBackend(Backend):
         return sum(1 for e in self._fresh() if e["round"] >= 0)
 
     # --- the Backend interface ------------------------------------------------------------------------
-    def groups(self) -> GroupSource:
+    def peers(self) -> GroupSource:
         return self.matchmaking if self.progress is None else ShownRounds(self.matchmaking, self.progress)
 
     def publish(self, step: int, next_round: int | None = None) -> None:
@@ -271,14 +273,11 @@ def round_note(record) -> str:
     return f"{record.round} alone ({outcome})"
 
 
-def _announce(cfg: DictConfig, corpus, say) -> int:
-    """Print what this peer runs (as every backend does); returns the model's parameter count."""
-    with torch.device("meta"):  # shapes only: nothing allocated
-        params = build_model(cfg, corpus.vocab_size).num_parameters()
+def _announce(cfg: DictConfig, corpus, params: int, say) -> None:
+    """Print what this peer runs (as every backend does)."""
     say(f"noloco peer: {cfg.outer.algo} ({cfg.comm.codec}) · {params / 1e6:.2f}M params · {cfg.steps} steps · "
         f"data {cfg.data.source}: {corpus.train.size:,} train / {corpus.val.size:,} held-out tokens · "
         f"swarm {cfg.peer.run_id}")  # fmt: skip
-    return params
 
 
 def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | None = None, resume_step: int = 0,
@@ -287,7 +286,8 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
 
     ``resume_from``: this peer's own checkpoint (``runs/<run>/peer-<name>/checkpoints/...``); the peer
     continues from it (model, optimizer, slow weights, momentum, error feedback) instead of joining
-    from a live peer, and matchmaking catches it up with the swarm's current round.
+    from a live peer, and matchmaking catches it up with the swarm's current round. The placement: this
+    process is one worker, a run of its own in ``runs/<run>/peer-<name>/``.
     """
     progress: Progress | None = None
 
@@ -301,11 +301,61 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
             print(line, flush=True)
 
     cfg, key = _checked(cfg)
-    started = time.perf_counter()
-    corpus = load_corpus(cfg)
-    torch.set_num_threads(cfg.threads or 1)
+    run = Run(cfg, run_dir, resume_from, resume_step, quiet=quiet)
+    corpus = run.load_corpus()
+    run.check_resume(_resume_ranks(run.resume_from))  # a peer's folder holds its own worker, whatever its rank
+    _announce(cfg, corpus, run.params, say)
+    dht, validator, identity = _start_dht(cfg, key, say)
+    endpoint = None
+    try:
+        endpoint = SwarmEndpoint.from_dht(dht, cfg.peer.run_id, key, **_endpoint_options(cfg), identity=identity)
+        worker, name = _worker_and_name(cfg, endpoint, run)
+        if hasattr(corpus, "check_shards"):  # data.streaming: this peer's shard has documents (before its folder)
+            corpus.check_shards([worker], cfg.workers * cfg.inner.processes)
+        folder = run.folder if run.resume_from is not None and run.folder is not None else None  # the one resumed
+        peer_dir = run.create(_peer_folder(cfg, dht, endpoint, name, say, folder), announce=False,
+                              threads=cfg.threads or 1)  # fmt: skip
+        backend = HivemindBackend(cfg, dht, endpoint, name, worker, say, validator)
+        metrics = run.metrics(wandb_name=f"{peer_dir.parent.name}/{peer_dir.name}", wandb_group=peer_dir.parent.name)
+        if run.resume_from is not None:
+            say(f"noloco peer {name}: resuming from its own checkpoint at step {resume_step} ({resume_from})")
+            backend.resume_at(resume_step)
+        ctx = run.context(metrics, 1, quiet_start=True)
+        progress = backend.progress = ctx.progress
+        try:
+            result = run.train(ctx, lambda: train_worker(ctx, backend), arm=False)
+        finally:
+            progress = None
+        # Ctrl-C: saved at its step, not finished: no summary, and not listed as finished (round -1), so no peer
+        # takes it for a completed one; its last entry ages out of the others' view like a dead peer's
+        run.raise_if_stopped(ctx, kind=PeerInterrupted)
+        backend.publish(cfg.steps, -1)  # finished: round -1 takes this peer out of others' front and expected sets
+        summary = _summary(run, backend, result, peer_dir)
+        say(f"noloco peer {name}: done · held-out loss {summary['final_eval_loss']:.4f} · rounds joined "
+            f"{summary['rounds_joined']}/{summary['rounds']} · {summary['bytes_sent'] / 1e6:.2f} MB sent · {peer_dir}")
+        return summary
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        if INTERRUPT.requested:  # a terminal's Ctrl-C also stopped p2pd: the node cannot say goodbye
+            dht.shutdown_timeout = min(dht.shutdown_timeout, 1.0)
+        dht.shutdown()
+
+
+def _resume_ranks(folder: Path | None) -> list[int]:
+    """The worker a resumed peer's checkpoint holds (one per peer folder, whatever its rank); [] for a new peer."""
+    if folder is None:
+        return []
+    ranks = checkpoint.worker_ranks(folder)
+    if not ranks:
+        raise checkpoint.CheckpointError(f"{folder} holds no worker state")
+    return ranks
+
+
+def _start_dht(cfg: DictConfig, key, say):
+    """This peer's DHT node and p2p daemon (the run's record validator on it) and its identity: ``(dht,
+    validator, identity)``; ConfigError when the daemon cannot start or no initial peer answers."""
     peer = cfg.peer
-    params = _announce(cfg, corpus, say)
     identity = PeerIdentity.generate()  # this peer's libp2p id; it signs the DHT records under that id
     validator = RunRecordValidator.create(key, peer.run_id, record_ttl_bound(cfg), identity)
     say("noloco peer: starting its DHT node and p2p daemon (" + (f"joining through {len(peer.initial_peers)} "
@@ -321,59 +371,29 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
             f"its p2p daemon could not start on peer.host_maddrs={list(peer.host_maddrs)}"
         reason = (str(exc).strip().splitlines() or ["P2PDaemonError"])[0][:200]
         raise ConfigError(f"noloco peer: {where} (is the bootstrap peer still running?): {reason}") from None
-    endpoint = None
-    try:
-        endpoint = SwarmEndpoint.from_dht(dht, peer.run_id, key, max_message_bytes=int(peer.max_message_mb * 2**20),
-                                          send_timeout=cfg.comm.recv_timeout, identity=identity,
-                                          header_timeout=peer.header_timeout,
-                                          max_unauth_per_peer=peer.max_unauth_per_peer,
-                                          max_unauth_streams=peer.max_unauth_streams)  # fmt: skip
-        rank = peer.rank if peer.rank is not None else _peer_rank(endpoint.peer_id)
-        if resume_from is not None:  # the data stream (and checkpoint file) of the run being resumed
-            rank = _checkpoint_rank(Path(resume_from), rank)
-        if hasattr(corpus, "check_shards"):  # data.streaming: this peer's shard has documents (before its folder)
-            corpus.check_shards([rank], cfg.workers * cfg.inner.processes)
-        name = str(peer.name or (rank if peer.rank is not None else endpoint.peer_id[-8:]))
-        folder = Path(run_dir) if resume_from is not None and run_dir is not None else None  # the one resumed
-        if folder is not None and not peer.name:
-            name = folder.name.removeprefix("peer-")
-        peer_dir = _peer_folder(cfg, dht, endpoint, name, say, folder)
-        backend = HivemindBackend(cfg, dht, endpoint, name, rank, say, validator)
-        run_name = peer_dir.parent.name  # wandb: the group, and the peer's one run is <run>/peer-<name>
-        metrics = MetricsLogger(peer_dir, tensorboard=cfg.log.tensorboard,
-                                resume_step=resume_step if resume_from else None,
-                                wandb=wandb_options(cfg, run_name, f"{run_name}/{peer_dir.name}"))  # fmt: skip
-        if resume_from is not None:
-            say(f"noloco peer {name}: resuming from its own checkpoint at step {resume_step} ({resume_from})")
-            backend.resume_at(resume_step)
-        progress = backend.progress = Progress(cfg.steps, resume_step, 1, cfg.log.progress and not quiet,
-                                               quiet_start=True)  # fmt: skip
-        ctx = RunContext(cfg, corpus, peer_dir, metrics, resume_from=resume_from, resume_step=resume_step,
-                         progress=progress)  # fmt: skip
-        try:
-            result = train_worker(ctx, backend)
-        finally:
-            progress.close()
-            progress = None
-            metrics.close()
-        stopped = INTERRUPT.solo.target
-        if stopped is not None and stopped < cfg.steps:
-            # Ctrl-C: saved at `stopped`, not finished: no summary, and not listed as finished (round -1), so no
-            # peer takes it for a completed one; its last entry ages out of the others' view like a dead peer's
-            complete = (checkpoint.step_dir(peer_dir, stopped) / checkpoint.COMPLETE).exists()
-            raise PeerInterrupted(stopped, peer_dir, complete)
-        backend.publish(cfg.steps, -1)  # finished: round -1 takes this peer out of others' front and expected sets
-        summary = _summary(cfg, backend, result, corpus, peer_dir, time.perf_counter() - started, resume_step,
-                           params)  # fmt: skip
-        say(f"noloco peer {name}: done · held-out loss {summary['final_eval_loss']:.4f} · rounds joined "
-            f"{summary['rounds_joined']}/{summary['rounds']} · {summary['bytes_sent'] / 1e6:.2f} MB sent · {peer_dir}")
-        return summary
-    finally:
-        if endpoint is not None:
-            endpoint.close()
-        if INTERRUPT.requested:  # a terminal's Ctrl-C also stopped p2pd: the node cannot say goodbye
-            dht.shutdown_timeout = min(dht.shutdown_timeout, 1.0)
-        dht.shutdown()
+    return dht, validator, identity
+
+
+def _endpoint_options(cfg: DictConfig) -> dict:
+    """The endpoint's limits from ``peer.*`` and its send timeout (``comm.recv_timeout``)."""
+    peer = cfg.peer
+    return dict(max_message_bytes=int(peer.max_message_mb * 2**20), send_timeout=cfg.comm.recv_timeout,
+                header_timeout=peer.header_timeout, max_unauth_per_peer=peer.max_unauth_per_peer,
+                max_unauth_streams=peer.max_unauth_streams)  # fmt: skip
+
+
+def _worker_and_name(cfg: DictConfig, endpoint: SwarmEndpoint, run: Run) -> tuple[int, str]:
+    """This peer's worker index (its data stream and checkpoint file: ``peer.worker``, else a hash of its peer id;
+    a resumed peer keeps its checkpoint's) and its name (``peer.name``, else its worker index where given, else
+    the end of its peer id; a resumed peer keeps its folder's)."""
+    peer = cfg.peer
+    worker = peer.rank if peer.rank is not None else worker_of(endpoint.peer_id)
+    if run.resume_from is not None:  # the data stream (and checkpoint file) of the run being resumed
+        worker = _checkpoint_rank(run.resume_from, worker)
+    name = str(peer.name or (worker if peer.rank is not None else endpoint.peer_id[-8:]))
+    if run.resume_from is not None and run.folder is not None and not peer.name:
+        name = run.folder.name.removeprefix("peer-")
+    return worker, name
 
 
 #: Seconds of clock difference between peers that a DHT record's expiration may carry.
@@ -409,8 +429,8 @@ def _checkpoint_rank(folder: Path, default: int) -> int:
 
 
 def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say, folder: Path | None = None) -> Path:
-    """``runs/<run>/peer-<name>/`` (or ``folder``: the one being resumed) with its config and multiaddrs;
-    prints how others join."""
+    """``runs/<run>/peer-<name>/`` (or ``folder``: the one being resumed) with its multiaddrs (the run writes
+    its config there); prints how others join."""
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     say(f"noloco peer {name}: peer id {endpoint.peer_id}")
     say("noloco peer: others join with peer.initial_peers='[" + ",".join(f'"{m}"' for m in maddrs) + "]'")
@@ -419,7 +439,6 @@ def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say, 
 
         folder = new_run_folder(cfg, Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (folder / "maddrs.json").write_text(json.dumps({"peer_id": endpoint.peer_id, "maddrs": maddrs}))
     return folder
 
@@ -443,24 +462,7 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
         return implausible_steps(registry.live(), steps, every, endpoint, seen, cfg.peer.live_timeout)
 
     seed_start = f"starting from the initial weights of run.seed={cfg.run.seed}"
-    if cfg.peer.join != "auto":
-        say(f"noloco peer: peer.join={cfg.peer.join}: {seed_start}")
-    elif cfg.peer.wait_for_peers:
-        say(f"noloco peer: waiting for {cfg.peer.wait_for_peers} other live peer(s) (peer.wait_for_peers, up to "
-            f"{cfg.peer.join_timeout:g} s)")  # fmt: skip
-    deadline = time.monotonic() + cfg.peer.join_timeout
-    shown = -1
-    while True:
-        live = plausible() if cfg.peer.join == "auto" else []
-        if len(live) >= cfg.peer.wait_for_peers or time.monotonic() > deadline:
-            break
-        if len(live) != shown and shown >= 0:
-            say(f"noloco peer: {len(live)} of {cfg.peer.wait_for_peers} other peer(s) live")
-        shown = len(live)
-        time.sleep(0.5)
-    if cfg.peer.join == "auto" and len(live) < cfg.peer.wait_for_peers:
-        say(f"noloco peer: {len(live)} of {cfg.peer.wait_for_peers} other peer(s) live after "
-            f"{cfg.peer.join_timeout:g} s; going on")  # fmt: skip
+    live = _wait_for_peers(cfg.peer, plausible, say, seed_start)
     deadline = time.monotonic() + cfg.peer.join_timeout
     ahead = [e for e in live if e["step"] > 0 and e["round"] >= 0]  # round -1: the peer has finished
     if cfg.peer.join == "auto" and not any(e["step"] > 0 for e in live):
@@ -511,6 +513,30 @@ def join_swarm(cfg, endpoint: SwarmEndpoint, registry: PeerRegistry, algo, joine
         live = plausible()
 
 
+def _wait_for_peers(peer, plausible, say, seed_start: str) -> list[dict]:
+    """``peer.wait_for_peers`` other plausible live peers, waited for up to ``peer.join_timeout`` (saying how many
+    are live as that changes); returns the live ones ([] with ``peer.join=never``)."""
+    if peer.join != "auto":
+        say(f"noloco peer: peer.join={peer.join}: {seed_start}")
+    elif peer.wait_for_peers:
+        say(f"noloco peer: waiting for {peer.wait_for_peers} other live peer(s) (peer.wait_for_peers, up to "
+            f"{peer.join_timeout:g} s)")  # fmt: skip
+    deadline = time.monotonic() + peer.join_timeout
+    shown = -1
+    while True:
+        live = plausible() if peer.join == "auto" else []
+        if len(live) >= peer.wait_for_peers or time.monotonic() > deadline:
+            break
+        if len(live) != shown and shown >= 0:
+            say(f"noloco peer: {len(live)} of {peer.wait_for_peers} other peer(s) live")
+        shown = len(live)
+        time.sleep(0.5)
+    if peer.join == "auto" and len(live) < peer.wait_for_peers:
+        say(f"noloco peer: {len(live)} of {peer.wait_for_peers} other peer(s) live after "
+            f"{peer.join_timeout:g} s; going on")  # fmt: skip
+    return live
+
+
 def rejection_counts(backend: HivemindBackend) -> dict[str, int]:
     """Every refusal by reason: the endpoint's (messages, registry claims, penalties) and the DHT node's records."""
     counts = dict(backend.endpoint.rejection_counts())
@@ -519,8 +545,7 @@ def rejection_counts(backend: HivemindBackend) -> dict[str, int]:
     return counts
 
 
-def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, corpus, peer_dir: Path,
-             seconds: float, resume_step: int, params: int) -> dict:  # fmt: skip
+def _summary(run: Run, backend: HivemindBackend, result: WorkerResult, peer_dir: Path) -> dict:
     """The peer's :class:`~noloco.train.run.RunSummary` (a run of one worker) plus the swarm's own numbers."""
     rounds = backend.matchmaking.rounds
     with (peer_dir / "rounds.jsonl").open("w") as f:
@@ -554,9 +579,9 @@ def _summary(cfg: DictConfig, backend: HivemindBackend, result: WorkerResult, co
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "joined_from": backend.joined_from or None,
     }
-    start = backend.joined_from.get("step", resume_step)
-    summary = summarize(cfg, peer_dir, corpus, params, [result], None, seconds, cfg.steps, start, extra)
-    return finish(cfg, summary, quiet=True)
+    summary = run.summary([result], None, peer_dir, start=backend.joined_from.get("step", run.resume_step),
+                          extra=extra)  # fmt: skip
+    return finish(run.cfg, summary, quiet=True)
 
 
 

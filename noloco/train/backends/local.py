@@ -1,29 +1,26 @@
 """The local backend: N simulated workers as threads of one process over the in-process fabric.
 
-:func:`launch` prepares the data once, starts one :func:`~noloco.train.loop.train_worker` per rank
-(each with a :class:`LocalBackend` over its :class:`~noloco.comm.LocalTransport`), shows progress,
-and finishes the run folder: ``summary.json``, ``curves.png`` and a printed table. The default
-backend, and the one ``python train.py`` runs.
+:func:`launch` drives the run's lifecycle (:class:`~noloco.train.run.Run`: data, resume check, folder,
+metrics, progress, Ctrl-C, summary) and supplies its placement: one :func:`~noloco.train.loop.train_worker`
+per rank in a thread of this process, each with a :class:`LocalBackend` over its
+:class:`~noloco.comm.LocalTransport`. The default backend, and the one ``python train.py`` runs.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from noloco.collectives import allreduce, barrier
 from noloco.comm import LocalFabric
 from noloco.comm.base import CommAborted, CommError, Transport
-from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
-from noloco.train.interrupt import INTERRUPT, Interrupted, LocalStop
-from noloco.train.loop import RunContext, WorkerResult, train_worker
-from noloco.train.metrics import MetricsLogger, wandb_options
-from noloco.train.run import Progress, consensus_distance, finish, new_run_folder, prepare, summarize
+from noloco.train.interrupt import LocalStop
+from noloco.train.loop import WorkerResult, train_worker
+from noloco.train.run import Run, consensus_distance, finish
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +35,11 @@ class WorldBackend(Backend):
 
     name = "world"
 
-    def __init__(self, transport: Transport, rank: int | None = None, startup_timeout: float = 60.0):
+    def __init__(self, transport: Transport, rank: int | None = None, startup_timeout: float = 120.0):
         super().__init__(transport.rank if rank is None else rank)
         self.transport, self.barrier_timeout = transport, float(startup_timeout)
 
-    def groups(self) -> Transport:
+    def peers(self) -> Transport:
         return self.transport
 
     def barrier(self, step: int) -> bool:
@@ -89,41 +86,17 @@ def launch(
     stop_after: int | None = None,
     quiet: bool = False,
 ) -> dict:
-    """Run (or resume) the job described by ``cfg`` on the local backend; returns the summary dict."""
-    started = time.perf_counter()
-    run_dir = Path(run_dir) if run_dir else new_run_folder(cfg)  # (a resume passes its own folder)
-    corpus, params = prepare(cfg, run_dir, quiet)
-    if resume_from is not None:  # before anything of the run is written (the CLI checked the rest)
-        check_vocab(resume_from, corpus.vocab_size)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    """Run (or resume) the job described by ``cfg`` on the local backend; returns the summary dict.
 
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, resume_step=resume_step if resume_from else None,
-                            wandb=wandb_options(cfg, run_dir.name))  # fmt: skip
-    progress = Progress(cfg.steps, resume_step, cfg.workers, cfg.log.progress and not quiet)
-    ctx = RunContext(cfg, corpus, run_dir, metrics, resume_from, resume_step, progress, stop_after)
-    ctx.stop = LocalStop()  # Ctrl-C: one stop step for every worker
-    interrupt = INTERRUPT
-    interrupt.run_dir, interrupt.armed = run_dir, True
+    The placement: the run's workers are threads of this process, one per rank over a :class:`LocalFabric`,
+    every one of them in this process's metrics, bar and Ctrl-C agreement (:class:`LocalStop`)."""
+    run = Run(cfg, run_dir, resume_from, resume_step, stop_after, quiet)
+    run.load_corpus(shards=(range(cfg.workers), cfg.workers))
+    run.check_resume(range(cfg.workers))
+    run.create(workers_here=cfg.workers)
+    ctx = run.context(run.metrics(), cfg.workers, stop=LocalStop())
     fabric = LocalFabric(cfg.workers)
-    try:
-        results: list[WorkerResult] = fabric.run(
-            lambda transport: train_worker(ctx, LocalBackend(transport, startup_timeout=cfg.comm.startup_timeout))
-        )
-    finally:
-        interrupt.armed = False
-        progress.close()
-        metrics.close()
-    if ctx.stop.target is not None and ctx.stop.target < cfg.steps:  # (at the last step the run is complete)
-        complete = (checkpoint.step_dir(run_dir, ctx.stop.target) / checkpoint.COMPLETE).exists()
-        raise Interrupted(ctx.stop.target, run_dir, complete)
-    summary = summarize(cfg, run_dir, corpus, params, results, consensus_distance([r.slow_weights for r in results]),
-                        time.perf_counter() - started, stop_after or cfg.steps, resume_step)  # fmt: skip
-    return finish(cfg, summary, quiet)
-
-
-def check_vocab(resume_from: Path, vocab_size: int) -> None:
-    """CheckpointError unless the checkpoint's models have the corpus's vocabulary (a changed ``data.*``)."""
-    saved = checkpoint.checkpoint_vocab_size(resume_from)
-    if saved is not None and saved != vocab_size:
-        raise checkpoint.CheckpointError(f"resume={resume_from}: its models have a vocabulary of {saved}, this run's "
-                                         f"data {vocab_size} (were data.* overrides given?)")  # fmt: skip
+    results: list[WorkerResult] = run.train(ctx, lambda: fabric.run(
+        lambda transport: train_worker(ctx, LocalBackend(transport, startup_timeout=cfg.comm.startup_timeout))))
+    run.raise_if_stopped(ctx)
+    return finish(cfg, run.summary(results, consensus_distance([r.slow_weights for r in results])), quiet)
