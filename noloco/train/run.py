@@ -278,7 +278,8 @@ class Run:
         ``ranks`` (the workers the backend places) has its state in the checkpoint, loaded one at a time and
         checked against the model, AdamW and algorithm this config builds (their state owners,
         :class:`~noloco.train.state.WorkerState`, on the meta device), the corpus's vocabulary and ``run.seed``'s
-        initial weights; a run that stopped as its stream ran out stays stopped. CheckpointError if any fails. Nothing happens for a fresh run."""
+        initial weights; a run that stopped as its stream ran out stays stopped. CheckpointError if any fails.
+        Nothing happens for a fresh run."""
         if self.resume_from is None:
             return
         stream_ends: dict[int, list[int]] = {}  # data.streaming: the steps each worker's shard ended at
