@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted before training started or after it ended: nothing new to resume", file=sys.stderr)
         return 130
+    except backends.WorkersReported as exc:  # each failed worker process printed its own error line
+        if exc.others:
+            print(f"error: {exc}, after the errors above", file=sys.stderr)
+        return exc.code
     except (ConfigError, DataError, ModelError, checkpoint.CheckpointError) as exc:
         print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2

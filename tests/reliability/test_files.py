@@ -318,3 +318,61 @@ def test_a_stalled_run_dumps_every_stack_says_where_each_worker_waits_and_exits(
     assert step == 5
     checkpoint.load_run(folder, step, [0, 1])
     assert not list(run.rglob("*.tmp"))
+
+
+# --------------------------------------------------------------------------- the same on the torch backend
+
+
+def _error_lines(err: str) -> list[str]:
+    """stderr's lines but the run's header: each must be a rank's own ``error:`` line, no traceback."""
+    assert "Traceback" not in err, err[-3000:]
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith(("noloco:", "warning:", "note:"))]
+    assert lines and all(x.startswith("error: ") for x in lines), err[-3000:]
+    return lines
+
+
+@pytest.mark.slow
+def test_a_stalled_torch_run_exits_3_with_each_ranks_line_and_no_traceback(tiny_overrides, tmp_path):
+    """The detector runs in each rank's process: each stalled rank prints its line and exits 3, and the launcher
+    exits 3 with nothing more (it raised a RuntimeError traceback, exit 1)."""
+    from noloco.train import checkpoint
+    from noloco.train.stall import STALL_EXIT
+
+    code, err, _, _ = _run_measured(["train.py", *tiny_overrides, *TINY, "backend=torch", "run.name=s", "steps=20",
+                                     "run.stall_timeout=3"],
+                                    env={"NOLOCO_FAULTS": "outer.exchange@10/1=sleep:60"})  # fmt: skip
+    assert code == STALL_EXIT, err[-3000:]
+    lines = _error_lines(err)
+    assert all("no worker advanced" in x and "(step 5) is intact" in x for x in lines), lines
+    assert any("worker 1 after step 9" in x for x in lines), lines
+    run = tmp_path / "s"
+    assert run.glob("stall-*.txt")
+    folder, _, step = checkpoint.resolve(run / "checkpoints" / "latest")
+    assert step == 5
+    checkpoint.load_run(folder, step, [0, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_disk_on_the_torch_backend_is_each_ranks_line_and_exit_2(smoke_overrides, data_cache, tmp_path):
+    """A rank whose checkpoint does not fit prints its DiskFull line and exits 2 (it printed a traceback, and the
+    launcher another, exit 1); the previous checkpoint stays complete and loads."""
+    from noloco.train import checkpoint
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        args = ["train.py", *smoke_overrides, f"data.cache_dir={data_cache}", f"run.dir={disk}", "run.name=r", *TINY,
+                "backend=torch", "steps=15", "checkpoint.keep=3"]  # fmt: skip
+        code, err, _, _ = _run_measured(args)
+        assert code == 2, err[-3000:]
+        lines = _error_lines(err)
+        assert any("no space left" in x and "(step 5) is intact" in x for x in lines), lines
+        folder, _, step = checkpoint.resolve(disk / "r" / "checkpoints" / "latest")
+        assert step == 5
+        checkpoint.load_run(folder, step, [0, 1])
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from noloco.train.backends.base import Backend
+from noloco.train.backends.base import Backend, WorkersReported
 
 
 @dataclass(frozen=True)
@@ -52,4 +52,4 @@ def launch(cfg, **kwargs):
     return importlib.import_module(spec(cfg).module).launch(cfg, **kwargs)
 
 
-__all__ = ["BACKENDS", "Backend", "BackendSpec", "launch", "spec"]
+__all__ = ["BACKENDS", "Backend", "BackendSpec", "WorkersReported", "launch", "spec"]

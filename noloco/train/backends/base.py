@@ -30,6 +30,16 @@ from noloco.comm.base import Transport
 from noloco.gossip.base import GroupSource
 
 
+class WorkersReported(Exception):
+    """The workers of a run in processes of their own ended with an error each already reported on its own
+    ``error:`` line (a bad file, a full disk: exit 2; a stall: exit 3): the run exits with ``code`` and prints
+    nothing more, unless other workers failed without a line of their own (``others``: (rank, exit code))."""
+
+    def __init__(self, code: int, others: list[tuple[int, int]]):
+        super().__init__(f"workers failed (rank, exit code): {others}" if others else "")
+        self.code, self.others = code, others
+
+
 class Backend(ABC):
     """One worker's view of its run's backend. ``rank`` picks its data stream and checkpoint file."""
 

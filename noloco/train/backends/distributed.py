@@ -39,8 +39,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from noloco.comm.torchdist import TorchDistTransport, free_port
+from noloco.data.documents import DataError
+from noloco.models.hf import ModelError
 from noloco.optim import OuterAlgorithm
 from noloco.train import checkpoint
+from noloco.train.backends.base import WorkersReported
 from noloco.train.backends.local import WorldBackend
 from noloco.train.config import ConfigError
 from noloco.train.device import local_index, worker_device
@@ -48,6 +51,10 @@ from noloco.train.interrupt import INTERRUPT, Interrupted, StoreStop, hard_exit
 from noloco.train.loop import WorkerResult, train_worker
 from noloco.train.metrics import merge_parts, part_name
 from noloco.train.run import Run, finish, new_run_folder, relative_spread, weight_sketch
+from noloco.train.stall import STALL_EXIT
+
+#: exit codes of a rank that printed its own error line: a bad config, file or checkpoint, a full disk (2); a stall (3)
+REPORTED = (2, STALL_EXIT)
 
 
 def _under_launcher() -> bool:
@@ -125,6 +132,9 @@ def launch(
             step, complete = reader.recv() if reader.poll() else (None, False)  # rank 0 completes checkpoints
             raise Interrupted(step, run_dir, complete)
         failed = [(i, code) for i, code in enumerate(codes) if code != 0]
+        reported = [code for _, code in failed if code in REPORTED]
+        if reported:  # each such rank printed its own error line
+            raise WorkersReported(reported[0], [(i, code) for i, code in failed if code not in REPORTED])
         if failed:
             raise RuntimeError(f"backend=torch: worker processes failed (rank, exit code): {failed}")
     finally:
@@ -173,6 +183,9 @@ def _spawned_rank(env: dict, stopped, *args) -> None:
         sys.exit(130)
     except KeyboardInterrupt:  # before training started
         sys.exit(130)
+    except (ConfigError, DataError, ModelError, checkpoint.CheckpointError) as exc:  # one line, as train.py's
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 class Replicas:
