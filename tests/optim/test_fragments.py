@@ -282,7 +282,7 @@ def test_fragments_change_the_trajectory():
 
 
 def test_a_fragment_count_that_does_not_divide_every_is_refused():
-    with pytest.raises(ValueError, match="divides outer.every=4"):
+    with pytest.raises(ValueError, match="does not divide outer.every=4"):
         LocalFabric(1).run(lambda t: _build(NoLoCo, t, torch.zeros(N), 3, False))
 
 
