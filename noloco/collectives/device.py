@@ -357,17 +357,10 @@ def allreduce_device(
         PayloadMismatch: members disagree on numel, dtype, op, codec or group size (on every member).
         ValueError: this member's input holds NaN/Inf (quantized codecs); the others raise RemoteFailure.
     """
-    from noloco.collectives.base import SMALL_MESSAGE_NUMEL
-
     requested = get_codec(codec)
-    if isinstance(requested, QuantCodec) and requested.spec.sparse:
-        raise ValueError(f"allreduce_device does not carry the sparse codec {requested.name!r} (its two-phase owner "
-                         "would re-sparsify every sum); use allreduce over a transport")
-    _check_arguments(x, op, error_feedback)
+    _check_arguments(x, op, error_feedback, requested)
     requested_spec = _wire_spec(requested)
-    me, n = dist.get_rank(group), dist.get_world_size(group)
-    if me < 0:
-        raise ValueError("this process is not a member of the process group")
+    me, n = _membership(group)
     device, nccl = _comm_device(group, x)
     flat = _flat_input(x, device)
     numel = flat.numel()
@@ -377,8 +370,7 @@ def allreduce_device(
     if n == 1:
         return _reduce_alone(x, flat, error_feedback, residuals)
 
-    threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
-    spec = requested_spec if requested.exact or -(-numel // n) >= threshold else FP32
+    spec = _segment_spec(requested, requested_spec, numel, n, min_compress_numel)
     bounds = segment_bounds(numel, n)
     contribution, result = residuals if residuals is not None else (None, None)
     clock = _PhaseClock(timings, device)
@@ -420,10 +412,13 @@ class _Call:
     clock: _PhaseClock
 
 
-def _check_arguments(x: torch.Tensor, op: str, error_feedback: ReductionErrorFeedback | None) -> None:
-    """Refuse bad arguments of :func:`allreduce_device` before any collective."""
+def _check_arguments(x: torch.Tensor, op: str, error_feedback: ReductionErrorFeedback | None, codec) -> None:
+    """Refuse bad arguments of :func:`allreduce_device` before any collective (``codec``: the parsed codec)."""
     from noloco.collectives.base import OPS
 
+    if isinstance(codec, QuantCodec) and codec.spec.sparse:
+        raise ValueError(f"allreduce_device does not carry the sparse codec {codec.name!r} (its two-phase owner "
+                         "would re-sparsify every sum); use allreduce over a transport")  # fmt: skip
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {OPS}")
     if not isinstance(x, torch.Tensor) or x.dtype not in DTYPE_CODES:
@@ -432,6 +427,23 @@ def _check_arguments(x: torch.Tensor, op: str, error_feedback: ReductionErrorFee
         raise TypeError(f"error_feedback must be a ReductionErrorFeedback, got {type(error_feedback).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized (call dist.init_process_group first)")
+
+
+def _segment_spec(requested, requested_spec, numel: int, n: int, min_compress_numel: int | None):
+    """The wire spec of the call's segments: the codec's, or fp32 when a segment is shorter than
+    ``min_compress_numel`` (default :data:`~noloco.collectives.base.SMALL_MESSAGE_NUMEL`) and the codec is lossy."""
+    from noloco.collectives.base import SMALL_MESSAGE_NUMEL
+
+    threshold = SMALL_MESSAGE_NUMEL if min_compress_numel is None else int(min_compress_numel)
+    return requested_spec if requested.exact or -(-numel // n) >= threshold else FP32
+
+
+def _membership(group) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size; ValueError if it is not a member."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    if me < 0:
+        raise ValueError("this process is not a member of the process group")
+    return me, n
 
 
 def _flat_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:

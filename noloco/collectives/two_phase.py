@@ -80,11 +80,7 @@ def two_phase_allreduce(
     n = len(group)
     bounds = segment_bounds(flat.numel(), n)
     contribution, result = residuals if residuals is not None else (None, None)
-    ex.expect_sends([(k, PHASE_REDUCE, k, 0) for k in range(n) if k != me]
-                    + [(j, PHASE_GATHER, me, 0) for j in range(n) if j != me])
-    sizes = [codec.nbytes(end - start) for start, end in bounds]
-    ex.expect_recvs([(j, PHASE_REDUCE, me, 0, sizes[me]) for j in range(n) if j != me]
-                    + [(k, PHASE_GATHER, k, 0, sizes[k]) for k in range(n) if k != me])
+    _announce(ex, codec, bounds)
     contributed = None  # with a bound: this member's own contribution (input + residual), before any encoding
     if ex.bound is not None:
         contributed = flat.clone() if contribution is None else flat + contribution
@@ -98,23 +94,11 @@ def two_phase_allreduce(
             value = flat[start:end] if contribution is None else flat[start:end] + contribution[start:end]
             ex.send(k, PHASE_REDUCE, k, 0, _encode(ex, codec, value, contribution, start, end)[0])
         start, end = bounds[me]
-        numel = end - start
         own = flat[start:end]
         if contribution is not None:
             own = own + contribution[start:end]  # sent exactly: the residual is paid back in full
             contribution[start:end] = 0.0
-        reduced = torch.zeros(numel, dtype=torch.float32, device=flat.device)
-        admitted = 0
-        for j in range(n):  # fixed member order: the sum does not depend on arrival order
-            if j == me:
-                reduced += own
-                admitted += 1
-                continue
-            value = codec.decode(ex.recv(j, PHASE_REDUCE, me, device=flat.device), numel, flat.device)
-            ex.check_finite(value, j, me, codec)
-            if ex.bound is None or ex.admits(j, me, value, own_norms[me]):
-                reduced += value
-                admitted += 1
+        reduced, admitted = _sum_segment(ex, codec, own, None if ex.bound is None else own_norms[me])
         if op == "mean":
             # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
             # which rounds differently from the CPU (members on different devices must agree bit for bit)
@@ -140,3 +124,33 @@ def two_phase_allreduce(
                     contribution[start:end] = 0.0  # this member's own value stands there, exactly
             out[start:end] = value
     return out
+
+
+def _announce(ex: Exchange, codec: Codec, bounds: list[tuple[int, int]]) -> None:
+    """Tell the transport every message of both phases this member sends and receives (tag and size)."""
+    n, me = len(ex.info.group), ex.info.me
+    ex.expect_sends([(k, PHASE_REDUCE, k, 0) for k in range(n) if k != me]
+                    + [(j, PHASE_GATHER, me, 0) for j in range(n) if j != me])  # fmt: skip
+    sizes = [codec.nbytes(end - start) for start, end in bounds]
+    ex.expect_recvs([(j, PHASE_REDUCE, me, 0, sizes[me]) for j in range(n) if j != me]
+                    + [(k, PHASE_GATHER, k, 0, sizes[k]) for k in range(n) if k != me])  # fmt: skip
+
+
+def _sum_segment(ex: Exchange, codec: Codec, own: torch.Tensor, own_norm) -> tuple[torch.Tensor, int]:
+    """Phase 1 at the owner: the fp32 sum of its own segment ``own`` and every other member's decoded one, in
+    member order (the sum does not depend on arrival order), leaving out what the norm bound refuses; returns
+    the sum and how many members it admitted."""
+    me, numel, device = ex.info.me, own.numel(), own.device
+    reduced = torch.zeros(numel, dtype=torch.float32, device=device)
+    admitted = 0
+    for j in range(len(ex.info.group)):
+        if j == me:
+            reduced += own
+            admitted += 1
+            continue
+        value = codec.decode(ex.recv(j, PHASE_REDUCE, me, device=device), numel, device)
+        ex.check_finite(value, j, me, codec)
+        if ex.bound is None or ex.admits(j, me, value, own_norm):
+            reduced += value
+            admitted += 1
+    return reduced, admitted

@@ -125,18 +125,8 @@ def launch(
         for proc in procs:
             proc.join()
         interrupt.armed = False
-        codes = [p.exitcode for p in procs]
         merge_parts(run_dir)  # (the ranks merged already unless one stopped before it could)
-        if interrupt.requested and set(codes) <= {0, 130} and 130 in codes:
-            reader = pipes[0][0]
-            step, complete = reader.recv() if reader.poll() else (None, False)  # rank 0 completes checkpoints
-            raise Interrupted(step, run_dir, complete)
-        failed = [(i, code) for i, code in enumerate(codes) if code != 0]
-        reported = [code for _, code in failed if code in REPORTED]
-        if reported:  # each such rank printed its own error line
-            raise WorkersReported(reported[0], [(i, code) for i, code in failed if code not in REPORTED])
-        if failed:
-            raise RuntimeError(f"backend=torch: worker processes failed (rank, exit code): {failed}")
+        _raise_for_exits([p.exitcode for p in procs], pipes[0][0], run_dir, interrupt.requested)
     finally:
         interrupt.armed, interrupt.forward, interrupt.hard = False, None, None
         for proc in procs:
@@ -144,6 +134,22 @@ def launch(
                 proc.terminate()
                 proc.join(5)
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def _raise_for_exits(codes: list[int], reader, run_dir: Path, interrupted: bool) -> None:
+    """What the ranks' exit ``codes`` mean for the run: Interrupted (a Ctrl-C stop; ``reader``: rank 0's end of the
+    pipe that says at which step, and whether its checkpoint is complete), WorkersReported (ranks that printed
+    their own error line: a bad file, a full disk, a stall), RuntimeError (ranks that died otherwise), or
+    nothing (every rank finished)."""
+    if interrupted and set(codes) <= {0, 130} and 130 in codes:
+        step, complete = reader.recv() if reader.poll() else (None, False)  # rank 0 completes checkpoints
+        raise Interrupted(step, run_dir, complete)
+    failed = [(i, code) for i, code in enumerate(codes) if code != 0]
+    reported = [code for _, code in failed if code in REPORTED]
+    if reported:  # each such rank printed its own error line
+        raise WorkersReported(reported[0], [(i, code) for i, code in failed if code not in REPORTED])
+    if failed:
+        raise RuntimeError(f"backend=torch: worker processes failed (rank, exit code): {failed}")
 
 
 def _signal_ranks(procs, signum: int) -> None:
