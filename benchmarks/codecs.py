@@ -31,9 +31,24 @@ import torch
 from benchmarks import common
 from noloco.quant import ErrorFeedback, dequantize, quantize
 
-CODECS = ["fp32", "bf16", "int8", "int4", "int3", "int2", "sign", "topk:64/4096+int2", "topk:128/4096+int2",
-          "topk:256/4096+int2", "topk:64/4096+int4", "topk:128/4096+int4", "topk:256/4096+int4",
-          "topk:64/4096+sign", "topk:64/4096+dct+int2", "topk:8/4096+dct+sign"]
+CODECS = [
+    "fp32",
+    "bf16",
+    "int8",
+    "int4",
+    "int3",
+    "int2",
+    "sign",
+    "topk:64/4096+int2",
+    "topk:128/4096+int2",
+    "topk:256/4096+int2",
+    "topk:64/4096+int4",
+    "topk:128/4096+int4",
+    "topk:256/4096+int4",
+    "topk:64/4096+sign",
+    "topk:64/4096+dct+int2",
+    "topk:8/4096+dct+sign",
+]
 FEEDBACK_SPECS = ["topk:64/4096+int2", "int2", "sign"]
 
 
@@ -44,8 +59,9 @@ def codec_table(n: int, seed: int = 0) -> list[dict]:
     for spec in CODECS:
         p = quantize(x, spec)
         y = dequantize(p)
-        rows.append({"codec": spec, "bits_per_value": 8 * len(p.to_bytes()) / n,
-                     "rel_l2": float((y - x).norm() / x.norm())})
+        rows.append(
+            {"codec": spec, "bits_per_value": 8 * len(p.to_bytes()) / n, "rel_l2": float((y - x).norm() / x.norm())}
+        )
     return rows
 
 
@@ -69,9 +85,13 @@ def feedback_run(spec: str, decay: float, calls: int, n: int = 1 << 16, seed: in
             window_sent += sent
         if t >= calls // 2:
             ratios.append(float(ef.residual("g").norm() / x.norm()))
-    return {"codec": spec, "decay": decay, "residual_over_input": sum(ratios) / len(ratios),
-            "missing_all": float((total_in - total_sent).norm() / total_in.norm()),
-            "missing_last100": float((window_in - window_sent).norm() / window_in.norm())}
+    return {
+        "codec": spec,
+        "decay": decay,
+        "residual_over_input": sum(ratios) / len(ratios),
+        "missing_all": float((total_in - total_sent).norm() / total_in.norm()),
+        "missing_last100": float((window_in - window_sent).norm() / window_in.norm()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,20 +104,37 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --n must be >= 1 and --calls >= 200", file=sys.stderr)
         return 2
     rows = codec_table(args.n)
-    lines = [f"# Codecs: bits per value and error (Gaussian, n = {args.n})", "",
-             "| codec | bits/value (payload) | relative L2 error |", "|---|---:|---:|"]
+    lines = [
+        f"# Codecs: bits per value and error (Gaussian, n = {args.n})",
+        "",
+        "| codec | bits/value (payload) | relative L2 error |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| `{r['codec']}` | {r['bits_per_value']:.4f} | {r['rel_l2']:.4f} |" for r in rows]
     print("\n".join(lines))
     fb = [feedback_run(spec, decay, args.calls) for spec in FEEDBACK_SPECS for decay in (1.0, 0.95)]
-    more = ["", f"## Error feedback over {args.calls} calls of correlated gradients", "",
-            "| codec | decay | residual RMS / input RMS | missing, all calls | missing, last 100 |",
-            "|---|---:|---:|---:|---:|"]
-    more += [f"| `{r['codec']}` | {r['decay']} | {r['residual_over_input']:.3f} | {r['missing_all']:.5f} | "
-             f"{r['missing_last100']:.4f} |" for r in fb]
+    more = [
+        "",
+        f"## Error feedback over {args.calls} calls of correlated gradients",
+        "",
+        "| codec | decay | residual RMS / input RMS | missing, all calls | missing, last 100 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    more += [
+        f"| `{r['codec']}` | {r['decay']} | {r['residual_over_input']:.3f} | {r['missing_all']:.5f} | "
+        f"{r['missing_last100']:.4f} |"
+        for r in fb
+    ]
     print("\n".join(more))
     cmd = common.command("codecs", argv)
-    md, _ = common.write_report(args.out, "codecs", lines + more + ["", f"`{cmd}` on {common.machine()}"],
-                                {"codecs": rows, "feedback": fb}, command=cmd, machine=common.machine())
+    md, _ = common.write_report(
+        args.out,
+        "codecs",
+        lines + more + ["", f"`{cmd}` on {common.machine()}"],
+        {"codecs": rows, "feedback": fb},
+        command=cmd,
+        machine=common.machine(),
+    )
     print(f"wrote {md}")
     return 0
 

@@ -117,26 +117,45 @@ def accuracy(report: dict) -> list[str]:
                 for algorithm in REDUCTIONS:  # the "algorithm" of the report: comm.reduction
                     fabric = LocalFabric(n)
                     t0 = time.perf_counter()
-                    outs = fabric.run(lambda t, xs=xs, codec=codec, reduction=algorithm: allreduce(
-                        xs[t.rank], t, codec=codec, reduction=reduction, min_compress_numel=0, timeout=300))
+                    outs = fabric.run(
+                        lambda t, xs=xs, codec=codec, reduction=algorithm: allreduce(
+                            xs[t.rank], t, codec=codec, reduction=reduction, min_compress_numel=0, timeout=300
+                        )
+                    )
                     wall = time.perf_counter() - t0
                     identical = all(torch.equal(o, outs[0]) for o in outs)
                     sent = statistics.mean(t.counter.bytes_sent for t in fabric.transports)
                     numel = xs[0].numel()
                     bits = QuantSpec.parse(codec).bits_per_element(numel // n)
                     theory = 2 * (n - 1) / n * numel * bits / 8  # payload only, two-phase schedule
-                    results.append(dict(dataset=dataset, n=n, codec=codec, algorithm=algorithm,
-                                        error=rel(outs[0], exact), one_quantization=one_q, bytes_per_member=sent,
-                                        theory_bytes=theory,
-                                        numel=numel, identical=identical, seconds=wall))
-                    print(f"{dataset:15s} n={n:2d} {codec:5s} {algorithm:10s} err={results[-1]['error']:.4f} "
-                          f"oneQ={one_q:.4f} bytes={sent:.0f} theory={theory:.0f} identical={identical} {wall:.1f}s",
-                          flush=True)
+                    results.append(
+                        dict(
+                            dataset=dataset,
+                            n=n,
+                            codec=codec,
+                            algorithm=algorithm,
+                            error=rel(outs[0], exact),
+                            one_quantization=one_q,
+                            bytes_per_member=sent,
+                            theory_bytes=theory,
+                            numel=numel,
+                            identical=identical,
+                            seconds=wall,
+                        )
+                    )
+                    print(
+                        f"{dataset:15s} n={n:2d} {codec:5s} {algorithm:10s} err={results[-1]['error']:.4f} "
+                        f"oneQ={one_q:.4f} bytes={sent:.0f} theory={theory:.0f} identical={identical} {wall:.1f}s",
+                        flush=True,
+                    )
     report["accuracy"] = results
 
     def err(dataset: str, n: int, codec: str, algorithm: str) -> float:
-        return next(r["error"] for r in results if (r["dataset"], r["n"], r["codec"], r["algorithm"])
-                    == (dataset, n, codec, algorithm))
+        return next(
+            r["error"]
+            for r in results
+            if (r["dataset"], r["n"], r["codec"], r["algorithm"]) == (dataset, n, codec, algorithm)
+        )
 
     for dataset in data:
         rows.append(f"\n#### {dataset} ({data[dataset][0].numel()} values per member)\n")
@@ -146,35 +165,49 @@ def accuracy(report: dict) -> list[str]:
             for algorithm in REDUCTIONS:
                 cells = " | ".join(f"{err(dataset, n, codec, algorithm):.4f}" for n in SIZES)
                 rows.append(f"| {codec} | {algorithm} | {cells} |")
-            cells = " | ".join(f"{next(r['one_quantization'] for r in results if r['dataset'] == dataset and r['n'] == n and r['codec'] == codec):.4f}" for n in SIZES)  # noqa: E501
+            one = {r["n"]: r["one_quantization"] for r in results if r["dataset"] == dataset and r["codec"] == codec}
+            cells = " | ".join(f"{one[n]:.4f}" for n in SIZES)
             rows.append(f"| {codec} | *one quantization of the exact mean* | {cells} |")
         rows.append("\nTargets (issue 4):\n")
-        rows.append("| codec | two_phase n=64 / n=2 (≤ 1.2) | max over n of two_phase / one quantization (≤ 1.5) "
-                    "| ring / two_phase at n=16 (≤ 1.3) | naive_ring n=64 / n=2 |")
+        rows.append(
+            "| codec | two_phase n=64 / n=2 (≤ 1.2) | max over n of two_phase / one quantization (≤ 1.5) "
+            "| ring / two_phase at n=16 (≤ 1.3) | naive_ring n=64 / n=2 |"
+        )
         rows.append("|---|---|---|---|---|")
         for codec in CODECS:
             growth = err(dataset, 64, codec, "two_phase") / err(dataset, 2, codec, "two_phase")
-            vs_one = max(err(dataset, n, codec, "two_phase") / next(
-                r["one_quantization"] for r in results
-                if r["dataset"] == dataset and r["n"] == n and r["codec"] == codec) for n in SIZES)
+            vs_one = max(
+                err(dataset, n, codec, "two_phase")
+                / next(
+                    r["one_quantization"]
+                    for r in results
+                    if r["dataset"] == dataset and r["n"] == n and r["codec"] == codec
+                )
+                for n in SIZES
+            )
             ring = err(dataset, 16, codec, "ring") / err(dataset, 16, codec, "two_phase")
             naive = err(dataset, 64, codec, "naive_ring") / err(dataset, 2, codec, "naive_ring")
             rows.append(f"| {codec} | {growth:.2f} | {vs_one:.2f} | {ring:.2f} | {naive:.2f} |")
     rows.append("\n#### Bytes sent per member (Gaussian, 65536 values), measured vs theory\n")
-    rows.append("Theory: two-phase sends `2 (n-1)/n · numel · bits/8` payload bytes per member (bits per element of "
-                f"the codec at that segment size, scales included); measured adds one {HEADER_BYTES}-byte protocol "
-                "header and one noloco.quant wire header (~30 bytes) per message. The rings send as many messages; "
-                "`ring` pays for its wider partial sums.\n")
+    rows.append(
+        "Theory: two-phase sends `2 (n-1)/n · numel · bits/8` payload bytes per member (bits per element of "
+        f"the codec at that segment size, scales included); measured adds one {HEADER_BYTES}-byte protocol "
+        "header and one noloco.quant wire header (~30 bytes) per message. The rings send as many messages; "
+        "`ring` pays for its wider partial sums.\n"
+    )
     rows.append("| codec | n | two_phase | ring | naive_ring | theory (two-phase) | fp32 two-phase |")
     rows.append("|---|---|---|---|---|---|---|")
     for codec in CODECS:
         for n in (2, 16, 64):
-            pick = {r["algorithm"]: r for r in results
-                    if r["dataset"] == "gaussian" and r["n"] == n and r["codec"] == codec}
+            pick = {
+                r["algorithm"]: r for r in results if r["dataset"] == "gaussian" and r["n"] == n and r["codec"] == codec
+            }
             fp32 = 2 * (n - 1) / n * numel_gauss * 4
-            rows.append(f"| {codec} | {n} | {pick['two_phase']['bytes_per_member']:.0f} | "
-                        f"{pick['ring']['bytes_per_member']:.0f} | {pick['naive_ring']['bytes_per_member']:.0f} | "
-                        f"{pick['two_phase']['theory_bytes']:.0f} | {fp32:.0f} |")
+            rows.append(
+                f"| {codec} | {n} | {pick['two_phase']['bytes_per_member']:.0f} | "
+                f"{pick['ring']['bytes_per_member']:.0f} | {pick['naive_ring']['bytes_per_member']:.0f} | "
+                f"{pick['two_phase']['theory_bytes']:.0f} | {fp32:.0f} |"
+            )
     identical = all(r["identical"] for r in results)
     rows.append(f"\nEvery member returned bit-identical results in every run: **{identical}**.")
     return rows
@@ -205,9 +238,12 @@ def repeat(report: dict, calls: int = 1000, world: int = 4, numel: int = 8192) -
         curves[label] = fabric.run(fn)[0]
         print(f"repeat {label}: {curves[label]} ({time.perf_counter() - t0:.1f}s)", flush=True)
     report["repeat"] = {k: {str(c): v for c, v in curve.items()} for k, curve in curves.items()}
-    rows = [f"\n{world} members, int4 two-phase, {numel} fresh Gaussian values per member per call. Entry: "
-            "`||Σ_t (out_t − mean_t)|| / ||mean_T||` after T calls (one call's error alone is ~0.14).\n",
-            "| T | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
+    rows = [
+        f"\n{world} members, int4 two-phase, {numel} fresh Gaussian values per member per call. Entry: "
+        "`||Σ_t (out_t − mean_t)|| / ||mean_T||` after T calls (one call's error alone is ~0.14).\n",
+        "| T | " + " | ".join(curves) + " |",
+        "|---|" + "---|" * len(curves),
+    ]
     for c in checkpoints:
         rows.append(f"| {c} | " + " | ".join(f"{curves[k][c]:.3f}" for k in curves) + " |")
     return rows
@@ -215,11 +251,13 @@ def repeat(report: dict, calls: int = 1000, world: int = 4, numel: int = 8192) -
 
 def threshold(report: dict) -> list[str]:
     torch.set_num_threads(1)
-    rows = ["\nOne message: encode (quantize + to_bytes) + decode (from_bytes + dequantize) vs fp32 bytes, one "
-            "thread. *Pays below*: link speed under which the bytes saved outweigh the codec time "
-            "`(4n − encoded) / (t_codec − t_fp32)`.\n",
-            "| codec | values | codec µs | fp32 µs | bytes | fp32 bytes | pays below (MB/s) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "\nOne message: encode (quantize + to_bytes) + decode (from_bytes + dequantize) vs fp32 bytes, one "
+        "thread. *Pays below*: link speed under which the bytes saved outweigh the codec time "
+        "`(4n − encoded) / (t_codec − t_fp32)`.\n",
+        "| codec | values | codec µs | fp32 µs | bytes | fp32 bytes | pays below (MB/s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     out = []
     for spec in ("int8", "int4", "mxfp4"):
         for n in (256, 1024, 4096, 16384, 65536, 262144):
@@ -241,10 +279,10 @@ def threshold(report: dict) -> list[str]:
                 times.append((time.perf_counter() - t0) / reps)
             nbytes = len(quantize(x, spec).to_bytes())
             pays = (4 * n - nbytes) / max(times[0] - times[1], 1e-9) / 1e6
-            out.append(dict(codec=spec, numel=n, codec_s=times[0], fp32_s=times[1], bytes=nbytes,
-                            pays_below_MBps=pays))
-            rows.append(f"| {spec} | {n} | {times[0] * 1e6:.0f} | {times[1] * 1e6:.1f} | {nbytes} | {4 * n} "
-                        f"| {pays:.1f} |")
+            out.append(dict(codec=spec, numel=n, codec_s=times[0], fp32_s=times[1], bytes=nbytes, pays_below_MBps=pays))
+            rows.append(
+                f"| {spec} | {n} | {times[0] * 1e6:.0f} | {times[1] * 1e6:.1f} | {nbytes} | {4 * n} | {pays:.1f} |"
+            )
     report["threshold"] = out
     return rows
 
@@ -278,9 +316,12 @@ def speed(report: dict, sizes_mib: list[int], reps: int) -> list[str]:
     res = launch_local(_speed_worker, 2, sizes_mib, reps, timeout=600)[0]
     report["speed"] = res
     methods = list(dict.fromkeys(r["method"] for r in res))
-    rows = ["\n2 processes over gloo on loopback, 1 thread each, median of "
-            f"{reps}; milliseconds per all-reduce of the given fp32 input size.\n",
-            "| size | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    rows = [
+        "\n2 processes over gloo on loopback, 1 thread each, median of "
+        f"{reps}; milliseconds per all-reduce of the given fp32 input size.\n",
+        "| size | " + " | ".join(methods) + " |",
+        "|---|" + "---|" * len(methods),
+    ]
     for mib in sizes_mib:
         cells = [next(r["seconds"] for r in res if r["mib"] == mib and r["method"] == m) * 1e3 for m in methods]
         rows.append(f"| {mib} MiB | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
@@ -290,10 +331,16 @@ def speed(report: dict, sizes_mib: list[int], reps: int) -> list[str]:
 # ---- NCCL on 2 GPUs (--nccl) ------------------------------------------------------------------------
 
 #: (label, "nccl" or a codec, input dtype); the first is the baseline of the speed-up column
-NCCL_METHODS = [("NCCL bf16", "nccl", torch.bfloat16), ("NCCL fp32", "nccl", torch.float32),
-                ("int4 (bf16 in)", "int4", torch.bfloat16), ("int8 (bf16 in)", "int8", torch.bfloat16),
-                ("mxfp4 (bf16 in)", "mxfp4", torch.bfloat16), ("int4 (fp32 in)", "int4", torch.float32),
-                ("int8 (fp32 in)", "int8", torch.float32), ("mxfp4 (fp32 in)", "mxfp4", torch.float32)]
+NCCL_METHODS = [
+    ("NCCL bf16", "nccl", torch.bfloat16),
+    ("NCCL fp32", "nccl", torch.float32),
+    ("int4 (bf16 in)", "int4", torch.bfloat16),
+    ("int8 (bf16 in)", "int8", torch.bfloat16),
+    ("mxfp4 (bf16 in)", "mxfp4", torch.bfloat16),
+    ("int4 (fp32 in)", "int4", torch.float32),
+    ("int8 (fp32 in)", "int8", torch.float32),
+    ("mxfp4 (fp32 in)", "mxfp4", torch.float32),
+]
 #: methods whose phases are timed at the largest size
 NCCL_PHASED = ["int4 (bf16 in)", "int8 (bf16 in)", "int4 (fp32 in)"]
 TARGET_SPEEDUP, ANCHOR_MS = 2.0, 3.34  # issue 4: int4 vs NCCL bf16 at 1 GiB; NCCL bf16 measured on 2xH200
@@ -405,8 +452,13 @@ def _nccl_worker(rank: int, world: int, port: int, cfg: dict, path: str) -> None
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=cfg["timeout"]),
+    )
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     started = time.perf_counter()
     report: dict = {"rows": [], "skipped": [], "kernels": quant_ops.pick_backend(None, dev, QuantSpec.parse("int4"))}
@@ -418,8 +470,9 @@ def _nccl_worker(rank: int, world: int, port: int, cfg: dict, path: str) -> None
             dist.all_reduce(over, op=dist.ReduceOp.MAX)
             dist.all_reduce(short, op=dist.ReduceOp.MAX)
             if over.item() or short.item():
-                report["skipped"].append({"numel": numel, "why": "time budget spent" if over.item()
-                                          else "not enough GPU memory"})
+                report["skipped"].append(
+                    {"numel": numel, "why": "time budget spent" if over.item() else "not enough GPU memory"}
+                )
                 continue
             t0 = time.perf_counter()
             row = _nccl_size(rank, world, numel, cfg, report)
@@ -444,8 +497,14 @@ def _nccl_worker(rank: int, world: int, port: int, cfg: dict, path: str) -> None
 def _merge_rows(rows: list[dict]) -> dict:
     """One row from every rank's: the slowest rank's time, rank 0's errors, whether checksums agree."""
     first = rows[0]
-    merged = {"numel": first["numel"], "ms": {}, "errors": first["errors"], "bytes_sent": first["bytes_sent"],
-              "identical": {}, "failed": {}}
+    merged = {
+        "numel": first["numel"],
+        "ms": {},
+        "errors": first["errors"],
+        "bytes_sent": first["bytes_sent"],
+        "identical": {},
+        "failed": {},
+    }
     for row in rows:
         merged["failed"].update(row["failed"])
     for label in first["ms"]:
@@ -454,8 +513,10 @@ def _merge_rows(rows: list[dict]) -> dict:
     for label in first["checksum"]:
         merged["identical"][label] = all(row["checksum"].get(label) == first["checksum"][label] for row in rows)
     if "phases" in first:
-        merged["phases"] = {label: {k: max(row["phases"][label][k] for row in rows if label in row.get("phases", {}))
-                                    for k in phases} for label, phases in first["phases"].items()}
+        merged["phases"] = {
+            label: {k: max(row["phases"][label][k] for row in rows if label in row.get("phases", {})) for k in phases}
+            for label, phases in first["phases"].items()
+        }
     return merged
 
 
@@ -483,20 +544,26 @@ def _crossover(rows: list[dict], ours: str, baseline: str) -> int | None:
 def _nccl_markdown(report: dict) -> list[str]:
     rows = sorted(report.get("rows", []), key=lambda r: r["numel"])
     lines = [NCCL_BEGIN, "### NCCL on 2 GPUs (`--nccl`)", ""]
-    lines.append(f"Machine: {report.get('machine', '?')}. Command: `{report.get('command', '?')}` "
-                 f"({report.get('seconds', 0):.0f} s). Quantization kernels: {report.get('kernels', '?')}.")
+    lines.append(
+        f"Machine: {report.get('machine', '?')}. Command: `{report.get('command', '?')}` "
+        f"({report.get('seconds', 0):.0f} s). Quantization kernels: {report.get('kernels', '?')}."
+    )
     if report.get("topology"):
         lines += ["", "GPU link (`nvidia-smi topo -m`):", "", "```", report["topology"].rstrip(), "```"]
     if not rows:
         lines += ["", f"**No size completed.** {report.get('failure', '')}", NCCL_END]
         return lines
     labels = [m[0] for m in NCCL_METHODS]
-    lines += ["", "Milliseconds per all-reduce of the mean of 2 ranks (median over repetitions, slowest rank; "
-              "CUDA events, a barrier before each). NCCL is `dist.all_reduce(AVG)` in place in its input dtype; "
-              "ours is `allreduce_device` (two-phase, reduce-scatter by `all_to_all_single`, all-gather of the "
-              "encoded reduced segments) and returns fp32.", "",
-              "| values | bf16 size | " + " | ".join(labels) + " | int4 / NCCL bf16 | int4 (fp32 in) / NCCL fp32 |",
-              "|---|---|" + "---|" * (len(labels) + 2)]
+    lines += [
+        "",
+        "Milliseconds per all-reduce of the mean of 2 ranks (median over repetitions, slowest rank; "
+        "CUDA events, a barrier before each). NCCL is `dist.all_reduce(AVG)` in place in its input dtype; "
+        "ours is `allreduce_device` (two-phase, reduce-scatter by `all_to_all_single`, all-gather of the "
+        "encoded reduced segments) and returns fp32.",
+        "",
+        "| values | bf16 size | " + " | ".join(labels) + " | int4 / NCCL bf16 | int4 (fp32 in) / NCCL fp32 |",
+        "|---|---|" + "---|" * (len(labels) + 2),
+    ]
     for row in rows:
         ms = row["ms"]
         cells = [f"{ms[label]:.3f}" if label in ms else "—" for label in labels]
@@ -504,25 +571,38 @@ def _nccl_markdown(report: dict) -> list[str]:
         def ratio(a: str, b: str, ms: dict = ms) -> str:
             return f"{ms[b] / ms[a]:.2f}×" if a in ms and b in ms else "—"
 
-        lines.append(f"| 2^{row['numel'].bit_length() - 1} | {_size_label(row['numel'])} | " + " | ".join(cells)
-                     + f" | {ratio('int4 (bf16 in)', 'NCCL bf16')} | {ratio('int4 (fp32 in)', 'NCCL fp32')} |")
+        lines.append(
+            f"| 2^{row['numel'].bit_length() - 1} | {_size_label(row['numel'])} | "
+            + " | ".join(cells)
+            + f" | {ratio('int4 (bf16 in)', 'NCCL bf16')} | {ratio('int4 (fp32 in)', 'NCCL fp32')} |"
+        )
     lines.append("")
-    for ours, base in (("int4 (bf16 in)", "NCCL bf16"), ("int8 (bf16 in)", "NCCL bf16"),
-                       ("int4 (fp32 in)", "NCCL fp32")):
+    for ours, base in (
+        ("int4 (bf16 in)", "NCCL bf16"),
+        ("int8 (bf16 in)", "NCCL bf16"),
+        ("int4 (fp32 in)", "NCCL fp32"),
+    ):
         cross = _crossover(rows, ours, base)
-        where = (f"from {_size_label(cross)} of bf16 (2^{cross.bit_length() - 1} values) up" if cross
-                 else "at no measured size")
+        where = (
+            f"from {_size_label(cross)} of bf16 (2^{cross.bit_length() - 1} values) up"
+            if cross
+            else "at no measured size"
+        )
         lines.append(f"- Crossover: {ours} is faster than {base} {where}.")
     top = rows[-1]
     if "int4 (bf16 in)" in top["ms"] and "NCCL bf16" in top["ms"]:
         speedup = top["ms"]["NCCL bf16"] / top["ms"]["int4 (bf16 in)"]
         verdict = "**met**" if speedup >= TARGET_SPEEDUP else "**not met**"
-        lines.append(f"- Target (issue 4) at {_size_label(top['numel'])}: int4 ≥ {TARGET_SPEEDUP}× faster than NCCL "
-                     f"bf16: {speedup:.2f}× ({top['ms']['int4 (bf16 in)']:.3f} ms vs {top['ms']['NCCL bf16']:.3f} ms; "
-                     f"anchor for NCCL bf16 {ANCHOR_MS} ms) — {verdict}.")
+        lines.append(
+            f"- Target (issue 4) at {_size_label(top['numel'])}: int4 ≥ {TARGET_SPEEDUP}× faster than NCCL "
+            f"bf16: {speedup:.2f}× ({top['ms']['int4 (bf16 in)']:.3f} ms vs {top['ms']['NCCL bf16']:.3f} ms; "
+            f"anchor for NCCL bf16 {ANCHOR_MS} ms) — {verdict}."
+        )
     identical = all(all(r["identical"].values()) for r in rows)
-    lines.append(f"- Both ranks returned bit-identical results for every size and method: **{identical}** "
-                 "(two checksums of the output bits).")
+    lines.append(
+        f"- Both ranks returned bit-identical results for every size and method: **{identical}** "
+        "(two checksums of the output bits)."
+    )
     failed = {(r["numel"], k): v for r in rows for k, v in r["failed"].items()}
     for (numel, label), why in failed.items():
         lines.append(f"- Failed: {label} at 2^{numel.bit_length() - 1}: `{why}`.")
@@ -530,27 +610,43 @@ def _nccl_markdown(report: dict) -> list[str]:
         lines.append(f"- Skipped 2^{skipped['numel'].bit_length() - 1}: {skipped['why']}.")
     if report.get("failure"):
         lines.append(f"- The run ended early: {report['failure']}")
-    lines += ["", f"Error vs the exact mean and bytes sent per rank at {_size_label(top['numel'])} "
-              f"(the largest size; relative L2 / relative max error):", "",
-              "| method | rel. L2 error | rel. max error | MB sent per rank |", "|---|---|---|---|"]
+    lines += [
+        "",
+        f"Error vs the exact mean and bytes sent per rank at {_size_label(top['numel'])} "
+        f"(the largest size; relative L2 / relative max error):",
+        "",
+        "| method | rel. L2 error | rel. max error | MB sent per rank |",
+        "|---|---|---|---|",
+    ]
     for label in labels:
         if label in top["errors"]:
             e = top["errors"][label]
-            lines.append(f"| {label} | {e['rel_l2']:.2e} | {e['rel_max']:.2e} | "
-                         f"{top['bytes_sent'].get(label, 0) / 1e6:.1f} |")
-    worst = {label: max(r["errors"][label]["rel_l2"] for r in rows if label in r["errors"]) for label in labels
-             if any(label in r["errors"] for r in rows)}
-    lines.append("\nLargest relative L2 error over all sizes: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
-                 + ". NCCL bytes are the ring's `2 (n-1)/n · size`.")
+            lines.append(
+                f"| {label} | {e['rel_l2']:.2e} | {e['rel_max']:.2e} | {top['bytes_sent'].get(label, 0) / 1e6:.1f} |"
+            )
+    worst = {
+        label: max(r["errors"][label]["rel_l2"] for r in rows if label in r["errors"])
+        for label in labels
+        if any(label in r["errors"] for r in rows)
+    }
+    lines.append(
+        "\nLargest relative L2 error over all sizes: "
+        + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+        + ". NCCL bytes are the ring's `2 (n-1)/n · size`."
+    )
     phased = next((r for r in reversed(rows) if "phases" in r), None)
     if phased:
         names = list(dict.fromkeys(k for p in phased["phases"].values() for k in p))
-        lines += ["", f"Phases at {_size_label(phased['numel'])} (ms, run one after the other with no overlap of "
-                  "communication and compute, median of 5, slowest rank). `check` is the per-call all-gather of "
-                  "(numel, dtype, op, codec, encode ok); `own to fp32` converts the owner's unencoded segment for "
-                  "the fused decode-accumulate-requantize kernel (`requantize`); `decode` writes the fp32 output.",
-                  "", "| method | " + " | ".join(names) + " | sum | overlapped total |",
-                  "|---|" + "---|" * (len(names) + 2)]
+        lines += [
+            "",
+            f"Phases at {_size_label(phased['numel'])} (ms, run one after the other with no overlap of "
+            "communication and compute, median of 5, slowest rank). `check` is the per-call all-gather of "
+            "(numel, dtype, op, codec, encode ok); `own to fp32` converts the owner's unencoded segment for "
+            "the fused decode-accumulate-requantize kernel (`requantize`); `decode` writes the fp32 output.",
+            "",
+            "| method | " + " | ".join(names) + " | sum | overlapped total |",
+            "|---|" + "---|" * (len(names) + 2),
+        ]
         for label, phases in phased["phases"].items():
             cells = " | ".join(f"{phases.get(k, 0.0):.3f}" for k in names)
             lines.append(f"| {label} | {cells} | {sum(phases.values()):.3f} | {phased['ms'].get(label, 0):.3f} |")
@@ -576,8 +672,11 @@ def nccl(out: Path, cfg: dict, command: str) -> None:
     from noloco.comm.torchdist import free_port
 
     # this machine's rule: NVLink multicast stays off (setdefault: never turns it on)
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):
+    for key, value in (
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+    ):
         os.environ.setdefault(key, value)
     smoke = cfg["device"] == "cpu"
     if not smoke and torch.cuda.device_count() < 2:
@@ -588,8 +687,10 @@ def nccl(out: Path, cfg: dict, command: str) -> None:
     started = time.perf_counter()
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_nccl_worker, args=(rank, world, port, cfg, str(json_path)), daemon=False)
-             for rank in range(world)]
+    procs = [
+        ctx.Process(target=_nccl_worker, args=(rank, world, port, cfg, str(json_path)), daemon=False)
+        for rank in range(world)
+    ]
     failure = ""
     try:
         for proc in procs:
@@ -607,8 +708,11 @@ def nccl(out: Path, cfg: dict, command: str) -> None:
                 proc.join(10)
     report = json.loads(json_path.read_text()) if json_path.exists() else {}
     try:
-        topology = "" if smoke else subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
-                                                   timeout=20).stdout
+        topology = (
+            ""
+            if smoke
+            else subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+        )
     except Exception:  # noqa: BLE001 - informative only
         topology = ""
     if smoke:
@@ -620,8 +724,9 @@ def nccl(out: Path, cfg: dict, command: str) -> None:
         except Exception:  # noqa: BLE001 - informative only
             nccl_version = "?"
         machine = f"{common.machine()}, NCCL {nccl_version} ({world} GPUs used)"
-    report.update(command=command, failure=failure, topology=topology, wall_seconds=time.perf_counter() - started,
-                  machine=machine)
+    report.update(
+        command=command, failure=failure, topology=topology, wall_seconds=time.perf_counter() - started, machine=machine
+    )
     report.setdefault("seconds", report["wall_seconds"])
     common.write_json(json_path, report, command=command, machine=machine)
     section = _nccl_markdown(report)
@@ -634,8 +739,11 @@ def nccl(out: Path, cfg: dict, command: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.collectives", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.collectives",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--accuracy", action="store_true")
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--repeat", action="store_true")
@@ -643,8 +751,11 @@ def main() -> None:
     parser.add_argument("--speed-sizes", default="1,4,16,64", help="MiB of fp32 input, comma-separated")
     parser.add_argument("--speed-reps", type=int, default=3)
     parser.add_argument("--nccl", action="store_true", help="2 GPUs over NCCL: allreduce_device vs dist.all_reduce")
-    parser.add_argument("--nccl-smoke", action="store_true",
-                        help="the --nccl code on CPU over gloo, small sizes (checks the script, measures nothing)")
+    parser.add_argument(
+        "--nccl-smoke",
+        action="store_true",
+        help="the --nccl code on CPU over gloo, small sizes (checks the script, measures nothing)",
+    )
     parser.add_argument("--nccl-sizes", default="19-29", help="log2 of the element counts, e.g. 19-29 or 20,24,29")
     parser.add_argument("--nccl-reps", type=int, default=10, help="timed repetitions (twice as many below 2^26)")
     parser.add_argument("--nccl-budget", type=float, default=300.0, help="seconds after which no new size starts")
@@ -662,8 +773,15 @@ def main() -> None:
         else:
             logs = [int(v) for v in args.nccl_sizes.split(",")]
         sizes = [1 << k for k in sorted(logs, reverse=True)]  # largest first: the target size is measured first
-        cfg = dict(sizes=sizes, largest=sizes[0], reps=args.nccl_reps, budget=args.nccl_budget,
-                   deadline=args.nccl_deadline, timeout=120, device="cpu" if args.nccl_smoke else "cuda")
+        cfg = dict(
+            sizes=sizes,
+            largest=sizes[0],
+            reps=args.nccl_reps,
+            budget=args.nccl_budget,
+            deadline=args.nccl_deadline,
+            timeout=120,
+            device="cpu" if args.nccl_smoke else "cuda",
+        )
         nccl(out, cfg, command)
         if not (args.accuracy or args.speed or args.repeat or args.threshold):
             return
@@ -682,21 +800,27 @@ def main() -> None:
     if args.speed:
         sizes = [int(s) for s in args.speed_sizes.split(",")]
         sections += ["\n### Speed (`--speed`, gloo on loopback, CPU)"] + speed(report, sizes, args.speed_reps)
-        sections.append("\nThe NCCL comparison on 2 GPUs (int4 vs `dist.all_reduce` bf16 at 1 MiB…1 GiB, target ≥ 2× "
-                        "at 1 GiB) is the `--nccl` section below.")
+        sections.append(
+            "\nThe NCCL comparison on 2 GPUs (int4 vs `dist.all_reduce` bf16 at 1 MiB…1 GiB, target ≥ 2× "
+            "at 1 GiB) is the `--nccl` section below."
+        )
     report["seconds"] = time.perf_counter() - t0
     common.write_json(out / "collectives.json", report, command=command, machine=machine)
-    text = [f"<!-- generated by benchmarks/collectives.py; `{command}` -->",
-            "## Raw output of benchmarks/collectives.py", f"\nMachine: {machine}. Command: `{command}` "
-            f"({report['seconds']:.0f} s).", *sections]
+    text = [
+        f"<!-- generated by benchmarks/collectives.py; `{command}` -->",
+        "## Raw output of benchmarks/collectives.py",
+        f"\nMachine: {machine}. Command: `{command}` ({report['seconds']:.0f} s).",
+        *sections,
+    ]
     base = out / "collectives.md"
     if not base.exists():
         base = common.RESULTS / "collectives.md"
     previous = base.read_text() if base.exists() else ""
     document = "\n".join(text) + "\n"
     if NCCL_BEGIN in previous and NCCL_END in previous:  # keep the GPU section this CPU run cannot redo
-        document = _splice_nccl(document, [NCCL_BEGIN + previous.split(NCCL_BEGIN, 1)[1].split(NCCL_END, 1)[0]
-                                           + NCCL_END])
+        document = _splice_nccl(
+            document, [NCCL_BEGIN + previous.split(NCCL_BEGIN, 1)[1].split(NCCL_END, 1)[0] + NCCL_END]
+        )
     (out / "collectives.md").write_text(document)
     print("\n".join(text))
 

@@ -59,10 +59,22 @@ def report_name(name: str | None, out: Path, stamp: str) -> str:
         return name
     kept = (Path(out) / "compare.md").exists() and "docs" not in Path(out).parts
     return f"compare-{stamp}" if kept else "compare"
+
+
 # Knobs an entry may vary (the seed, the outer optimizer's); --from-runs names a run by those that differ from the
 # defaults.
-KNOBS = ("run.seed", "outer.lr", "outer.pull", "outer.momentum", "outer.group_size", "outer.every", "outer.overlap",
-         "outer.overlap_steps", "outer.fragments", "outer.slow_every")
+KNOBS = (
+    "run.seed",
+    "outer.lr",
+    "outer.pull",
+    "outer.momentum",
+    "outer.group_size",
+    "outer.every",
+    "outer.overlap",
+    "outer.overlap_steps",
+    "outer.fragments",
+    "outer.slow_every",
+)
 
 
 def parse_entry(entry: str) -> list[str]:

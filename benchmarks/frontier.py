@@ -231,8 +231,10 @@ def verdicts(rows: list[dict]) -> list[str]:
     lines = []
     if not noloco:
         return ["- No NoLoCo point has enough seeds (each with its NoLoCo-fp32) to decide a target."]
-    for key, what in (("target_30x", f"within +{(LOSS_TARGET - 1) * 100:.1f}% at ≥ {BYTES_TARGET:.0f}× fewer bytes"),
-                      ("target_bits", f"within +{(LOSS_TARGET - 1) * 100:.1f}% at ≤ {BITS_TARGET} bits/param/step")):
+    for key, what in (
+        ("target_30x", f"within +{(LOSS_TARGET - 1) * 100:.1f}% at ≥ {BYTES_TARGET:.0f}× fewer bytes"),
+        ("target_bits", f"within +{(LOSS_TARGET - 1) * 100:.1f}% at ≤ {BITS_TARGET} bits/param/step"),
+    ):
         hits = [r for r in noloco if r[key]]
         if hits:
             best = min(hits, key=lambda r: r["bits"])
@@ -340,8 +342,9 @@ def launch(run: Run, folder: Path, threads: int | None, env: dict[str, str] | No
     args = [sys.executable, str(common.ROOT / "train.py"), *run.overrides, *QUIET, *extra, f"run.dir={folder}",
             f"run.name={run.name}"]  # fmt: skip
     with open(folder / f"{run.name}.log", "w") as log:
-        code = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT,
-                              env={**os.environ, **env} if env else None).returncode
+        code = subprocess.run(
+            args, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT, env={**os.environ, **env} if env else None
+        ).returncode
     summary = folder / run.name / "summary.json"
     if code or not summary.exists():
         print(f"   {run.name} FAILED (exit {code}; see {folder / run.name}.log)", file=sys.stderr)
@@ -453,9 +456,11 @@ def main() -> int:
     if args.parallel < 1 or args.slow_every < 1:
         parser.error("--parallel and --slow-every must be >= 1")
     budget = [*(TINY if args.tiny else GPU), *args.overrides]
-    settings = (f"NoLoCo's lossy points: Δ through the codec every round, φ − φ₀ through {args.slow_codec} every "
-                f"{args.slow_every} rounds (`outer.slow_every`; `@outer.slow_stagger=true`: 1/{args.slow_every} of it "
-                "every round); fp32 and `@fused`: one fused message per round.")
+    settings = (
+        f"NoLoCo's lossy points: Δ through the codec every round, φ − φ₀ through {args.slow_codec} every "
+        f"{args.slow_every} rounds (`outer.slow_every`; `@outer.slow_stagger=true`: 1/{args.slow_every} of it "
+        "every round); fp32 and `@fused`: one fused message per round."
+    )
     skipped: list[str] = []
     command = common.command("frontier")
     if args.from_runs:

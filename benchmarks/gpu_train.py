@@ -168,10 +168,16 @@ def outer_step_alone(preset: str, repeats: int = 6, device_messages: bool = True
     rounds = [1e3 * (max(e for _, e in m) - min(b for b, _ in m)) / 2 for r, m in spans.items() if r > 0]
     model = build_model(cfg, vocab)
     where = "GPU memory" if device_messages else "pinned host memory"
-    return {"preset": preset, "label": f"outer step alone, 2 workers, messages in {where}",
-            "device_messages": device_messages, "params": sum(p.numel() for p in model.parameters()),
-            "outer_ms_mean": sum(every) / len(every), "outer_ms_min": min(every), "outer_ms_max": max(every),
-            "gpu_ms_per_worker": sum(rounds) / len(rounds)}
+    return {
+        "preset": preset,
+        "label": f"outer step alone, 2 workers, messages in {where}",
+        "device_messages": device_messages,
+        "params": sum(p.numel() for p in model.parameters()),
+        "outer_ms_mean": sum(every) / len(every),
+        "outer_ms_min": min(every),
+        "outer_ms_max": max(every),
+        "gpu_ms_per_worker": sum(rounds) / len(rounds),
+    }
 
 
 def summary_vocab(cfg) -> int:
@@ -188,15 +194,19 @@ def _row(label: str, model, cfg, rate: float, outer_ms: float | None, peak_bytes
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| model | run | tokens/s | MFU | vs plain compiled | outer step ms / worker | peak GiB / worker |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | run | tokens/s | MFU | vs plain compiled | outer step ms / worker | peak GiB / worker |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         base = next((b["tokens_per_second"] for b in rows if b["preset"] == r["preset"]
                      and b["label"] == "plain (compiled)"), None)  # fmt: skip
         ratio = f"{r['tokens_per_second'] / base:.2f}×" if base else "–"
         outer = f"{r['outer_ms']:.1f}" if r["outer_ms"] is not None else "–"
-        lines.append(f"| {r['preset']} ({r['params'] / 1e6:.0f}M) | {r['label']} | {r['tokens_per_second']:,.0f} | "
-                     f"{100 * r['mfu']:.1f}% | {ratio} | {outer} | {r['peak_memory_gb_per_worker']:.1f} |")
+        lines.append(
+            f"| {r['preset']} ({r['params'] / 1e6:.0f}M) | {r['label']} | {r['tokens_per_second']:,.0f} | "
+            f"{100 * r['mfu']:.1f}% | {ratio} | {outer} | {r['peak_memory_gb_per_worker']:.1f} |"
+        )
     return lines
 
 
@@ -209,12 +219,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plain-steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=50, help="H, inner steps between outer steps")
     parser.add_argument("--outer-only", action="store_true", help="only time the outer step alone")
-    parser.add_argument("--no-outer-alone", action="store_true",
-                        help="leave out the timing of the outer step alone (two workers of the preset on the GPU)")
+    parser.add_argument(
+        "--no-outer-alone",
+        action="store_true",
+        help="leave out the timing of the outer step alone (two workers of the preset on the GPU)",
+    )
     parser.add_argument("--no-plain", action="store_true", help="leave out the plain loops (rows of an earlier run)")
     parser.add_argument("--offload", action="store_true", help="add a K=1 row with outer.offload=true per preset")
-    parser.add_argument("--runs", type=Path, default=None,
-                        help="folder of the training runs (default <out>/runs; their checkpoints are deleted)")
+    parser.add_argument(
+        "--runs",
+        type=Path,
+        default=None,
+        help="folder of the training runs (default <out>/runs; their checkpoints are deleted)",
+    )
     common.add_out(parser, "gpu_train")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -226,8 +243,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{time.strftime('%H:%M:%S')} {preset}: timing the outer step alone", flush=True)
             alone.append(outer_step_alone(preset, device_messages=device_messages))
             a = alone[-1]
-            print(f"{preset}: {a['label']}: {a['outer_ms_mean']:.1f} ms per call (min {a['outer_ms_min']:.1f}, max "
-                  f"{a['outer_ms_max']:.1f}); GPU time per worker {a['gpu_ms_per_worker']:.1f} ms", flush=True)
+            print(
+                f"{preset}: {a['label']}: {a['outer_ms_mean']:.1f} ms per call (min {a['outer_ms_min']:.1f}, max "
+                f"{a['outer_ms_max']:.1f}); GPU time per worker {a['gpu_ms_per_worker']:.1f} ms",
+                flush=True,
+            )
         if args.outer_only:
             continue
         ks = [1] if preset != "125m" else [int(k) for k in args.workers.split(",")]
@@ -244,8 +264,10 @@ def main(argv: list[str] | None = None) -> None:
                 print("\n".join(table(rows[-1:])[2:]), flush=True)
                 torch.cuda.empty_cache()
     machine, command = common.machine(), common.command("gpu_train", argv)
-    outer_lines = ["| model | messages in | outer step alone, ms per call (mean) | min | max | GPU ms per worker |",
-                   "|---|---|---|---|---|---|"]
+    outer_lines = [
+        "| model | messages in | outer step alone, ms per call (mean) | min | max | GPU ms per worker |",
+        "|---|---|---|---|---|---|",
+    ]
     outer_lines += [f"| {a['preset']} ({a['params'] / 1e6:.0f}M) | {'GPU' if a['device_messages'] else 'pinned host'} "
                     f"| {a['outer_ms_mean']:.1f} | {a['outer_ms_min']:.1f} | {a['outer_ms_max']:.1f} | "
                     f"{a['gpu_ms_per_worker']:.1f} |" for a in alone]  # fmt: skip

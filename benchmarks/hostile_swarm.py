@@ -149,7 +149,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     ab = []
     for i in range(args.ab):
-        for tree in ((ROOT, args.base) if i % 2 == 0 else (args.base, ROOT)):  # alternate which goes first
+        for tree in (ROOT, args.base) if i % 2 == 0 else (args.base, ROOT):  # alternate which goes first
             ab.append(run_case("honest", cache, tree))
             print(f"A/B {'new' if tree == ROOT else 'base'}: {_row(ab[-1])}", flush=True)
     if ab:

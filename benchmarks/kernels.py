@@ -81,12 +81,12 @@ SWEEP_ROWS = {  # CONFIG key -> (format, input dtype, op) rows whose time decide
     "requantize/paired": [("int4", "bfloat16", "deq-acc-requant"), ("mxfp4", "float32", "deq-acc-requant")],
     "requantize/flat": [("int8", "bfloat16", "deq-acc-requant"), ("mxfp8", "float32", "deq-acc-requant")],
 }
-TARGETS = {"quantize": 0.80, "quantize+ef": 0.80, "dequantize": None, "deq-acc(k=2)": 0.85,
-           "deq-acc-requant": 0.75}
+TARGETS = {"quantize": 0.80, "quantize+ef": 0.80, "dequantize": None, "deq-acc(k=2)": 0.85, "deq-acc-requant": 0.75}
 MX_TARGET = 0.70
 #: torch.compile rows, most important first (docs/design.md §4's anchors are int4 quantize/dequantize of bf16 input)
-COMPILE_ORDER = [(f, "bfloat16", op) for f in FORMATS for op in ("quantize", "dequantize")] + \
-                [(f, "bfloat16", op) for op in ("quantize+ef", "deq-acc(k=2)", "deq-acc-requant") for f in FORMATS]
+COMPILE_ORDER = [(f, "bfloat16", op) for f in FORMATS for op in ("quantize", "dequantize")] + [
+    (f, "bfloat16", op) for op in ("quantize+ef", "deq-acc(k=2)", "deq-acc-requant") for f in FORMATS
+]
 HOST_LOG2N = 16
 #: back-to-back API timing: calls per timed loop and loops (median)
 B2B_CALLS = 20
@@ -255,8 +255,9 @@ def make_op(op: str, spec, x: torch.Tensor, backend: str, check_finite: bool = T
         "quantize+ef": lambda: ef.quantize(x),
         "dequantize": lambda: dequantize(p, backend=backend),
         "deq-acc(k=2)": lambda: dequantize_accumulate(acc, [p, p2], backend=backend),
-        "deq-acc-requant": lambda: dequantize_accumulate_requantize(acc, [p], spec, backend=backend,
-                                                                    check_finite=check_finite),
+        "deq-acc-requant": lambda: dequantize_accumulate_requantize(
+            acc, [p], spec, backend=backend, check_finite=check_finite
+        ),
     }[op]
 
 
@@ -300,8 +301,7 @@ def sweep(n: int, ceiling: float, device: str = "cuda") -> list[dict]:
             except Exception as err:  # a config that fails to compile or run is skipped
                 parts.append(f"error {type(err).__name__}: {err}"[:160])
                 total = float("inf")
-            results.append({"key": key, "elems": cand[0], "warps": cand[1], "total_ms": total * 1e3,
-                            "rows": parts})
+            results.append({"key": key, "elems": cand[0], "warps": cand[1], "total_ms": total * 1e3, "rows": parts})
             print(f"sweep {key:20} {cand!s:11} {total * 1e3:8.3f} ms  " + "; ".join(parts))
             sys.stdout.flush()
             if best is None or total < best[0]:
@@ -338,8 +338,10 @@ def _print_row(r: dict) -> None:
         extra += f"  kernel {r['kernel_ms']:.3f} ms {r['kernel_pct_copy']:5.1f}%"
     if "host_us" in r:
         extra += f"  host {r['host_us']:6.1f} us"
-    print(f"{r['format']:6} {r['dtype']:8} {r['op']:16} {r['backend']:13} {r['ms']:9.3f} {r['GBps']:8.0f} "
-          f"{r['pct_copy']:6.1f}{extra}")
+    print(
+        f"{r['format']:6} {r['dtype']:8} {r['op']:16} {r['backend']:13} {r['ms']:9.3f} {r['GBps']:8.0f} "
+        f"{r['pct_copy']:6.1f}{extra}"
+    )
     sys.stdout.flush()
 
 
@@ -362,17 +364,20 @@ def measure_triton_rows(info: dict, dtypes, n: int, ceiling: float, quick: bool,
                 try:
                     fn = make_op(op, spec, x, "triton")
                     t = timeit(fn, device, reps=5 if quick else 10, warmup=2 if quick else 3)
-                    row.update(ms=t * 1e3, GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / 1e9 / ceiling,
-                               bytes=nbytes)
+                    row.update(
+                        ms=t * 1e3, GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / 1e9 / ceiling, bytes=nbytes
+                    )
                     tb = back_to_back_time(fn, device, reps=3 if quick else None)
-                    row.update(b2b_ms=tb * 1e3, b2b_GBps=nbytes / tb / 1e9,
-                               b2b_pct_copy=100 * nbytes / tb / 1e9 / ceiling)
+                    row.update(
+                        b2b_ms=tb * 1e3, b2b_GBps=nbytes / tb / 1e9, b2b_pct_copy=100 * nbytes / tb / 1e9 / ceiling
+                    )
                     tg = graph_time(fn, reps=10 if quick else 20) if device == "cuda" else None
                     if tg is not None:
                         row.update(kernel_ms=tg * 1e3, kernel_pct_copy=100 * nbytes / tg / 1e9 / ceiling)
                     del fn
-                    row["host_us"] = host_time(make_op(op, spec, xs, "triton"), device,
-                                               reps=100 if quick else 200) * 1e6
+                    row["host_us"] = (
+                        host_time(make_op(op, spec, xs, "triton"), device, reps=100 if quick else 200) * 1e6
+                    )
                 except Exception as err:  # keep going; report the failure in the table
                     row["error"] = f"{type(err).__name__}: {err}"[:200]
                 info["rows"].append(row)
@@ -382,8 +387,9 @@ def measure_triton_rows(info: dict, dtypes, n: int, ceiling: float, quick: bool,
             torch.cuda.empty_cache()
 
 
-def _baseline_row(row: dict, make_fn, nbytes: int, ceiling: float, device: str, warmup: int,
-                  setup_key: str | None = None) -> dict:
+def _baseline_row(
+    row: dict, make_fn, nbytes: int, ceiling: float, device: str, warmup: int, setup_key: str | None = None
+) -> dict:
     """``row`` with the timing of ``make_fn()`` (a torch reference op, eager or compiled), or with the error it
     raised; ``setup_key``: where to record the seconds from building the op to the end of its timing."""
     try:
@@ -398,8 +404,7 @@ def _baseline_row(row: dict, make_fn, nbytes: int, ceiling: float, device: str, 
     return row
 
 
-def measure_baselines(info: dict, dtypes, n: int, ceiling: float, args, t_start: float, device: str = "cuda"
-                      ) -> None:
+def measure_baselines(info: dict, dtypes, n: int, ceiling: float, args, t_start: float, device: str = "cuda") -> None:
     """torch eager (every row) then torch.compile (COMPILE_ORDER) of the reference, until the time budget."""
     from noloco.quant import QuantSpec
 
@@ -413,8 +418,14 @@ def measure_baselines(info: dict, dtypes, n: int, ceiling: float, args, t_start:
                     skipped += 1
                     continue
                 eager = lambda op=op, spec=spec, x=x: make_op(op, spec, x, "torch")  # noqa: E731
-                row = _baseline_row(_row(fmt, dtype, op, "torch"), eager, op_bytes(op, spec, n, x.element_size()),
-                                    ceiling, device, warmup=1)
+                row = _baseline_row(
+                    _row(fmt, dtype, op, "torch"),
+                    eager,
+                    op_bytes(op, spec, n, x.element_size()),
+                    ceiling,
+                    device,
+                    warmup=1,
+                )
                 info["rows"].append(row)
                 _print_row(row)
         del x
@@ -437,9 +448,15 @@ def measure_baselines(info: dict, dtypes, n: int, ceiling: float, args, t_start:
                 torch._dynamo.reset()  # a fresh cache per row, or later rows would hit the recompile limit
                 return torch.compile(make_op(op, spec, x[dt], "torch"))
 
-            row = _baseline_row(_row(fmt, dtype, op, "torch.compile"), compiled,
-                                op_bytes(op, spec, n, x[dt].element_size()), ceiling, device, warmup=2,
-                                setup_key="compile_s")
+            row = _baseline_row(
+                _row(fmt, dtype, op, "torch.compile"),
+                compiled,
+                op_bytes(op, spec, n, x[dt].element_size()),
+                ceiling,
+                device,
+                warmup=2,
+                setup_key="compile_s",
+            )
             info["rows"].append(row)
             _print_row(row)
         del x
@@ -450,8 +467,16 @@ def measure_baselines(info: dict, dtypes, n: int, ceiling: float, args, t_start:
 
 def _gpu_details() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
         driver, clock = (s.strip() for s in out.split(","))
         return f"driver {driver}, max SM clock {clock}"
     except Exception:
@@ -465,10 +490,20 @@ def run_gpu(args) -> dict:
     n = 1 << args.log2n
     import triton
 
-    info = {"device": "cuda", "machine": common.machine(), "gpu": torch.cuda.get_device_name(0),
-            "details": _gpu_details(), "torch": torch.__version__, "triton": triton.__version__, "n": n,
-            "host_n": 1 << HOST_LOG2N, "b2b_calls": B2B_CALLS, "command": common.command("kernels"),
-            "rows": [], "direct_launch": tk._DIRECT}
+    info = {
+        "device": "cuda",
+        "machine": common.machine(),
+        "gpu": torch.cuda.get_device_name(0),
+        "details": _gpu_details(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "n": n,
+        "host_n": 1 << HOST_LOG2N,
+        "b2b_calls": B2B_CALLS,
+        "command": common.command("kernels"),
+        "rows": [],
+        "direct_launch": tk._DIRECT,
+    }
     ceiling = copy_ceiling(n, "cuda")
     info["copy_GBps"] = ceiling
     print(f"# {info['machine']} ({info['details']})  n = 2^{args.log2n}")
@@ -485,8 +520,10 @@ def run_gpu(args) -> dict:
     info["total_s"] = time.time() - t_start
     plans = list(tk._PLANS.values())
     info["plans_launched_directly"] = f"{sum(bool(p.compiled) for p in plans)}/{len(plans)}"
-    print(f"total {info['total_s']:.0f} s; plans with a directly launched compiled kernel: "
-          f"{info['plans_launched_directly']}")
+    print(
+        f"total {info['total_s']:.0f} s; plans with a directly launched compiled kernel: "
+        f"{info['plans_launched_directly']}"
+    )
     if args.sweep:  # again at the end, where it is easy to find
         print("chosen CONFIG (paste into noloco/quant/triton_kernels.py):")
         print(config_literal(tk.CONFIG))
@@ -554,22 +591,29 @@ def gpu_markdown(info: dict, prev: dict, prev_path: str) -> str:
             f"| {_fmt(r.get('kernel_ms'), '.3f')} | {_fmt(r.get('kernel_pct_copy'), '.1f')} "
             f"| {_fmt(r.get('host_us'), '.0f')} | {'' if tgt is None else f'{100 * tgt:.0f}%'} "
             f"| {verdicts['pct_copy']} | {verdicts['b2b_pct_copy']} | {verdicts['kernel_pct_copy']} "
-            f"| {base['torch']} | {base['torch.compile']} |")
+            f"| {base['torch']} | {base['torch.compile']} |"
+        )
     out = [
-        "# Kernel throughput (noloco.quant, issue 3)", "",
-        f"## GPU: fused Triton kernels on one {info.get('gpu', info['machine'])}", "",
-        "Command (device machine, repo root), after `python -m pytest -m gpu tests/quant -q`:", "",
-        f"    {info['command']}", "",
+        "# Kernel throughput (noloco.quant, issue 3)",
+        "",
+        f"## GPU: fused Triton kernels on one {info.get('gpu', info['machine'])}",
+        "",
+        "Command (device machine, repo root), after `python -m pytest -m gpu tests/quant -q`:",
+        "",
+        f"    {info['command']}",
+        "",
         f"Machine: {info['machine']} ({info.get('details', '')}), "
         f"n = {info['n']} elements (host column: {info.get('host_n', '')}). Copy ceiling (fp32 device-to-device "
         f"copy, bytes read + written): **{ceiling:.0f} GB/s**. Run time: {info.get('total_s', 0):.0f} s "
         f"(Triton rows {info.get('triton_rows_s', 0):.0f} s). Direct launches of compiled kernels: "
         f"{'on' if info.get('direct_launch') else 'off'} ({info.get('plans_launched_directly', '?')} launch plans "
-        "used them).", "",
+        "used them).",
+        "",
         "GB/s counts the bytes each op must read and write (input values, payload, fp32 accumulator, fp32 "
         "residual). Timings per row, all of the public function (`quantize`, `ErrorFeedback.quantize`, "
         "`dequantize`, `dequantize_accumulate` with k = 2, `dequantize_accumulate_requantize` with an fp32 "
-        "accumulator and one input) except the kernel column:", "",
+        "accumulator and one input) except the kernel column:",
+        "",
         "- **API (idle start)**: median of CUDA-event-timed single calls, each starting on an idle GPU (a sync "
         "before each): the call's host work (Python, allocation, launch) is not hidden behind anything. The "
         "quantizing ops queue a 4-byte copy of the non-finite flag after their kernel; the verdict is read when "
@@ -587,24 +631,28 @@ def gpu_markdown(info: dict, prev: dict, prev_path: str) -> str:
         "take a few µs): the host cost of one call (payloads dropped unchecked).",
         "- **before**: the same columns of the previous run (`" + prev_path + "`; empty where it did not measure "
         "them).",
-        "- **torch eager / torch.compile**: the torch reference (`backend=\"torch\"`) in GB/s; `torch.compile` for "
+        '- **torch eager / torch.compile**: the torch reference (`backend="torch"`) in GB/s; `torch.compile` for '
         "the rows the time budget allowed (docs/design.md §4 anchors first)"
-        + ("; `*`: not measured in this run, value from the previous run." if borrowed else "."), "",
+        + ("; `*`: not measured in this run, value from the previous run." if borrowed else "."),
+        "",
         f"Targets from the issue: quantize(+EF) int4/int8 >= 80 % of copy, dequantize-accumulate >= 85 %, "
         f"dequantize-accumulate-requantize >= 75 %, MX formats >= 70 %. **Met: API idle start "
         f"{met['pct_copy']}/{n_targets}, API back-to-back {met['b2b_pct_copy']}/{n_targets}, kernel "
-        f"{met['kernel_pct_copy']}/{n_targets}.**", "",
+        f"{met['kernel_pct_copy']}/{n_targets}.**",
+        "",
         "| format | input | op | before API ms | before b2b ms | before kernel ms | API ms | API GB/s | API % copy "
         "| b2b ms | b2b % copy | kernel ms | kernel % copy | host µs | target | met (API idle start) "
         "| met (API back-to-back) | met (kernel) | torch eager GB/s | torch.compile GB/s |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|:---:|---:|---:|",
-        *lines, "",
+        *lines,
+        "",
         f"Launch configuration (`triton_kernels.CONFIG`): `{json.dumps(info.get('config', {}))}`. "
         "Raw rows (and the sweep, if run): `kernels.json`.",
     ]
     if errors:
-        out += ["", "Errors:", ""] + [f"- {r['format']} {r['dtype']} {r['op']} {r['backend']}: {r['error']}"
-                                      for r in errors]
+        out += ["", "Errors:", ""] + [
+            f"- {r['format']} {r['dtype']} {r['op']} {r['backend']}: {r['error']}" for r in errors
+        ]
     if info.get("baselines_skipped_for_budget"):
         out += ["", f"{info['baselines_skipped_for_budget']} baseline rows skipped (time budget)."]
     return "\n".join(out) + "\n"
@@ -612,11 +660,16 @@ def gpu_markdown(info: dict, prev: dict, prev_path: str) -> str:
 
 def cpu_markdown(info: dict) -> str:
     """The ``## CPU`` section of docs/results/kernels.md."""
-    lines = ["## CPU: the path used on CPU (torch reference)", "",
-             f"Command: `{info['command']}` on {info['machine']} (n = {info['n']} fp32). Copy ceiling measured "
-             f"{info['copy_GBps']:.0f} GB/s. Each row is the median "
-             "of 9 calls after 2 warm-up calls; throughput in MB/s of bytes read + written:", "",
-             "| format | op | ms | MB/s |", "|---|---|---:|---:|"]
+    lines = [
+        "## CPU: the path used on CPU (torch reference)",
+        "",
+        f"Command: `{info['command']}` on {info['machine']} (n = {info['n']} fp32). Copy ceiling measured "
+        f"{info['copy_GBps']:.0f} GB/s. Each row is the median "
+        "of 9 calls after 2 warm-up calls; throughput in MB/s of bytes read + written:",
+        "",
+        "| format | op | ms | MB/s |",
+        "|---|---|---:|---:|",
+    ]
     for r in info["rows"]:
         if "error" in r:
             lines.append(f"| {r['format']} | {r['op']} | error: {r['error'][:80]} | |")
@@ -631,7 +684,7 @@ def write_markdown(path: Path, gpu: str | None = None, cpu: str | None = None) -
     base = path if path.exists() else common.RESULTS / "kernels.md"
     old = base.read_text() if base.exists() else ""
     cut = old.find("\n## CPU")
-    old_gpu, old_cpu = (old, "") if cut < 0 else (old[:cut + 1], old[cut + 1:])
+    old_gpu, old_cpu = (old, "") if cut < 0 else (old[: cut + 1], old[cut + 1 :])
     gpu = gpu if gpu is not None else old_gpu
     cpu = cpu if cpu is not None else old_cpu
     path.write_text(gpu.rstrip("\n") + "\n\n" + cpu if cpu else gpu)
@@ -645,8 +698,14 @@ def run_cpu(args) -> dict:
     from noloco.quant import QuantSpec
 
     n = 1 << args.log2n
-    info = {"device": "cpu", "machine": common.machine(), "torch": torch.__version__, "n": n,
-            "command": common.command("kernels"), "rows": []}
+    info = {
+        "device": "cpu",
+        "machine": common.machine(),
+        "torch": torch.__version__,
+        "n": n,
+        "command": common.command("kernels"),
+        "rows": [],
+    }
     info["copy_GBps"] = copy_ceiling(n, "cpu")
     x = make_input(n, torch.float32, "cpu")
     for fmt in FORMATS:
@@ -660,8 +719,10 @@ def run_cpu(args) -> dict:
             except Exception as err:
                 row["error"] = f"{type(err).__name__}: {err}"[:200]
             info["rows"].append(row)
-            print(f"{fmt:6} {op:16} " + (row["error"] if "error" in row else f"{row['ms']:8.1f} ms "
-                                         f"{row['GBps'] * 1e3:7.0f} MB/s"))
+            print(
+                f"{fmt:6} {op:16} "
+                + (row["error"] if "error" in row else f"{row['ms']:8.1f} ms {row['GBps'] * 1e3:7.0f} MB/s")
+            )
     return info
 
 
@@ -702,6 +763,7 @@ def _fake_device_launches() -> None:
 
     tk._raw_stream = lambda index: 0
     for kernel in (tk._quantize_kernel, tk._dequantize_kernel, tk._requantize_kernel):
+
         def compile_stub(key, signature, device, constexprs, options, attrs, warmup, _k=kernel):
             ck = _k.device_caches[device][0][key] = Compiled()
             return ck
@@ -717,11 +779,19 @@ def run_host(args) -> dict:
     if device == "cpu":
         _fake_device_launches()
     n = 1 << HOST_LOG2N
-    info = {"device": device, "mode": "host", "n": n, "command": common.command("kernels"), "rows": [],
-            "machine": common.machine()}
+    info = {
+        "device": device,
+        "mode": "host",
+        "n": n,
+        "command": common.command("kernels"),
+        "rows": [],
+        "machine": common.machine(),
+    }
     backend = "triton" if device == "cpu" else None
-    print(f"host time per call, n = 2^{HOST_LOG2N}, {device}" + (" (stand-in driver, launches stubbed)"
-                                                                   if device == "cpu" else ""))
+    print(
+        f"host time per call, n = 2^{HOST_LOG2N}, {device}"
+        + (" (stand-in driver, launches stubbed)" if device == "cpu" else "")
+    )
     for dtype in (torch.bfloat16, torch.float32):
         x = make_input(n, dtype, device)
         for fmt in FORMATS:
@@ -732,8 +802,7 @@ def run_host(args) -> dict:
                     us = host_time(make_op(op, spec, x, backend, check_finite=check), device, reps=1000) * 1e6
                     row = dict(_row(fmt, dtype, op, "triton"), host_us=us, check_finite=check)
                     info["rows"].append(row)
-                    print(f"{fmt:6} {row['dtype']:8} {op:16} {'' if check else '(check_finite=False)':20} "
-                          f"{us:7.1f} us")
+                    print(f"{fmt:6} {row['dtype']:8} {op:16} {'' if check else '(check_finite=False)':20} {us:7.1f} us")
     return info
 
 
@@ -752,13 +821,24 @@ def main() -> None:
     ap.add_argument("--triton-only", action="store_true", help="GPU: skip the torch baselines")
     ap.add_argument("--kernel-time", action="store_true", help="(always on; kept for old command lines)")
     ap.add_argument("--sweep", action="store_true", help="GPU: tune the kernels' launch configurations first")
-    ap.add_argument("--formats", default=None, metavar="LIST",
-                    help="comma-separated specs to time instead of int4,int8,mxfp4,mxfp8, e.g. "
-                         "int2,int3,sign,topk:64/4096+int2 (the low-bit kernels and top-k)")
-    ap.add_argument("--budget", type=float, default=330.0,
-                    help="seconds from the start after which no further baseline row is started")
-    ap.add_argument("--previous", default=str(common.RESULTS / "kernels.json"),
-                    help="JSON of a previous GPU run, for the 'before' columns")
+    ap.add_argument(
+        "--formats",
+        default=None,
+        metavar="LIST",
+        help="comma-separated specs to time instead of int4,int8,mxfp4,mxfp8, e.g. "
+        "int2,int3,sign,topk:64/4096+int2 (the low-bit kernels and top-k)",
+    )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=330.0,
+        help="seconds from the start after which no further baseline row is started",
+    )
+    ap.add_argument(
+        "--previous",
+        default=str(common.RESULTS / "kernels.json"),
+        help="JSON of a previous GPU run, for the 'before' columns",
+    )
     args = ap.parse_args()
     if args.formats:
         from noloco.quant import QuantSpec

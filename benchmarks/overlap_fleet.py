@@ -150,7 +150,7 @@ def steady(run_dir: Path, fragments: int = 1) -> dict:
     the last (overlapped, it also waits for the last exchange, which nothing hides). With ``fragments`` k an
     exchange ends every H/k steps: the first 2k are left out, and the means over the rest are scaled by k.
     Empty with too few rounds."""
-    workers = [rounds[2 * fragments:-1] for rounds in round_times(run_dir)]
+    workers = [rounds[2 * fragments : -1] for rounds in round_times(run_dir)]
     if not workers or not all(workers):
         return {}
     walls = [fragments * sum(w for w, _ in rounds) / len(rounds) for rounds in workers]
@@ -172,8 +172,11 @@ def step_times(run_dir: Path, every: int, fragments: int = 1) -> list[float]:
         last = max((r["step"] for r in records), default=0)
         skip = {r["step"] for r in records if "outer_ms" in r or "eval_loss" in r}
         walls = {r["step"]: float(r["wall"]) for r in records if "loss" in r}
-        gaps = [walls[k] - walls[k - 1] for k in walls
-                if k - 1 in walls and 2 * period < k <= last - period and k not in skip and k - 1 not in skip]
+        gaps = [
+            walls[k] - walls[k - 1]
+            for k in walls
+            if k - 1 in walls and 2 * period < k <= last - period and k not in skip and k - 1 not in skip
+        ]
         if gaps:
             means.append(sum(gaps) / len(gaps))
     return means
@@ -187,15 +190,18 @@ def exchange_times(run_dir: Path, fragments: int = 1) -> dict:
     exchanges, waits = [], []
     for records in _worker_records(run_dir):
         # exchange q lands at boundary q + 2; the last boundary lands two (its own, and the last one's at the end)
-        landed = [r for r in records if "exchange_ms" in r][2 * fragments - 1:-2]
+        landed = [r for r in records if "exchange_ms" in r][2 * fragments - 1 : -2]
         if not landed:
             return {}
         exchanges.append(sum(r["exchange_ms"] for r in landed) / len(landed) / 1e3)
         waits.append(sum(r.get("wait_ms", 0.0) for r in landed) / len(landed) / 1e3)
     if not exchanges:
         return {}
-    return {"exchange_seconds": sum(exchanges) / len(exchanges), "wait_seconds": sum(waits) / len(waits),
-            "max_wait_seconds": max(waits)}
+    return {
+        "exchange_seconds": sum(exchanges) / len(exchanges),
+        "wait_seconds": sum(waits) / len(waits),
+        "max_wait_seconds": max(waits),
+    }
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -255,11 +261,21 @@ def _round_checks(short: dict[str, dict]) -> list[tuple[str, bool, str]]:
         bound = max(theirs["compute_per_round"], theirs["blocked_per_round"])
         ratio = mine["seconds_per_round"] / bound
         against = f"max({theirs['compute_per_round']:.2f}, {theirs['blocked_per_round']:.2f}) s"
-        checks.append((f"{method}: s per round ≤ 1.15 × max(compute, blocked) of {base['method']}", ratio <= 1.15,
-                       f"{ratio:.2f}× ({mine['seconds_per_round']:.2f} s against {against}; "
-                       f"blocking {theirs['seconds_per_round']:.2f} s; {over})"))
-        checks.append((f"{method}: idle fraction ≤ 5%", mine["idle_fraction"] <= 0.05,
-                       f"{100 * mine['idle_fraction']:.1f}% (blocking {100 * theirs['idle_fraction']:.1f}%; {over})"))
+        checks.append(
+            (
+                f"{method}: s per round ≤ 1.15 × max(compute, blocked) of {base['method']}",
+                ratio <= 1.15,
+                f"{ratio:.2f}× ({mine['seconds_per_round']:.2f} s against {against}; "
+                f"blocking {theirs['seconds_per_round']:.2f} s; {over})",
+            )
+        )
+        checks.append(
+            (
+                f"{method}: idle fraction ≤ 5%",
+                mine["idle_fraction"] <= 0.05,
+                f"{100 * mine['idle_fraction']:.1f}% (blocking {100 * theirs['idle_fraction']:.1f}%; {over})",
+            )
+        )
     return checks
 
 
@@ -272,8 +288,10 @@ def _target_section(pool: dict[str, dict], ddp: dict, heading: str) -> tuple[lis
              "| method | budget (steps) | step at target | time to target (s) | final held-out loss | idle fraction |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for method, r in pool.items():
-        lines.append(f"| {method} | {r['steps']} | {_fmt(r['step_to_target'], '.0f')} | "
-                     f"{_fmt(r['time_to_target'], '.1f')} | {r['final_eval_loss']:.4f} | {_idle(r)} |")
+        lines.append(
+            f"| {method} | {r['steps']} | {_fmt(r['step_to_target'], '.0f')} | "
+            f"{_fmt(r['time_to_target'], '.1f')} | {r['final_eval_loss']:.4f} | {_idle(r)} |"
+        )
     checks = []
     for name, mine in pool.items():  # every overlapped NoLoCo-int4 (with or without fragments) ...
         if blocking_of(name) != "noloco/int4" or name == "noloco/int4":
@@ -330,22 +348,40 @@ def rerun_args(args: argparse.Namespace) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     """The command line of ``python -m benchmarks.overlap_fleet``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.overlap_fleet", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.overlap_fleet",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rate", default="50mbit", help="per-host rate, tc units")
-    parser.add_argument("--ddp-rate", default=None, metavar="RATE",
-                        help="the DDP-fp32 run's rate (default --rate): it only sets the target loss, which the "
-                             "link does not change, and a GPU-sized model's fp32 all-reduce per step is slow")
-    parser.add_argument("--ddp-steps", type=int, default=None, metavar="STEPS",
-                        help="the DDP-fp32 run's budget (default --steps); fewer than --steps: the other runs "
-                             "reach its loss themselves, and need no --to-target runs")
+    parser.add_argument(
+        "--ddp-rate",
+        default=None,
+        metavar="RATE",
+        help="the DDP-fp32 run's rate (default --rate): it only sets the target loss, which the "
+        "link does not change, and a GPU-sized model's fp32 all-reduce per step is slow",
+    )
+    parser.add_argument(
+        "--ddp-steps",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="the DDP-fp32 run's budget (default --steps); fewer than --steps: the other runs "
+        "reach its loss themselves, and need no --to-target runs",
+    )
     parser.add_argument("--every", type=int, default=20, help="H, inner steps per outer round")
     parser.add_argument("--steps", type=int, default=120, help="inner steps per worker")
-    parser.add_argument("--to-target", type=int, default=0, metavar="STEPS",
-                        help="then a run of STEPS inner steps per local method: when it reaches DDP-fp32's loss")
-    parser.add_argument("--cpus-per-host", type=int, default=None, metavar="N",
-                        help="pin each host's worker to N cores of its own")
+    parser.add_argument(
+        "--to-target",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="then a run of STEPS inner steps per local method: when it reaches DDP-fp32's loss",
+    )
+    parser.add_argument(
+        "--cpus-per-host", type=int, default=None, metavar="N", help="pin each host's worker to N cores of its own"
+    )
     parser.add_argument("--methods", nargs="+", default=METHODS, help="algo/codec[/key=value...] entries")
     parser.add_argument("--runs", type=Path, default=Path("runs/overlap_fleet"))
     parser.add_argument("--from-runs", type=Path, default=None, help="only redraw from a finished stamp folder")

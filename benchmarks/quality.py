@@ -316,8 +316,10 @@ def _opt(value: float | None, fmt: str) -> str:
 
 
 def sweep_table(sweep: list[dict], best: dict[str, tuple[str, ...]]) -> list[str]:
-    lines = ["| configuration | final held-out loss | MB sent per worker | modelled wall (s) | |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| configuration | final held-out loss | MB sent per worker | modelled wall (s) | |",
+        "|---|---|---|---|---|",
+    ]
     for row in sweep:
         mark = "**best**" if best.get(row["method"]) == tuple(row["knobs"]) else ""
         lines.append(f"| `{row['config']}` | {row['loss']:.4f} | {row['bytes'] / 1e6:.2f} | {row['modelled']:.0f} "
@@ -442,20 +444,28 @@ def report(results: dict[str, dict], plan: dict[str, list[Run]], best: dict[str,
              "evaluations.", "",
              *best_table(bests, target), "", *verdicts(bests)]  # fmt: skip
     thrifty = [r for r in bests if not r["method"].startswith("ddp/")] or bests
-    for axis, what, unit, scale in ((1, "bytes sent per worker", "MB", 1e6),
-                                    (2, f"modelled wall-clock at {args.rate / 1e6:g} Mbit/s", "s", 1.0)):
+    for axis, what, unit, scale in (
+        (1, "bytes sent per worker", "MB", 1e6),
+        (2, f"modelled wall-clock at {args.rate / 1e6:g} Mbit/s", "s", 1.0),
+    ):
         budgets = sorted({r["curve"][-1][axis] for r in thrifty if r["curve"]})
         lines += ["", f"## At equal {what}", "", "Mean held-out loss once each had spent the budget of the column "
                   "(the final figure of one of the low-communication methods); `*`: its run had ended below that "
                   "budget (its final loss); `–`: its first evaluation came later.", "",
                   *equal_table(bests, axis, budgets, unit, scale)]  # fmt: skip
-    lines += ["", "## The papers' comparison: their settings (each algorithm's defaults, fp32)", "",
-              *best_table(paper, target)]
+    lines += [
+        "",
+        "## The papers' comparison: their settings (each algorithm's defaults, fp32)",
+        "",
+        *best_table(paper, target),
+    ]
     missing = [name for name in planned if name not in results]
     if missing:
         lines += ["", f"Not finished ({len(missing)}; the same command runs them): {', '.join(missing)}."]
-    pictures = [plot(bests, out / f"{args.name}.png", "each method at its best (band: min–max over seeds)"),
-                plot(paper, out / f"{args.name}-paper.png", "the papers' settings: NoLoCo H=50, DiLoCo H=100 and 50")]
+    pictures = [
+        plot(bests, out / f"{args.name}.png", "each method at its best (band: min–max over seeds)"),
+        plot(paper, out / f"{args.name}-paper.png", "the papers' settings: NoLoCo H=50, DiLoCo H=100 and 50"),
+    ]
     lines += ["", *[f"![held-out loss vs steps, bytes and modelled wall-clock]({p.name})" for p in pictures if p]]
     data = {"step_seconds": step_seconds, "rate_bps": args.rate, "target": target, "best": best,
             "sweep": sweep, "bests": bests, "paper": paper, "runs": done, "missing": missing}  # fmt: skip
@@ -469,8 +479,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--preset", choices=list(PRESETS), default="small")
-    parser.add_argument("--grid", choices=("full", "quick"), default=None,
-                        help="the sweep: full (GRID) or quick (QUICK); default: the preset's")
+    parser.add_argument(
+        "--grid",
+        choices=("full", "quick"),
+        default=None,
+        help="the sweep: full (GRID) or quick (QUICK); default: the preset's",
+    )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--codecs", nargs="+", default=["int4"], help="codecs of the best-of-each runs (fp32 int4: "
                         "exact messages too)")  # fmt: skip
@@ -549,10 +563,11 @@ def main() -> int:
             check_data(budget)
         grid = QUICK if (args.grid or PRESETS[args.preset]["grid"]) == "quick" else GRID
         fixed = fixed_knobs(args.methods, args.sweep_codecs, grid)
-        plan = {"sweep": sweep_plan(args.methods, args.sweep_codecs, args.seeds[0], budget, grid),
-                "seed": seed_plan(fixed, [m for m in args.methods if len(grid[m]) == 1], args.codecs, args.seeds,
-                                  budget),
-                "paper": paper_plan(tuple(args.paper_every or PRESETS[args.preset]["paper"]), paper_seeds, budget)}
+        plan = {
+            "sweep": sweep_plan(args.methods, args.sweep_codecs, args.seeds[0], budget, grid),
+            "seed": seed_plan(fixed, [m for m in args.methods if len(grid[m]) == 1], args.codecs, args.seeds, budget),
+            "paper": paper_plan(tuple(args.paper_every or PRESETS[args.preset]["paper"]), paper_seeds, budget),
+        }
         for run in [*plan["seed"], *plan["sweep"], *plan["paper"]]:
             load_config(list(run.overrides))
     except (ConfigError, DataError) as exc:

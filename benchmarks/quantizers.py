@@ -35,7 +35,8 @@ def model_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     vocab, d, seq, batch = 512, 256, 64, 16
     emb = torch.nn.Embedding(vocab, d)
     enc = torch.nn.TransformerEncoder(
-        torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True), num_layers=2)
+        torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True), num_layers=2
+    )
     head = torch.nn.Linear(d, vocab)
     params = [*emb.parameters(), *enc.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=6e-4)
@@ -62,8 +63,7 @@ def model_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def datasets(n: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    out = {"gaussian": torch.randn(n, generator=g),
-           "student-t(3)": torch.distributions.StudentT(3.0).sample((n,))}
+    out = {"gaussian": torch.randn(n, generator=g), "student-t(3)": torch.distributions.StudentT(3.0).sample((n,))}
     out.update(model_tensors())
     return out
 
@@ -100,15 +100,20 @@ def main() -> None:
         print(f"{s:28} {spec.bits_per_element():5.2f} " + " ".join(f"{errs[n]:.5f}" for n in names))
     sizes = {name: x.numel() for name, x in data.items()}
     cmd, machine = common.command("quantizers"), common.machine()
-    lines = ["# Quantizer quality: relative L2 error ||deq(Q(x)) - x|| / ||x||", "",
-             f"Command: `{cmd}` (CPU, torch reference, {time.time() - t0:.0f} s).  ",
-             f"Machine: {machine}.  ",
-             "Data: " + ", ".join(f"{k} ({v} values)" for k, v in sizes.items()) + ". Model tensors come from a "
-             "2-layer d=256 TransformerEncoder LM trained 30 AdamW steps (lr 6e-4) on a synthetic next-token "
-             "task; pseudo-gradient = weights after - weights before those steps.  ",
-             "Bits/elt: payload bits per element (no header). Lower error is better; best per column and "
-             "bit-width in **bold**.", "",
-             "| spec | bits/elt | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    lines = [
+        "# Quantizer quality: relative L2 error ||deq(Q(x)) - x|| / ||x||",
+        "",
+        f"Command: `{cmd}` (CPU, torch reference, {time.time() - t0:.0f} s).  ",
+        f"Machine: {machine}.  ",
+        "Data: " + ", ".join(f"{k} ({v} values)" for k, v in sizes.items()) + ". Model tensors come from a "
+        "2-layer d=256 TransformerEncoder LM trained 30 AdamW steps (lr 6e-4) on a synthetic next-token "
+        "task; pseudo-gradient = weights after - weights before those steps.  ",
+        "Bits/elt: payload bits per element (no header). Lower error is better; best per column and "
+        "bit-width in **bold**.",
+        "",
+        "| spec | bits/elt | " + " | ".join(names) + " |",
+        "|---|---:|" + "---:|" * len(names),
+    ]
     best = {}
     for fam in ("int4", "int8", "mxfp"):
         fam_rows = [r for r in rows if r["spec"].startswith(fam)]

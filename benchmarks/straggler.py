@@ -124,8 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factor", type=float, default=4.0, help="the straggler is this many times slower (4)")
     parser.add_argument("--steps", type=int, default=200, help="inner steps per peer (200)")
     parser.add_argument("--every", type=int, default=10, help="inner steps per outer round (10)")
-    parser.add_argument("--deadlines", nargs="*", default=["adaptive", "fixed"], choices=["adaptive", "fixed"],
-                        help="matchmaking modes to compare (adaptive fixed); none: the restart only")
+    parser.add_argument(
+        "--deadlines",
+        nargs="*",
+        default=["adaptive", "fixed"],
+        choices=["adaptive", "fixed"],
+        help="matchmaking modes to compare (adaptive fixed); none: the restart only",
+    )
     parser.add_argument("--no-restart", action="store_true", help="skip the kill-and-restart measurement")
     common.add_out(parser, "straggler")
     parser.add_argument("--name", default="straggler", help="report file names (straggler)")

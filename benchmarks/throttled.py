@@ -60,8 +60,16 @@ from noloco.train.plots import eval_curves, plot_runs, reach
 
 ROOT = common.ROOT
 
-METHODS = ["ddp/fp32", "diloco/fp32", "diloco/fp32/outer.momentum=0.5", "diloco/int4", "diloco/int4/outer.momentum=0.5",
-           "noloco/fp32", "noloco/int8", "noloco/int4"]
+METHODS = [
+    "ddp/fp32",
+    "diloco/fp32",
+    "diloco/fp32/outer.momentum=0.5",
+    "diloco/int4",
+    "diloco/int4/outer.momentum=0.5",
+    "noloco/fp32",
+    "noloco/int8",
+    "noloco/int4",
+]
 # DiLoCo runs twice: with its paper's outer momentum 0.9 (the default of docs/design.md, tuned for runs of thousands of
 # steps) and with NoLoCo's 0.5, which is much better over a few dozen outer rounds (in-process, 4 workers,
 # H = 20: DDP's 120-step loss reached at step ~140 with 0.5, not within 480 steps with 0.9).
@@ -398,8 +406,9 @@ def rerun_args(args: argparse.Namespace) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.throttled", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.throttled", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--hosts", default="4,8", help="host counts, comma-separated")
     parser.add_argument("--rates", default="50mbit,500mbit", help="per-host rates (tc units), comma-separated")
     parser.add_argument("--methods", nargs="+", default=METHODS, help="algo/codec entries")
@@ -408,8 +417,13 @@ def main() -> int:
     parser.add_argument("--to-target", type=int, default=0, metavar="STEPS",
                         help="then, at the slowest rate, run every method but DDP again with a budget of STEPS "
                              "inner steps, to measure when it reaches DDP-fp32's final loss (0: off)")  # fmt: skip
-    parser.add_argument("--cpus-per-host", type=int, default=None, metavar="N",
-                        help="pin each host's worker to N cores of its own (noloco-fleet --cpus-per-host)")
+    parser.add_argument(
+        "--cpus-per-host",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pin each host's worker to N cores of its own (noloco-fleet --cpus-per-host)",
+    )
     parser.add_argument("--runs", type=Path, default=Path("runs/throttled"))
     common.add_out(parser, "throttled")
     parser.add_argument("--name", default="throttled")
@@ -482,8 +496,11 @@ def main() -> int:
         "",
         f"Command: `{command}`  ",
         f"Machine: {machine}; every host is a network namespace on this one machine, "
-        + (f"its worker pinned to {args.cpus_per_host} cores of its own.  " if args.cpus_per_host else
-           "so the workers share its cores (each runs cores ÷ hosts torch threads).  "),
+        + (
+            f"its worker pinned to {args.cpus_per_host} cores of its own.  "
+            if args.cpus_per_host
+            else "so the workers share its cores (each runs cores ÷ hosts torch threads).  "
+        ),
         f"Date: {time.strftime('%Y-%m-%d')}  ",
         f"Setting: {first['params'] / 1e6:.2f}M-parameter model, {first['steps']} inner steps per worker, "
         f"H = {first['outer_every']} for DiLoCo and NoLoCo (NoLoCo groups of {group_size}), same data, "

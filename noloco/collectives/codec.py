@@ -35,8 +35,20 @@ from noloco.collectives.message import (
 from noloco.quant import Packed, PayloadError, QuantSpec, dequantize, quantize
 
 #: Names listed by :func:`known_codecs`; any other spec :meth:`QuantSpec.parse` accepts works too.
-BASE_CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "int3", "int2", "sign", "mxfp4", "mxfp6", "mxfp8",
-               "topk:64/4096+int2")
+BASE_CODECS = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "int4",
+    "int3",
+    "int2",
+    "sign",
+    "mxfp4",
+    "mxfp6",
+    "mxfp8",
+    "topk:64/4096+int2",
+)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -201,8 +213,13 @@ class QuantCodec(Codec):
         value = dequantize(packed).reshape(-1) if with_value else None
         return device_message(packed), value
 
-    def unpack(self, payload: Buffer | torch.Tensor, numel: int, spec: QuantSpec | None = None,
-               device: torch.device | str = "cpu") -> Packed:
+    def unpack(
+        self,
+        payload: Buffer | torch.Tensor,
+        numel: int,
+        spec: QuantSpec | None = None,
+        device: torch.device | str = "cpu",
+    ) -> Packed:
         """Parse ``payload`` into a :class:`Packed` of ``numel`` elements in ``spec`` (default: ours) on ``device``."""
         spec = self.spec if spec is None else spec
         try:

@@ -82,8 +82,9 @@ class QuantizedHookState:
         return self.device_counter if self.on_device else self.transport.counter
 
     @classmethod
-    def from_process_group(cls, process_group: Any = None, *, on_device: bool | None = None,
-                           **kwargs: Any) -> "QuantizedHookState":
+    def from_process_group(
+        cls, process_group: Any = None, *, on_device: bool | None = None, **kwargs: Any
+    ) -> "QuantizedHookState":
         """Build the state for DDP over ``process_group`` (None: the default group).
 
         With an NCCL group (or ``on_device=True``) buckets are reduced by :func:`allreduce_device`
@@ -133,12 +134,27 @@ def quantized_allreduce_hook(state: QuantizedHookState, bucket: dist.GradBucket)
         if ef.numel not in (None, buffer.numel()):
             ef.reset()  # DDP rebuilt its buckets (after the first iteration): start a fresh residual
     if state.on_device:
-        mean = allreduce_device(buffer, state.process_group, codec=state.codec, op="mean", error_feedback=ef,
-                                min_compress_numel=state.min_compress_numel, counter=state.device_counter)
+        mean = allreduce_device(
+            buffer,
+            state.process_group,
+            codec=state.codec,
+            op="mean",
+            error_feedback=ef,
+            min_compress_numel=state.min_compress_numel,
+            counter=state.device_counter,
+        )
     else:
-        mean = allreduce(buffer, state.transport, codec=state.codec, reduction=state.reduction, op="mean",
-                         timeout=state.timeout, tag=f"ddp/b{index}/c{count}", error_feedback=ef,
-                         min_compress_numel=state.min_compress_numel)
+        mean = allreduce(
+            buffer,
+            state.transport,
+            codec=state.codec,
+            reduction=state.reduction,
+            op="mean",
+            timeout=state.timeout,
+            tag=f"ddp/b{index}/c{count}",
+            error_feedback=ef,
+            min_compress_numel=state.min_compress_numel,
+        )
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(mean.to(dtype=buffer.dtype, device=buffer.device))
     return future

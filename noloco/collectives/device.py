@@ -75,8 +75,17 @@ from noloco.quant import (
 )
 from noloco.quant import ops as quant_ops
 
-__all__ = ["allreduce_device", "wire_bytes", "message_layout", "message_view", "encode_segment", "reduce_segment",
-           "decode_segment", "pack_into", "unpack"]
+__all__ = [
+    "allreduce_device",
+    "wire_bytes",
+    "message_layout",
+    "message_view",
+    "encode_segment",
+    "reduce_segment",
+    "decode_segment",
+    "pack_into",
+    "unpack",
+]
 
 #: bytes each owner all-gathers with its reduced segment: byte 0 is 0 when it encoded it, 1 otherwise
 STATUS_BYTES = 16
@@ -109,8 +118,9 @@ def _is_raw(spec: QuantSpec) -> bool:
     return spec.kind == "float" and spec.name == "fp32" and not spec.hadamard
 
 
-def encode_segment(values: torch.Tensor, spec: QuantSpec, residual: torch.Tensor | None = None,
-                   backend: str | None = None) -> Packed:
+def encode_segment(
+    values: torch.Tensor, spec: QuantSpec, residual: torch.Tensor | None = None, backend: str | None = None
+) -> Packed:
     """Encode the 1-D float ``values`` (not modified) for the wire.
 
     With ``residual`` (fp32, ``values``' length and device; updated in place) the encoded value is
@@ -162,9 +172,18 @@ def _divide_scales(packed: Packed, n: int) -> Packed:
     return packed
 
 
-def reduce_segment(own: torch.Tensor, received: list[Packed | None], me: int, op: str, spec: QuantSpec,
-                   result_residual: torch.Tensor | None = None, backend: str | None = None, *,
-                   own_is_scratch: bool = False, mark: Callable[[str], None] | None = None) -> Packed:
+def reduce_segment(
+    own: torch.Tensor,
+    received: list[Packed | None],
+    me: int,
+    op: str,
+    spec: QuantSpec,
+    result_residual: torch.Tensor | None = None,
+    backend: str | None = None,
+    *,
+    own_is_scratch: bool = False,
+    mark: Callable[[str], None] | None = None,
+) -> Packed:
     """The owner's step: encode ``(own + sum of received) [/ n]`` once, summing in fp32 in member order.
 
     Args:
@@ -190,8 +209,14 @@ def reduce_segment(own: torch.Tensor, received: list[Packed | None], me: int, op
         terms[0], terms[1] = terms[1], terms[0]
     mark = mark or (lambda phase: None)
     divide_later = op == "sum" or n & (n - 1) == 0
-    fused = (n > 1 and spec.kind == "int" and not spec.hadamard and result_residual is None and divide_later
-             and isinstance(terms[-1], Packed))
+    fused = (
+        n > 1
+        and spec.kind == "int"
+        and not spec.hadamard
+        and result_residual is None
+        and divide_later
+        and isinstance(terms[-1], Packed)
+    )
     tail: list[Packed] = []
     if fused:
         while terms and isinstance(terms[-1], Packed) and len(tail) < 4:
@@ -289,8 +314,9 @@ class _PhaseClock:
             self.timings[phase] = self.timings.get(phase, 0.0) + ms
 
 
-def _check_call(meta: list[int], group: Any, device: torch.device, nccl: bool, me: int, n: int,
-                failure: BaseException | None) -> None:
+def _check_call(
+    meta: list[int], group: Any, device: torch.device, nccl: bool, me: int, n: int, failure: BaseException | None
+) -> None:
     """All-gather every member's view of the call; raise the same way on every member if they differ."""
     mine = torch.tensor(meta + [0 if failure is None else 1], dtype=torch.int64)
     table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
@@ -305,8 +331,9 @@ def _check_call(meta: list[int], group: Any, device: torch.device, nccl: bool, m
                 values = [_OP_NAMES.get(v, v) for v in values]
             elif field == "codec":
                 values = [f"crc {v:#010x}" for v in values]
-            raise PayloadMismatch(f"allreduce_device: members disagree on {field}: {values} (by member; this "
-                                  f"is member {me})")
+            raise PayloadMismatch(
+                f"allreduce_device: members disagree on {field}: {values} (by member; this is member {me})"
+            )
     if failure is not None:
         raise failure
     bad = [j for j, row in enumerate(rows) if row[-1]]
@@ -379,14 +406,16 @@ def allreduce_device(
     send, send_sizes, failure = _encode_phase(call, flat, contribution)
     clock.mark("encode")
     codec_id = crc(f"{requested.name}|{'fp32' if _is_raw(spec) else spec}")
-    _check_call([_META_MAGIC, numel, DTYPE_CODES[x.dtype], OP_CODES[op], codec_id, n], group, device, nccl,
-                me, n, failure)
+    _check_call(
+        [_META_MAGIC, numel, DTYPE_CODES[x.dtype], OP_CODES[op], codec_id, n], group, device, nccl, me, n, failure
+    )
     clock.mark("check")
 
     own, own_is_scratch, received = _reduce_scatter_phase(call, flat, send, send_sizes, contribution)
     gather_size = message_layout(spec, bounds[0][1] - bounds[0][0])[1]  # every slot fits the largest segment
-    reduced, gather_send, status, failure = _reduce_owned_segment(call, own, received, op, result, own_is_scratch,
-                                                                  gather_size)
+    reduced, gather_send, status, failure = _reduce_owned_segment(
+        call, own, received, op, result, own_is_scratch, gather_size
+    )
     out = _all_gather_phase(call, numel, reduced, gather_send, status, failure, gather_size)
     clock.mark("decode")
     clock.finish()
@@ -455,8 +484,12 @@ def _flat_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return flat
 
 
-def _reduce_alone(x: torch.Tensor, flat: torch.Tensor, error_feedback: ReductionErrorFeedback | None,
-                  residuals: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+def _reduce_alone(
+    x: torch.Tensor,
+    flat: torch.Tensor,
+    error_feedback: ReductionErrorFeedback | None,
+    residuals: tuple[torch.Tensor, ...] | None,
+) -> torch.Tensor:
     """The result of a group of one: ``flat`` in fp32, plus whatever error feedback owes it."""
     out = flat.float().clone()
     if residuals is not None:  # nothing was encoded: pay back both residuals exactly
@@ -465,8 +498,9 @@ def _reduce_alone(x: torch.Tensor, flat: torch.Tensor, error_feedback: Reduction
     return out.reshape(x.shape).to(x.device)
 
 
-def _encode_phase(call: _Call, flat: torch.Tensor,
-                  contribution: torch.Tensor | None) -> tuple[torch.Tensor | None, list[int], BaseException | None]:
+def _encode_phase(
+    call: _Call, flat: torch.Tensor, contribution: torch.Tensor | None
+) -> tuple[torch.Tensor | None, list[int], BaseException | None]:
     """Phase 1a: encode the segments other members own, into one send buffer (ordered by owner).
 
     Returns ``(send, send_sizes, failure)``: ``failure`` is the ``ValueError`` of an input that could not be
@@ -490,7 +524,7 @@ def _encode_phase(call: _Call, flat: torch.Tensor,
             send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
             offset = 0
             for k, packed in encoded.items():
-                pack_into(send[offset:offset + send_sizes[k]], packed)
+                pack_into(send[offset : offset + send_sizes[k]], packed)
                 offset += send_sizes[k]
         del encoded
     except ValueError as exc:  # NaN/Inf: still take part in the check, so every member fails
@@ -498,8 +532,9 @@ def _encode_phase(call: _Call, flat: torch.Tensor,
     return send, send_sizes, failure
 
 
-def _own_in_fp32(flat: torch.Tensor, start: int, end: int,
-                 contribution: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+def _own_in_fp32(
+    flat: torch.Tensor, start: int, end: int, contribution: torch.Tensor | None
+) -> tuple[torch.Tensor, bool]:
     """The owner's own segment in fp32 (its accumulator when it sums first) and whether it is a scratch copy."""
     own, own_is_scratch = flat[start:end], True
     if contribution is not None:
@@ -512,8 +547,9 @@ def _own_in_fp32(flat: torch.Tensor, start: int, end: int,
     return own, own_is_scratch
 
 
-def _reduce_scatter_phase(call: _Call, flat: torch.Tensor, send: torch.Tensor, send_sizes: list[int],
-                          contribution: torch.Tensor | None) -> tuple[torch.Tensor, bool, list[Packed | None]]:
+def _reduce_scatter_phase(
+    call: _Call, flat: torch.Tensor, send: torch.Tensor, send_sizes: list[int], contribution: torch.Tensor | None
+) -> tuple[torch.Tensor, bool, list[Packed | None]]:
     """Phase 1b: reduce-scatter. Every member's message for segment `me` has the same size.
 
     Returns the owner's own segment in fp32 (:func:`_own_in_fp32`), whether it is scratch, and the
@@ -547,14 +583,20 @@ def _reduce_scatter_phase(call: _Call, flat: torch.Tensor, send: torch.Tensor, s
     received: list[Packed | None] = []
     offset = 0
     for j in range(n):
-        received.append(None if j == me else unpack(recv[offset:offset + recv_size], spec, seg_numel))
+        received.append(None if j == me else unpack(recv[offset : offset + recv_size], spec, seg_numel))
         offset += recv_sizes[j]
     return own, own_is_scratch, received
 
 
-def _reduce_owned_segment(call: _Call, own: torch.Tensor, received: list[Packed | None], op: str,
-                          result: torch.Tensor | None, own_is_scratch: bool, gather_size: int,
-                          ) -> tuple[Packed | None, torch.Tensor, torch.Tensor, BaseException | None]:
+def _reduce_owned_segment(
+    call: _Call,
+    own: torch.Tensor,
+    received: list[Packed | None],
+    op: str,
+    result: torch.Tensor | None,
+    own_is_scratch: bool,
+    gather_size: int,
+) -> tuple[Packed | None, torch.Tensor, torch.Tensor, BaseException | None]:
     """Owner: fp32 sum in member order, encoded once, packed into this member's all-gather slot.
 
     Returns ``(reduced, gather_send, status, failure)``: when the reduced segment cannot be encoded,
@@ -568,8 +610,9 @@ def _reduce_owned_segment(call: _Call, own: torch.Tensor, received: list[Packed 
     gather_send = failure = reduced = None
     try:
         res = None if result is None else result[start:end]
-        reduced = reduce_segment(own, received, me, op, spec, res, backend, own_is_scratch=own_is_scratch,
-                                 mark=clock.mark)
+        reduced = reduce_segment(
+            own, received, me, op, spec, res, backend, own_is_scratch=own_is_scratch, mark=clock.mark
+        )
         reduced.check()  # its verdict before it is sent (deferred on CUDA)
         gather_send = message_view(reduced)
         if gather_send is None or gather_send.numel() != gather_size:
@@ -584,8 +627,15 @@ def _reduce_owned_segment(call: _Call, own: torch.Tensor, received: list[Packed 
     return reduced, gather_send, status, failure
 
 
-def _all_gather_phase(call: _Call, numel: int, reduced: Packed | None, gather_send: torch.Tensor,
-                      status: torch.Tensor, failure: BaseException | None, gather_size: int) -> torch.Tensor:
+def _all_gather_phase(
+    call: _Call,
+    numel: int,
+    reduced: Packed | None,
+    gather_send: torch.Tensor,
+    status: torch.Tensor,
+    failure: BaseException | None,
+    gather_size: int,
+) -> torch.Tensor:
     """Phase 2: all-gather of the encoded reduced segments (and of each owner's status); everyone decodes the
     same codes.
 
@@ -621,8 +671,9 @@ def _all_gather_phase(call: _Call, numel: int, reduced: Packed | None, gather_se
     if failure is not None:
         raise failure
     if failed:
-        raise RemoteFailure(f"allreduce_device: member(s) {failed} could not encode their reduced segment "
-                            "(NaN/Inf in their own input?)")
+        raise RemoteFailure(
+            f"allreduce_device: member(s) {failed} could not encode their reduced segment (NaN/Inf in their own input?)"
+        )
     slots = gathered.view(n, gather_size)
     for k, (s, e) in enumerate(bounds):
         if k != me and e > s:

@@ -25,8 +25,19 @@ import torch
 from noloco.quant import Packed, PayloadError, QuantSpec
 from noloco.quant.wire import validate_values
 
-__all__ = ["ALIGN", "message_layout", "message_gaps", "zero_gaps", "pack_into", "unpack", "message_view",
-           "device_message", "host_buffer", "as_uint8", "check_message"]
+__all__ = [
+    "ALIGN",
+    "message_layout",
+    "message_gaps",
+    "zero_gaps",
+    "pack_into",
+    "unpack",
+    "message_view",
+    "device_message",
+    "host_buffer",
+    "as_uint8",
+    "check_message",
+]
 
 #: every payload section starts at a multiple of this many bytes (Triton's pointer-divisibility unit)
 ALIGN = 16
@@ -85,7 +96,7 @@ def pack_into(buf: torch.Tensor, packed: Packed, non_blocking: bool = False) -> 
         if section is None or section.dtype != dtype or section.numel() != count:
             raise ValueError(f"{packed.spec} section {name} is not {count} x {dtype}")
         size = count * section.element_size()
-        buf[offset:offset + size].copy_(section.reshape(-1).view(torch.uint8), non_blocking=non_blocking)
+        buf[offset : offset + size].copy_(section.reshape(-1).view(torch.uint8), non_blocking=non_blocking)
 
 
 def unpack(buf: torch.Tensor, spec: QuantSpec, numel: int) -> Packed:
@@ -93,7 +104,7 @@ def unpack(buf: torch.Tensor, spec: QuantSpec, numel: int) -> Packed:
     sections = {}
     for name, dtype, count, offset in message_layout(spec, numel)[0]:
         size = count * torch.empty(0, dtype=dtype).element_size()
-        sections[name] = buf[offset:offset + size].view(dtype) if size else buf.new_empty(0, dtype=dtype)
+        sections[name] = buf[offset : offset + size].view(dtype) if size else buf.new_empty(0, dtype=dtype)
     return Packed(spec, (numel,), torch.float32, **sections)
 
 
@@ -118,9 +129,14 @@ def message_view(packed: Packed) -> torch.Tensor | None:
         return None
     for name, dtype, count, offset in sections:
         section = getattr(packed, name)
-        if (section is None or section.dtype != dtype or section.numel() != count or not section.is_contiguous()
-                or section.untyped_storage().data_ptr() != storage.data_ptr()
-                or section.storage_offset() * section.element_size() != base + offset):
+        if (
+            section is None
+            or section.dtype != dtype
+            or section.numel() != count
+            or not section.is_contiguous()
+            or section.untyped_storage().data_ptr() != storage.data_ptr()
+            or section.storage_offset() * section.element_size() != base + offset
+        ):
             return None
     return codes.as_strided((nbytes,), (1,), base)
 

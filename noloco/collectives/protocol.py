@@ -102,8 +102,23 @@ class Header:
     call: int
 
     def pack(self) -> bytes:
-        return struct.pack(_FORMAT, MAGIC, VERSION, self.status, self.reduction, self.op, self.dtype, self.phase,
-                           self.group_size, self.sender, self.segment, self.step, self.numel, self.codec, self.call)
+        return struct.pack(
+            _FORMAT,
+            MAGIC,
+            VERSION,
+            self.status,
+            self.reduction,
+            self.op,
+            self.dtype,
+            self.phase,
+            self.group_size,
+            self.sender,
+            self.segment,
+            self.step,
+            self.numel,
+            self.codec,
+            self.call,
+        )
 
     @staticmethod
     def unpack(payload: bytes) -> Header:
@@ -131,8 +146,20 @@ class CallInfo:
     tag: str
 
     def header(self, phase: int, sender: int, segment: int, step: int = 0, status: int = STATUS_OK) -> Header:
-        return Header(status, REDUCTION_CODES[self.reduction], OP_CODES[self.op], DTYPE_CODES.get(self.dtype, 255),
-                      phase, len(self.group), sender, segment, step, self.numel, crc(self.codec_id), crc(self.tag))
+        return Header(
+            status,
+            REDUCTION_CODES[self.reduction],
+            OP_CODES[self.op],
+            DTYPE_CODES.get(self.dtype, 255),
+            phase,
+            len(self.group),
+            sender,
+            segment,
+            step,
+            self.numel,
+            crc(self.codec_id),
+            crc(self.tag),
+        )
 
 
 class RemoteFailure(PayloadMismatch):
@@ -356,8 +383,18 @@ class Exchange:
         via = "" if owner is None or owner == src else f" (forwarded by rank {self.info.group[src]})"
         logger.warning(
             "%s: rank %d refused the %s of rank %d%s to segment %d: norm %.3g > %.3g (max_norm_ratio %g x own "
-            "norm %.3g, %d input(s))", self.info.tag, self.transport.rank, what, rank, via, segment, norm, limit,
-            self.bound.max_ratio, own_norm, contributors,
+            "norm %.3g, %d input(s))",
+            self.info.tag,
+            self.transport.rank,
+            what,
+            rank,
+            via,
+            segment,
+            norm,
+            limit,
+            self.bound.max_ratio,
+            own_norm,
+            contributors,
         )
         return False
 

@@ -123,14 +123,25 @@ def ring_allreduce(
     bounds = segment_bounds(flat.numel(), n)
     contribution, result = residuals if residuals is not None else (None, None)
     bound = ex.bound
-    ex.expect_sends([(succ, PHASE_REDUCE, (me - s) % n, s) for s in range(n - 1)]
-                    + [(succ, PHASE_GATHER, (me + 1 - t) % n, t) for t in range(n - 1)])
+    ex.expect_sends(
+        [(succ, PHASE_REDUCE, (me - s) % n, s) for s in range(n - 1)]
+        + [(succ, PHASE_GATHER, (me + 1 - t) % n, t) for t in range(n - 1)]
+    )
     pred, count = (me - 1) % n, 0 if bound is None else COUNT.size
     sizes = [end - start for start, end in bounds]
-    ex.expect_recvs([(pred, PHASE_REDUCE, (me - s - 1) % n, s,
-                      count + partial_sum_codec(codec, s + 1, naive).nbytes(sizes[(me - s - 1) % n]))
-                     for s in range(n - 1)]
-                    + [(pred, PHASE_GATHER, (me - t) % n, t, codec.nbytes(sizes[(me - t) % n])) for t in range(n - 1)])
+    ex.expect_recvs(
+        [
+            (
+                pred,
+                PHASE_REDUCE,
+                (me - s - 1) % n,
+                s,
+                count + partial_sum_codec(codec, s + 1, naive).nbytes(sizes[(me - s - 1) % n]),
+            )
+            for s in range(n - 1)
+        ]
+        + [(pred, PHASE_GATHER, (me - t) % n, t, codec.nbytes(sizes[(me - t) % n])) for t in range(n - 1)]
+    )
     contributed = None  # with a bound: this member's own contribution (input + residual), before any encoding
     own_norms = None
     if bound is not None:
@@ -146,8 +157,9 @@ def ring_allreduce(
     return out
 
 
-def _own(flat: torch.Tensor, contribution: torch.Tensor | None, bounds: list[tuple[int, int]],
-         seg: int) -> torch.Tensor:
+def _own(
+    flat: torch.Tensor, contribution: torch.Tensor | None, bounds: list[tuple[int, int]], seg: int
+) -> torch.Tensor:
     """This member's contribution to segment ``seg``: its input there, plus the contribution residual if any."""
     start, end = bounds[seg]
     if contribution is None:
@@ -155,12 +167,18 @@ def _own(flat: torch.Tensor, contribution: torch.Tensor | None, bounds: list[tup
     return flat[start:end] + contribution[start:end]
 
 
-def _hop(flat: torch.Tensor, contribution: torch.Tensor | None, bounds: list[tuple[int, int]], seg: int,
-         incoming: Packed | torch.Tensor | None, out_codec: Codec) -> bytes:
+def _hop(
+    flat: torch.Tensor,
+    contribution: torch.Tensor | None,
+    bounds: list[tuple[int, int]],
+    seg: int,
+    incoming: Packed | torch.Tensor | None,
+    out_codec: Codec,
+) -> bytes:
     """This member's contribution to ``seg`` plus ``incoming``, encoded in ``out_codec``."""
     start, end = bounds[seg]
     mine = _own(flat, contribution, bounds, seg)
-    fused = (contribution is None and isinstance(incoming, Packed) and isinstance(out_codec, QuantCodec))
+    fused = contribution is None and isinstance(incoming, Packed) and isinstance(out_codec, QuantCodec)
     if fused:
         return bytes(message_of(dequantize_accumulate_requantize(mine, [incoming], out_codec.spec)).numpy())
     total = mine if incoming is None else mine + _value(incoming)
@@ -171,9 +189,15 @@ def _hop(flat: torch.Tensor, contribution: torch.Tensor | None, bounds: list[tup
     return payload
 
 
-def _reduce_scatter_phase(flat: torch.Tensor, ex: Exchange, codec: Codec, bounds: list[tuple[int, int]],
-                          contribution: torch.Tensor | None, own_norms: list[float] | None,
-                          naive: bool) -> tuple[Packed | torch.Tensor | None, int]:
+def _reduce_scatter_phase(
+    flat: torch.Tensor,
+    ex: Exchange,
+    codec: Codec,
+    bounds: list[tuple[int, int]],
+    contribution: torch.Tensor | None,
+    own_norms: list[float] | None,
+    naive: bool,
+) -> tuple[Packed | torch.Tensor | None, int]:
     """The ring reduce-scatter: returns the partial sum that reached this member and its number of inputs.
 
     Step s sends a partial sum of s + 1 contributors (fewer if a hop dropped some).
@@ -203,9 +227,17 @@ def _reduce_scatter_phase(flat: torch.Tensor, ex: Exchange, codec: Codec, bounds
     return incoming, inputs
 
 
-def _reduce_owned_segment(flat: torch.Tensor, codec: Codec, op: str, bounds: list[tuple[int, int]], seg: int,
-                          incoming: Packed | torch.Tensor | None, inputs: int, contribution: torch.Tensor | None,
-                          result: torch.Tensor | None) -> bytes:
+def _reduce_owned_segment(
+    flat: torch.Tensor,
+    codec: Codec,
+    op: str,
+    bounds: list[tuple[int, int]],
+    seg: int,
+    incoming: Packed | torch.Tensor | None,
+    inputs: int,
+    contribution: torch.Tensor | None,
+    result: torch.Tensor | None,
+) -> bytes:
     """The owner's step: its contribution to ``seg`` plus ``incoming``, reduced and encoded once in ``codec``."""
     start, end = bounds[seg]
     mine = _own(flat, contribution, bounds, seg)
@@ -223,9 +255,18 @@ def _reduce_owned_segment(flat: torch.Tensor, codec: Codec, op: str, bounds: lis
     return codes
 
 
-def _all_gather_phase(flat: torch.Tensor, ex: Exchange, codec: Codec, op: str, bounds: list[tuple[int, int]],
-                      seg: int, codes: bytes, contribution: torch.Tensor | None, contributed: torch.Tensor | None,
-                      own_norms: list[float] | None) -> torch.Tensor:
+def _all_gather_phase(
+    flat: torch.Tensor,
+    ex: Exchange,
+    codec: Codec,
+    op: str,
+    bounds: list[tuple[int, int]],
+    seg: int,
+    codes: bytes,
+    contribution: torch.Tensor | None,
+    contributed: torch.Tensor | None,
+    own_norms: list[float] | None,
+) -> torch.Tensor:
     """The ring all-gather: forward the owners' bytes unchanged around the ring; returns the decoded result."""
     n, me = len(ex.info.group), ex.info.me
     succ, pred = (me + 1) % n, (me - 1) % n
@@ -241,8 +282,9 @@ def _all_gather_phase(flat: torch.Tensor, ex: Exchange, codec: Codec, op: str, b
         start, end = bounds[seg_in]
         value = codec.decode(forward, end - start, flat.device)
         ex.check_finite(value, pred, seg_in, codec)
-        if bound is not None and not ex.admits(pred, seg_in, value, own_norms[seg_in], n if op == "sum" else 1,
-                                               result=True, owner=(seg_in - 1) % n):
+        if bound is not None and not ex.admits(
+            pred, seg_in, value, own_norms[seg_in], n if op == "sum" else 1, result=True, owner=(seg_in - 1) % n
+        ):
             value = contributed[start:end]
             if contribution is not None:
                 contribution[start:end] = 0.0  # this member's own value stands there, exactly

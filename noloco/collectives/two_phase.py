@@ -42,8 +42,15 @@ def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _encode(ex: Exchange, codec: Codec, value: torch.Tensor, residual: torch.Tensor | None, start: int,
-            end: int, keep_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _encode(
+    ex: Exchange,
+    codec: Codec,
+    value: torch.Tensor,
+    residual: torch.Tensor | None,
+    start: int,
+    end: int,
+    keep_value: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A message of ``value``; with error feedback, store ``value - decoded`` into ``residual[start:end]``.
 
     Returns ``(message, decoded)``: ``decoded`` (what every receiver decodes) when error feedback or

@@ -64,8 +64,9 @@ class LinkFault:
         seconds = _timed(action, "delay")
         if seconds is not None:
             return LinkFault("delay", seconds)
-        raise FaultSpecError(f"NOLOCO_FAULTS: unknown action {action!r}; use "
-                             f"{_PROCESS_ACTIONS + ('sleep:<seconds>',) + _LINK_ACTIONS}")
+        raise FaultSpecError(
+            f"NOLOCO_FAULTS: unknown action {action!r}; use {_PROCESS_ACTIONS + ('sleep:<seconds>',) + _LINK_ACTIONS}"
+        )
 
 
 def _timed(action: str, kind: str) -> float | None:

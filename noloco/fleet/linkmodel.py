@@ -193,15 +193,26 @@ def main(argv: list[str] | None = None) -> int:
         description="Predict a run's communication time on rate-limited links from the bytes it sent.",
     )
     parser.add_argument("run_dir", type=Path, help="a finished run folder (metrics*.jsonl)")
-    parser.add_argument("--rate", default=None, help="per-worker link rate each way, e.g. 50mbit "
-                        "(default: the rate in the folder's fleet.json)")
+    parser.add_argument(
+        "--rate",
+        default=None,
+        help="per-worker link rate each way, e.g. 50mbit (default: the rate in the folder's fleet.json)",
+    )
     parser.add_argument("--latency", default="0ms", help="one-way latency per message phase, e.g. 20ms")
     parser.add_argument("--phases", type=int, default=2, help="sequential message phases per exchange (2)")
     parser.add_argument("--overhead", type=float, default=DEFAULT_OVERHEAD, help="wire bytes per payload byte")
-    parser.add_argument("--duplex", choices=("full", "half"), default="full",
-                        help="directions at once (full, the torch transport) or taking turns (half)")
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="an unshaped run of the same job: its loop wall time is the compute time")
+    parser.add_argument(
+        "--duplex",
+        choices=("full", "half"),
+        default="full",
+        help="directions at once (full, the torch transport) or taking turns (half)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="an unshaped run of the same job: its loop wall time is the compute time",
+    )
     args = parser.parse_args(argv)
     fleet_json = args.run_dir / "fleet.json"
     if args.rate is not None:
@@ -216,18 +227,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{args.run_dir}: {prediction.exchanges} exchanges at {rate / 1e6:g} Mbit/s, latency {latency * 1e3:g} ms")
     for worker in sorted(prediction.bytes_sent):
-        print(f"  worker {worker}: sent {prediction.bytes_sent[worker] / 1e6:.2f} MB, "
-              f"received {prediction.bytes_received[worker] / 1e6:.2f} MB")
+        print(
+            f"  worker {worker}: sent {prediction.bytes_sent[worker] / 1e6:.2f} MB, "
+            f"received {prediction.bytes_received[worker] / 1e6:.2f} MB"
+        )
     print(f"  predicted communication {prediction.comm_seconds:.2f} s")
     if prediction.wall_seconds is not None:
-        print(f"  compute (baseline loop) {prediction.compute_seconds:.2f} s, "
-              f"predicted wall {prediction.wall_seconds:.2f} s")
+        print(
+            f"  compute (baseline loop) {prediction.compute_seconds:.2f} s, "
+            f"predicted wall {prediction.wall_seconds:.2f} s"
+        )
     if args.baseline is not None and fleet_json.exists() and json.loads(fleet_json.read_text()).get("rate_bps"):
         gap = compare(
             args.run_dir, args.baseline, latency=latency, overhead=args.overhead, phases=args.phases, duplex=args.duplex
         )
-        print(f"  measured wall {gap['measured_wall']:.2f} s (gap {gap['wall_gap']:+.1%}); measured communication "
-              f"{gap['measured_comm']:.2f} s (gap {gap['comm_gap']:+.1%})")
+        print(
+            f"  measured wall {gap['measured_wall']:.2f} s (gap {gap['wall_gap']:+.1%}); measured communication "
+            f"{gap['measured_comm']:.2f} s (gap {gap['comm_gap']:+.1%})"
+        )
     return 0
 
 

@@ -140,7 +140,6 @@ _SIZE_KEYS = {"vocab": ("vocab_size",), "hidden": ("hidden_size", "n_embd", "d_m
               "positions": ("max_position_embeddings", "n_positions", "max_seq_len")}  # fmt: skip
 
 
-
 def config_parameters(config, where) -> int:
     """An upper estimate of a transformers config's parameter count from its sizes (embeddings in and out, per layer
     attention 4·h² and a gated MLP 3·h·inner, position embeddings), each size checked to be an integer in
@@ -168,8 +167,11 @@ def check_weight_shapes(auto, config, folder: Path) -> None:
 
     index = folder / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-            (["model.safetensors"] if (folder / "model.safetensors").is_file() else [])
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.is_file()
+            else (["model.safetensors"] if (folder / "model.safetensors").is_file() else [])
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ModelError(f"{index}: not a weights index ({_first_line(exc)})") from None
     if not files:

@@ -113,8 +113,10 @@ def agree_on_start(params: list[torch.nn.Parameter], transport: Transport, mode:
             if verdict == b"same":
                 return
             if mode == "check":
-                raise ValueError(f"rank {transport.rank} starts from other weights than rank 0: build every "
-                                 "replica from the same seed or state_dict (or pass same_start='broadcast')")
+                raise ValueError(
+                    f"rank {transport.rank} starts from other weights than rank 0: build every "
+                    "replica from the same seed or state_dict (or pass same_start='broadcast')"
+                )
             weights = transport.recv(0, "start/weights", timeout)
             if len(weights) != 4 * flat.numel():
                 raise ValueError(f"rank 0's starting weights have {len(weights)} bytes, expected {4 * flat.numel()}")
@@ -241,7 +243,6 @@ def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         return
     for tensor, piece in zip(tensors, pieces):
         tensor.copy_(piece)
-
 
 
 def _number(value) -> bool:
@@ -383,8 +384,9 @@ class Algorithm:
         if grads and grads[0].is_cuda and self.inner_opt.defaults.get("fused"):
             # on the device, no host sync: the fused optimizer skips the step itself when found_inf is set
             found_inf = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).float()
-            self._nonfinite_on_device = found_inf if self._nonfinite_on_device is None else (
-                self._nonfinite_on_device + found_inf)
+            self._nonfinite_on_device = (
+                found_inf if self._nonfinite_on_device is None else (self._nonfinite_on_device + found_inf)
+            )
             self.inner_opt.found_inf, self.inner_opt.grad_scale = found_inf, None
         elif grads and not all(torch.isfinite(g).all() for g in grads):
             self.nonfinite_events += 1
@@ -866,8 +868,10 @@ class OuterAlgorithm(Algorithm):
         if not all(torch.isfinite(t).all() for t in tensors):
             raise ValueError("joined state holds non-finite values")
         if state.step < 0 or state.step % self.period:
-            raise ValueError(f"joined state is at step {state.step}, not on an outer-round boundary "
-                             f"(every={self.every}, fragments={len(self.fragments)}: a multiple of {self.period})")
+            raise ValueError(
+                f"joined state is at step {state.step}, not on an outer-round boundary "
+                f"(every={self.every}, fragments={len(self.fragments)}: a multiple of {self.period})"
+            )
         self.inner_step = int(state.step)
         self.slow = state.slow.to(self.slow.device, torch.float32).clone()
         if "velocity" in self.rule.state_dict():
@@ -1037,4 +1041,3 @@ class PeriodicAveraging(OuterAlgorithm):
 
 #: ``outer.algo`` → the class that runs it (the one list of algorithm names)
 ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (NoLoCo, DiLoCo, PeriodicAveraging, DDP)}
-

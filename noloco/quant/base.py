@@ -320,8 +320,16 @@ class Packed:
         """A copy with every payload tensor on ``device`` (after :meth:`check`)."""
         self.check()
         move = lambda t: None if t is None else t.to(device)
-        return Packed(self.spec, self.shape, self.dtype, move(self.codes), move(self.scales),
-                      move(self.zero_points), move(self.mins), move(self.indices))
+        return Packed(
+            self.spec,
+            self.shape,
+            self.dtype,
+            move(self.codes),
+            move(self.scales),
+            move(self.zero_points),
+            move(self.mins),
+            move(self.indices),
+        )
 
     def to_bytes(self) -> bytes:
         """Serialize to the versioned wire format (docs/quant.md), after :meth:`check`.
@@ -335,8 +343,9 @@ class Packed:
         return to_bytes(self)
 
     @staticmethod
-    def from_bytes(data: bytes | bytearray | memoryview, *, max_numel: int | None = None,
-                   device: torch.device | str = "cpu") -> Packed:
+    def from_bytes(
+        data: bytes | bytearray | memoryview, *, max_numel: int | None = None, device: torch.device | str = "cpu"
+    ) -> Packed:
         """Parse and validate a payload made by :meth:`to_bytes`.
 
         Args:

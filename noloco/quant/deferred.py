@@ -39,8 +39,10 @@ import torch
 
 __all__ = ["NON_FINITE", "PendingCheck", "FlagRing", "FlagWord", "HostEvent", "RING_SLOTS", "MAX_CALL_ID"]
 
-NON_FINITE = ("cannot quantize: input holds non-finite values (NaN or ±Inf) or a group range that would "
-              "overflow; refusing to produce a poisoned payload")
+NON_FINITE = (
+    "cannot quantize: input holds non-finite values (NaN or ±Inf) or a group range that would "
+    "overflow; refusing to produce a poisoned payload"
+)
 #: slots of a ring: checked calls of one stream that may be in flight with no wait
 RING_SLOTS = 256
 #: call ids run 1..MAX_CALL_ID (0 is the zeroed word's value and never an id)
@@ -140,8 +142,7 @@ class FlagRing:
     thread never sees its slot reused under it.
     """
 
-    def __init__(self, size: int, make_event: Callable[[], Any], stream: Any = None, pin_memory: bool = False
-                 ) -> None:
+    def __init__(self, size: int, make_event: Callable[[], Any], stream: Any = None, pin_memory: bool = False) -> None:
         if size < 1:
             raise ValueError(f"a flag ring needs at least one slot, got {size}")
         self.size = size

@@ -78,8 +78,7 @@ class ErrorFeedback:
             self._residuals.pop(key, None)
             self._unverified.pop(key, None)
 
-    def quantize(self, x: torch.Tensor, key: object = None, *,
-                 generator: torch.Generator | None = None) -> Packed:
+    def quantize(self, x: torch.Tensor, key: object = None, *, generator: torch.Generator | None = None) -> Packed:
         """Return ``Q(x + decay·e_key)`` and update ``e_key`` (created as zeros on first use).
 
         Args:
@@ -98,8 +97,10 @@ class ErrorFeedback:
         if e is None:
             e = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         elif e.numel() != flat.numel() or e.device != flat.device:
-            raise ValueError(f"error-feedback buffer {key!r} holds {e.numel()} values on {e.device}, "
-                             f"got {flat.numel()} on {flat.device}")
+            raise ValueError(
+                f"error-feedback buffer {key!r} holds {e.numel()} values on {e.device}, "
+                f"got {flat.numel()} on {flat.device}"
+            )
         if self.decay != 1.0 and previous is not None:
             e = e * self.decay
         be = ops.pick_backend(self.backend, flat.device, spec)

@@ -30,8 +30,7 @@ def _check_inputs(numel: int, inputs: Sequence[Packed]) -> None:
         p.check()
 
 
-def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backend: str | None = None
-                          ) -> torch.Tensor:
+def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backend: str | None = None) -> torch.Tensor:
     """``acc += deq(inputs[0]) + deq(inputs[1]) + ...`` in place (left to right, fp32).
 
     Args:
@@ -51,9 +50,13 @@ def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backen
     flat = acc.view(-1)
     device = acc.device
     spec = inputs[0].spec if inputs else None
-    if (0 < len(inputs) <= 4 and not spec.hadamard and all(p.spec == spec for p in inputs)
-            and ops.fused_kernels(spec)
-            and ops.pick_backend(_soft(backend, spec), device, spec) == "triton"):  # the hot path: one launch
+    if (
+        0 < len(inputs) <= 4
+        and not spec.hadamard
+        and all(p.spec == spec for p in inputs)
+        and ops.fused_kernels(spec)
+        and ops.pick_backend(_soft(backend, spec), device, spec) == "triton"
+    ):  # the hot path: one launch
         ops._triton().dequantize_accumulate(flat, list(inputs), accumulate=True)
         return acc
     i = 0
@@ -72,9 +75,15 @@ def dequantize_accumulate(acc: torch.Tensor, inputs: Sequence[Packed], *, backen
     return acc
 
 
-def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[Packed],
-                                     spec: QuantSpec | str, *, generator: torch.Generator | None = None,
-                                     backend: str | None = None, check_finite: bool = True) -> Packed:
+def dequantize_accumulate_requantize(
+    acc: torch.Tensor | None,
+    inputs: Sequence[Packed],
+    spec: QuantSpec | str,
+    *,
+    generator: torch.Generator | None = None,
+    backend: str | None = None,
+    check_finite: bool = True,
+) -> Packed:
     """``Q_spec(acc + deq(inputs[0]) + ...)``: one hop of a multi-hop reduction.
 
     Args:
@@ -103,18 +112,29 @@ def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: Sequence[
     device = acc.device if acc is not None else ref.device
     be = ops.pick_backend(_soft(backend, spec), device, spec)
     in_spec = ref.spec
-    fusable = (be == "triton" and not spec.hadamard and not in_spec.hadamard and len(inputs) <= 4
-               and all(p.spec == in_spec for p in inputs) and ops.fused_kernels(in_spec) and ops.fused_kernels(spec)
-               and in_spec.group == spec.group)
+    fusable = (
+        be == "triton"
+        and not spec.hadamard
+        and not in_spec.hadamard
+        and len(inputs) <= 4
+        and all(p.spec == in_spec for p in inputs)
+        and ops.fused_kernels(in_spec)
+        and ops.fused_kernels(spec)
+        and in_spec.group == spec.group
+    )
     if fusable:
         a = None if acc is None else ops._kernel_input(acc).float()  # no copy for a contiguous fp32 acc
-        sections, pending = ops._triton().dequantize_accumulate_requantize(a, list(inputs), numel, spec, generator,
-                                                                           check=check_finite, defer=True)
+        sections, pending = ops._triton().dequantize_accumulate_requantize(
+            a, list(inputs), numel, spec, generator, check=check_finite, defer=True
+        )
         packed = Packed(spec, shape, dtype, **sections)
         packed._pending = pending
         return packed
-    total = (torch.zeros(numel, dtype=torch.float32, device=device) if acc is None
-             else acc.detach().reshape(-1).float().clone())
+    total = (
+        torch.zeros(numel, dtype=torch.float32, device=device)
+        if acc is None
+        else acc.detach().reshape(-1).float().clone()
+    )
     for p in inputs:
         total += ops.dequantize(p, backend=_soft(backend, p.spec)).view(-1)
     out_be = ops.pick_backend(_soft(backend, spec), device, spec)

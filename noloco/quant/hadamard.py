@@ -108,8 +108,12 @@ class _TableCache:
 
     def info(self) -> dict[str, int]:
         with self._lock:
-            return {"entries": len(self._items), "bytes": self._bytes,
-                    "max_entries": self.max_entries, "max_bytes": self.max_bytes}
+            return {
+                "entries": len(self._items),
+                "bytes": self._bytes,
+                "max_entries": self.max_entries,
+                "max_bytes": self.max_bytes,
+            }
 
     def clear(self) -> None:
         with self._lock:
@@ -183,8 +187,10 @@ def rotate(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     y = _transform(rows, block).view(-1)
     top, limit = _magnitude(y), encode_limit(block)
     if not top <= limit:
-        raise ValueError(f"cannot quantize: {spec} rotates this input to magnitudes up to {top:.4g}, above "
-                         f"{limit:.4g} = fp32 max / (4 sqrt({block})); a payload carrying them could decode to ±Inf")
+        raise ValueError(
+            f"cannot quantize: {spec} rotates this input to magnitudes up to {top:.4g}, above "
+            f"{limit:.4g} = fp32 max / (4 sqrt({block})); a payload carrying them could decode to ±Inf"
+        )
     return y
 
 
@@ -200,7 +206,9 @@ def unrotate(y: torch.Tensor, spec: QuantSpec, n: int) -> torch.Tensor:
     block = spec.hadamard_block
     out = _transform(y.view(-1, block), block).mul_(_sign_table(spec, y.device)).view(-1)[:n]
     if not math.isfinite(_magnitude(out)):
-        raise PayloadError(f"{spec} payload decodes to non-finite values after the inverse rotation (its rotated "
-                           f"values reach {_magnitude(y):.4g}; an honest encoder keeps them below "
-                           f"{encode_limit(block):.4g} before quantizing): corrupt or forged")
+        raise PayloadError(
+            f"{spec} payload decodes to non-finite values after the inverse rotation (its rotated "
+            f"values reach {_magnitude(y):.4g}; an honest encoder keeps them below "
+            f"{encode_limit(block):.4g} before quantizing): corrupt or forged"
+        )
     return out

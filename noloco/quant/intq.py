@@ -146,8 +146,7 @@ def padding_bits_bad(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor | N
     return (codes[-1].to(torch.int32) >> used) != 0
 
 
-def quantize_int(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None
-                 ) -> dict[str, torch.Tensor]:
+def quantize_int(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """Quantize flat fp32 ``v`` (shape (n,)) with an int spec.
 
     Returns the payload sections: ``codes`` (uint8, ceil(b·n/8) bytes for b = 2, 3, 4; n for int8), ``scales``
@@ -160,8 +159,10 @@ def quantize_int(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | 
     n, L = v.numel(), spec.levels
     dev = v.device
     if n == 0:
-        out = {"codes": torch.empty(0, dtype=torch.uint8, device=dev),
-               "scales": torch.empty(0, dtype=torch.int16, device=dev)}
+        out = {
+            "codes": torch.empty(0, dtype=torch.uint8, device=dev),
+            "scales": torch.empty(0, dtype=torch.int16, device=dev),
+        }
         if spec.mode == "zero":
             out["zero_points"] = torch.empty(0, dtype=torch.uint8, device=dev)
         elif spec.mode == "naive":

@@ -49,9 +49,21 @@ def _pack(q, GPP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, zp_ptr, n, nbytes,
-                     G: tl.constexpr, GPP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                     LEVELS: tl.constexpr, INV_STEPS: tl.constexpr, BF16: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    zp_ptr,
+    n,
+    nbytes,
+    G: tl.constexpr,
+    GPP: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    LEVELS: tl.constexpr,
+    INV_STEPS: tl.constexpr,
+    BF16: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     g = pid * GPP + tl.arange(0, GPP)[:, None]
     e = g * G + tl.arange(0, G)[None, :]
@@ -102,8 +114,18 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, zp_ptr, n, nbytes,
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, zp_ptr, out_ptr, n, nbytes,
-                       G: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
+def _dequantize_kernel(
+    codes_ptr,
+    scales_ptr,
+    zp_ptr,
+    out_ptr,
+    n,
+    nbytes,
+    G: tl.constexpr,
+    BLOCK: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     e = pid * BLOCK + tl.arange(0, BLOCK)
     valid = e < n
@@ -144,8 +166,18 @@ def quantize(v: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
         zp = out.get("zero_points", out["scales"])
         bf16 = v.dtype == torch.bfloat16
         _quantize_kernel[(triton.cdiv(groups, GROUPS_PER_PROGRAM),)](
-            v.view(torch.int16) if bf16 else v, out["codes"], out["scales"], zp, n, nbytes, G=g,
-            GPP=GROUPS_PER_PROGRAM, BF16=bf16, **_consts(spec), enable_fp_fusion=False)
+            v.view(torch.int16) if bf16 else v,
+            out["codes"],
+            out["scales"],
+            zp,
+            n,
+            nbytes,
+            G=g,
+            GPP=GROUPS_PER_PROGRAM,
+            BF16=bf16,
+            **_consts(spec),
+            enable_fp_fusion=False,
+        )
         bits = out["scales"].to(torch.int32)
         limit = max_scale_bits16(spec.levels) if spec.kind == "int" else BF16_INF_BITS - 1
         if bool((bits > limit).any()):
@@ -161,6 +193,16 @@ def dequantize(sections: dict[str, torch.Tensor], spec: QuantSpec, n: int) -> to
         zp = sections.get("zero_points", sections["scales"])
         c = _consts(spec)
         _dequantize_kernel[(triton.cdiv(n, DEQ_BLOCK),)](
-            codes, sections["scales"], zp, out, n, codes.numel(), G=spec.group, BLOCK=DEQ_BLOCK, KIND=c["KIND"],
-            BITS=c["BITS"], enable_fp_fusion=False)
+            codes,
+            sections["scales"],
+            zp,
+            out,
+            n,
+            codes.numel(),
+            G=spec.group,
+            BLOCK=DEQ_BLOCK,
+            KIND=c["KIND"],
+            BITS=c["BITS"],
+            enable_fp_fusion=False,
+        )
     return out

@@ -45,8 +45,15 @@ def element_params(name: str) -> dict[str, int]:
     top_mant = (1 << m_bits) - 2 if name == "mxfp8" else (1 << m_bits) - 1
     max_code = ((emax - emin + 1) << m_bits) + top_mant
     max_value = (1.0 + top_mant / (1 << m_bits)) * 2.0**emax
-    return {"e_bits": e_bits, "m_bits": m_bits, "bias": bias, "emin": emin, "emax": emax,
-            "max_code": max_code, "max_value": max_value}
+    return {
+        "e_bits": e_bits,
+        "m_bits": m_bits,
+        "bias": bias,
+        "emin": emin,
+        "emax": emax,
+        "max_code": max_code,
+        "max_value": max_value,
+    }
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:

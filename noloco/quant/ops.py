@@ -111,8 +111,9 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     return v if v.is_contiguous() else v.contiguous()
 
 
-def quantize_flat(v: torch.Tensor, spec: QuantSpec, be: str, generator: torch.Generator | None = None,
-                  check_finite: bool = True) -> dict[str, torch.Tensor]:
+def quantize_flat(
+    v: torch.Tensor, spec: QuantSpec, be: str, generator: torch.Generator | None = None, check_finite: bool = True
+) -> dict[str, torch.Tensor]:
     """Payload sections for flat ``v`` (already rotated if the spec says so). Non-finite input raises here, on
     every backend (the rotated and unfused paths that use this read their verdict at once). Top-k: the selection
     runs in torch (``torch.sort`` on the tensor's device), the kept values go through ``be``'s kernels."""
@@ -133,8 +134,14 @@ def quantize_flat(v: torch.Tensor, spec: QuantSpec, be: str, generator: torch.Ge
     return floatq.quantize_float(v, spec)
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec | str, *, generator: torch.Generator | None = None,
-             backend: str | None = None, check_finite: bool = True) -> Packed:
+def quantize(
+    x: torch.Tensor,
+    spec: QuantSpec | str,
+    *,
+    generator: torch.Generator | None = None,
+    backend: str | None = None,
+    check_finite: bool = True,
+) -> Packed:
     """Encode ``x`` (any float tensor, any shape, any numel, CPU or GPU) in format ``spec``.
 
     Args:
@@ -182,8 +189,9 @@ def dequantize_flat(p: Packed, be: str) -> torch.Tensor:
     return _decode_sections(sections_of(p), p.spec, p.spec.padded_numel(p.numel), be, p.device)
 
 
-def _decode_sections(s: dict[str, torch.Tensor], spec: QuantSpec, n: int, be: str, device: torch.device
-                     ) -> torch.Tensor:
+def _decode_sections(
+    s: dict[str, torch.Tensor], spec: QuantSpec, n: int, be: str, device: torch.device
+) -> torch.Tensor:
     """Flat fp32 decode of the sections ``s`` of ``n`` values in ``spec`` (still rotated)."""
     if spec.kind == "topk":
         k = spec.selected(n)

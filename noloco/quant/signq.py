@@ -59,8 +59,10 @@ def quantize_sign(v: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     check_finite(v)
     n, g, dev = v.numel(), spec.group, v.device
     if n == 0:
-        return {"codes": torch.empty(0, dtype=torch.uint8, device=dev),
-                "scales": torch.empty(0, dtype=torch.int16, device=dev)}
+        return {
+            "codes": torch.empty(0, dtype=torch.uint8, device=dev),
+            "scales": torch.empty(0, dtype=torch.int16, device=dev),
+        }
     groups = -(-n // g)
     a = torch.zeros(groups * g, dtype=torch.float32, device=dev)
     a[:n] = v.abs()

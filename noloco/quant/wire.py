@@ -77,8 +77,9 @@ def to_bytes(p: Packed) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def from_bytes(data: bytes | bytearray | memoryview, *, max_numel: int | None = None,
-               device: torch.device | str = "cpu") -> Packed:
+def from_bytes(
+    data: bytes | bytearray | memoryview, *, max_numel: int | None = None, device: torch.device | str = "cpu"
+) -> Packed:
     """Parse and validate bytes made by :func:`to_bytes`. Raises :class:`PayloadError`."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"expected bytes, got {type(data).__name__}")
@@ -128,8 +129,11 @@ def from_bytes(data: bytes | bytearray | memoryview, *, max_numel: int | None = 
     offset = head
     for name, dt, count in spec.layout(numel):
         size = count * torch.empty(0, dtype=dt).element_size()
-        raw = torch.frombuffer(bytearray(data[offset : offset + size]), dtype=torch.uint8) if size else \
-            torch.empty(0, dtype=torch.uint8)
+        raw = (
+            torch.frombuffer(bytearray(data[offset : offset + size]), dtype=torch.uint8)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
         sections[name] = raw.view(dt)
         offset += size
     validate_values(spec, numel, sections)

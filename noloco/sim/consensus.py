@@ -58,8 +58,17 @@ class ConsensusConfig:
 
     def check(self) -> None:
         """Raise ValueError (one line) on a value the study cannot run with."""
-        for name in ("rounds", "every", "batch_size", "seq_len", "dim", "n_layers", "eval_batches", "averaging_trials",
-                     "chunk"):
+        for name in (
+            "rounds",
+            "every",
+            "batch_size",
+            "seq_len",
+            "dim",
+            "n_layers",
+            "eval_batches",
+            "averaging_trials",
+            "chunk",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.workers or min(self.workers) < 1 or not self.averaging_workers or min(self.averaging_workers) < 1:

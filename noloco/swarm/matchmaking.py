@@ -762,8 +762,11 @@ class SwarmMatchmaking(GroupSource):
         """
         channel = f"r{round_index}"
         tag = "retry/" + _digest("retry", self.run_id, round_index, repr(start), size=8)
-        failed = {m for m in failed_group if m != self.peer_id and (m, round_index) not in self._heard
-                  and not self.endpoint.control_tags(channel, m)}  # sent nothing at all (a join for another group is
+        failed = {
+            m
+            for m in failed_group
+            if m != self.peer_id and (m, round_index) not in self._heard and not self.endpoint.control_tags(channel, m)
+        }  # sent nothing at all (a join for another group is
         # something: an honest member whose view of the window differed falls back too)
         # the retry lists the peers this one leaves out (penalized): a peer that does not penalize them yet
         # leaves them out of this redraw too, so that both draw the same group (a claim counts for this redraw only)

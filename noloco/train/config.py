@@ -255,6 +255,7 @@ def _validate_process(cfg: DictConfig) -> None:
     _require(cfg.log.flush_every is None or cfg.log.flush_every >= 1, "log.flush_every must be >= 1 (or null)")
     _validate_wandb(cfg.log.wandb)
 
+
 def _validate_outer(cfg: DictConfig) -> None:
     """The outer algorithm, its groups (clamped to a single worker's run) and its momentum default."""
     outer = cfg.outer
@@ -288,20 +289,24 @@ def _validate_algorithm(cfg: DictConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
+
 def _validate_comm(comm) -> None:
     """The ``comm`` section: codecs, reduction, error feedback, timeouts, the norm bound."""
     for key in ("codec", "slow_codec"):
         value = comm[key]
         if value is not None:
             _require(value in known_codecs(), f"comm.{key}={value!r} is not a codec: {_codec_error(value)}")
-            _require(not (comm.reduction in ("ring", "naive_ring") and get_codec(value).name.startswith("topk")),
-                     f"comm.reduction={comm.reduction} cannot carry the top-k codec comm.{key}={value!r}; "
-                     "use two_phase or allgather")
+            _require(
+                not (comm.reduction in ("ring", "naive_ring") and get_codec(value).name.startswith("topk")),
+                f"comm.reduction={comm.reduction} cannot carry the top-k codec comm.{key}={value!r}; "
+                "use two_phase or allgather",
+            )
     _require(comm.reduction in REDUCTIONS, f"comm.reduction={comm.reduction!r} is not one of {REDUCTIONS}")
     # comm.recv_timeout, group_timeout, error_feedback_decay and max_norm_ratio: the algorithm's own check
     startup = comm.startup_timeout  # (the run's, not the algorithm's: processes meeting)
     _require(isinstance(startup, (int, float)) and not isinstance(startup, bool) and 0 < startup < math.inf,
              f"comm.startup_timeout must be > 0 seconds, got {startup!r}")  # fmt: skip
+
 
 def _validate_inner(cfg: DictConfig) -> None:
     """The ``inner`` section: learning rates, clipping, processes per worker, their gradient codec."""
@@ -316,6 +321,7 @@ def _validate_inner(cfg: DictConfig) -> None:
         "of a worker)",
     )
     _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
+
 
 def _validate_exchange_schedule(cfg: DictConfig) -> None:
     """When the outer exchange runs: overlap, fragments, the slow-weight term's rounds, offload."""
@@ -333,6 +339,7 @@ def _validate_exchange_schedule(cfg: DictConfig) -> None:
     _require(not (outer.offload and outer.overlap), "outer.offload does not run with outer.overlap (the exchange "
              "in flight needs the outer state on the GPU)")  # fmt: skip
 
+
 def _validate_data(data) -> None:
     """The ``data`` section: sizes, the vocabulary bound, a files source's path."""
     _require(data.seq_len >= 2 and data.batch_size >= 1, "data.seq_len must be >= 2 and data.batch_size >= 1")
@@ -349,6 +356,7 @@ def _validate_data(data) -> None:
             Path(str(data.path)).expanduser().exists() or bool(glob.glob(str(Path(data.path).expanduser()))),
             f"data.path={data.path!r} does not exist",
         )
+
 
 def _single_component(value) -> bool:
     """A name that is one path component of its own: not empty, no separator, not ``.`` or ``..``."""

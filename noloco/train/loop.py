@@ -360,8 +360,13 @@ class StepLog:
         model = worker.model
         embedding = model.embed.weight.numel() if hasattr(model, "embed") else 0
         mcfg = getattr(model, "cfg", None)
-        self.flops = None if mcfg is None else flops_per_token(
-            sum(p.numel() for p in model.parameters()), embedding, mcfg.n_layers, mcfg.dim, cfg.data.seq_len)
+        self.flops = (
+            None
+            if mcfg is None
+            else flops_per_token(
+                sum(p.numel() for p in model.parameters()), embedding, mcfg.n_layers, mcfg.dim, cfg.data.seq_len
+            )
+        )
         self.peak = peak_tflops(worker.device, cfg.log.peak_tflops)
         self.outer_seconds, self.outer_steps = 0.0, 0  # the loop's time inside outer steps (blocked, not training)
         self.checkpoint_seconds = 0.0  # the loop's time writing checkpoints (not in tokens/s and MFU)
@@ -396,10 +401,14 @@ class StepLog:
         ``mfu`` of that rate (docs/design.md §8)."""
         loop = time.perf_counter() - self.started
         rate = (last_step - self.worker.start) * self.tokens_per_step / max(loop - self.checkpoint_seconds, 1e-9)
-        out = {"loop_seconds": round(loop, 3), "outer_seconds": round(self.outer_seconds, 3),
-               "checkpoint_seconds": round(self.checkpoint_seconds, 3),
-               "outer_steps": self.outer_steps, "tokens_per_second": round(rate, 1),
-               "outer_ms_mean": round(1e3 * self.outer_seconds / self.outer_steps, 3) if self.outer_steps else None}
+        out = {
+            "loop_seconds": round(loop, 3),
+            "outer_seconds": round(self.outer_seconds, 3),
+            "checkpoint_seconds": round(self.checkpoint_seconds, 3),
+            "outer_steps": self.outer_steps,
+            "tokens_per_second": round(rate, 1),
+            "outer_ms_mean": round(1e3 * self.outer_seconds / self.outer_steps, 3) if self.outer_steps else None,
+        }
         if self.flops is not None and self.peak is not None:
             out["mfu"] = round(rate * self.flops / (self.peak * 1e12), 4)
         return out

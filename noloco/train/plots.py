@@ -306,8 +306,13 @@ def _checked(run_dir: Path) -> tuple[dict[int, list[Point]], list[Point], str | 
     return curves
 
 
-def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None, target: float | None = None,
-              labels: list[str] | None = None) -> Path:
+def plot_runs(
+    run_dirs: list[Path],
+    out: Path,
+    title: str | None = None,
+    target: float | None = None,
+    labels: list[str] | None = None,
+) -> Path:
     """Held-out loss vs steps, wall-clock and bytes, one line per run; ``target``: a dashed reference loss;
     ``labels``: one legend entry per run (default: :func:`run_labels`). Raises ``ValueError`` naming the folder
     when a run folder is missing or has no held-out evaluation to plot; then nothing is written."""

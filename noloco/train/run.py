@@ -441,9 +441,18 @@ class RunSummary:
         return {**out, **self.extra}
 
 
-def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list[WorkerResult],
-              consensus: float | None, seconds: float, steps_done: int, resume_step: int = 0,
-              extra: dict | None = None) -> RunSummary:
+def summarize(
+    cfg: DictConfig,
+    run_dir: Path,
+    corpus,
+    params: int,
+    results: list[WorkerResult],
+    consensus: float | None,
+    seconds: float,
+    steps_done: int,
+    resume_step: int = 0,
+    extra: dict | None = None,
+) -> RunSummary:
     """The :class:`RunSummary` of ``results`` (one per worker, in worker order)."""
     targets = torch.cat(
         [y for _, y in eval_batches(corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches)]
@@ -477,8 +486,11 @@ def summarize(cfg: DictConfig, run_dir: Path, corpus, params: int, results: list
         nonfinite_events_by_worker=[r.nonfinite_events for r in results],
         norm_rejections_by_worker=[r.norm_rejections for r in results],
         checkpoint_bytes_per_worker=checkpoint.bytes_per_worker(run_dir),
-        extra={**stream_summary(cfg.steps, [r.stream for r in results], stopped), **timing_summary(results),
-               **(extra or {})},
+        extra={
+            **stream_summary(cfg.steps, [r.stream for r in results], stopped),
+            **timing_summary(results),
+            **(extra or {}),
+        },
     )
 
 
@@ -488,8 +500,10 @@ def timing_summary(results: list[WorkerResult]) -> dict:
     seconds it spent writing checkpoints, MFU (over the loop less those writes) where the device's peak is
     known, and on CUDA the peak GPU memory (GB, 2**30 bytes)."""
     timings = [r.timing or {} for r in results]
-    out = {f"{key}_by_worker": [t.get(key) for t in timings]
-           for key in ("loop_seconds", "outer_seconds", "outer_ms_mean", "checkpoint_seconds")}
+    out = {
+        f"{key}_by_worker": [t.get(key) for t in timings]
+        for key in ("loop_seconds", "outer_seconds", "outer_ms_mean", "checkpoint_seconds")
+    }
     if any("mfu" in t for t in timings):
         out["mfu_by_worker"] = [t.get("mfu") for t in timings]
     if any(r.peak_memory_bytes for r in results):

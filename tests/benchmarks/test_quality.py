@@ -73,4 +73,3 @@ def test_equal_budget_and_target_readings_interpolate_between_evaluations():
     assert quality.at(curve[1:], 1, 50.0) is None  # before its first evaluation
     assert quality.to_target(curve, 4.5) == pytest.approx((15, 150.0, 7.5))
     assert quality.to_target(curve, 3.0) is None
-

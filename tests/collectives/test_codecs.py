@@ -26,8 +26,9 @@ def test_known_codecs_lists_the_bases_and_accepts_variants():
     assert "int5" not in names and "nonsense" not in names and 4 not in names
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8", "int4:g64:sym",
-                                  "int8:naive", "int4+hadamard"])
+@pytest.mark.parametrize(
+    "name", ["bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8", "int4:g64:sym", "int8:naive", "int4+hadamard"]
+)
 def test_every_quant_spec_is_a_codec_that_round_trips(name):
     codec = get_codec(name)
     assert isinstance(codec, QuantCodec) and codec.spec == QuantSpec.parse(name)

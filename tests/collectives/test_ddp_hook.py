@@ -22,8 +22,9 @@ def _data(rank):
 
 def _train(t, mode):
     torch.manual_seed(0)  # identical initial weights on every process and in every mode
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
-                                torch.nn.GELU(), torch.nn.Linear(256, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 4)
+    )
     ddp = DistributedDataParallel(model)
     state = None
     if mode != "ddp":

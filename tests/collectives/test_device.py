@@ -43,8 +43,19 @@ from noloco.quant import dequantize, quantize
 
 from .helpers import exact_mean, rel_error
 
-CODECS = ["int4", "int8", "mxfp4", "fp32", "int4:naive", "int8:g64:sym", "bf16", "int4+hadamard", "int2", "int3",
-          "sign"]
+CODECS = [
+    "int4",
+    "int8",
+    "mxfp4",
+    "fp32",
+    "int4:naive",
+    "int8:g64:sym",
+    "bf16",
+    "int4+hadamard",
+    "int2",
+    "int3",
+    "sign",
+]
 
 
 def _inputs(world: int, numel: int, seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -60,7 +71,8 @@ def _inputs(world: int, numel: int, seed: int, dtype: torch.dtype = torch.float3
 
 def _bytes_path(xs: list[torch.Tensor], codec: str, op: str, threshold: int = 0) -> torch.Tensor:
     outs = LocalFabric(len(xs)).run(
-        lambda t: allreduce(xs[t.rank], t, codec=codec, op=op, reduction="two_phase", min_compress_numel=threshold))
+        lambda t: allreduce(xs[t.rank], t, codec=codec, op=op, reduction="two_phase", min_compress_numel=threshold)
+    )
     return outs[0]
 
 
@@ -77,8 +89,12 @@ def _simulate(xs: list[torch.Tensor], codec: str, op: str, backend: str | None =
         pack_into(buf, packed)
         return unpack(buf, spec, length)
 
-    inbox = {(j, k): through_buffer(encode_segment(xs[j][s:e], spec, None, backend), e - s)
-             for j in range(n) for k, (s, e) in enumerate(bounds) if j != k}
+    inbox = {
+        (j, k): through_buffer(encode_segment(xs[j][s:e], spec, None, backend), e - s)
+        for j in range(n)
+        for k, (s, e) in enumerate(bounds)
+        if j != k
+    }
     out = torch.empty(numel, dtype=torch.float32, device=xs[0].device)
     for k, (s, e) in enumerate(bounds):
         received = [None if j == k else inbox[(j, k)] for j in range(n)]
@@ -96,9 +112,16 @@ def test_member_and_owner_steps_equal_the_bytes_path_bit_for_bit(world, codec):
         assert torch.equal(out, _bytes_path(xs, codec, op)), (numel, op, dtype)
 
 
-@pytest.mark.parametrize("world, codec, dtype", [(2, "int4", torch.bfloat16), (2, "int8", torch.float32),
-                                                 (4, "int4", torch.float32), (3, "int8", torch.bfloat16),
-                                                 (2, "mxfp4", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "world, codec, dtype",
+    [
+        (2, "int4", torch.bfloat16),
+        (2, "int8", torch.float32),
+        (4, "int4", torch.float32),
+        (3, "int8", torch.bfloat16),
+        (2, "mxfp4", torch.bfloat16),
+    ],
+)
 def test_triton_kernels_with_scales_divided_after_the_fused_requantize_equal_the_bytes_path(world, codec, dtype):
     # The fused path encodes the owner's *sum* and divides the bf16 scales by n (powers of two): the decoded
     # values must equal the bytes path's encoding of sum / n (torch reference) bit for bit.
@@ -110,8 +133,9 @@ def test_triton_kernels_with_scales_divided_after_the_fused_requantize_equal_the
 
 
 def test_message_layout_is_aligned_and_wire_bytes_count_two_phase_traffic():
-    for spec, numel in itertools.product([get_codec(c).spec for c in ("int4", "int8:naive", "mxfp4")] + [FP32],
-                                         [0, 1, 127, 4099]):
+    for spec, numel in itertools.product(
+        [get_codec(c).spec for c in ("int4", "int8:naive", "mxfp4")] + [FP32], [0, 1, 127, 4099]
+    ):
         sections, nbytes = message_layout(spec, numel)
         assert all(offset % 16 == 0 for *_, offset in sections) and nbytes % 16 == 0
         assert spec.payload_nbytes(numel) <= nbytes <= spec.payload_nbytes(numel) + 16 * len(sections)
@@ -172,8 +196,11 @@ def test_a_deferred_verdict_is_read_before_a_payload_is_packed_or_decoded(device
     x[700] = float("nan")
     packed = encode_segment(x, spec, None, "triton")  # no raise: the verdict is pending
     buf = torch.empty(message_layout(spec, 1001)[1], dtype=torch.uint8, device=device)
-    for use in (lambda: message_view(packed), lambda: pack_into(buf, packed),
-                lambda: decode_segment(torch.empty(1001, device=device), packed, "triton")):
+    for use in (
+        lambda: message_view(packed),
+        lambda: pack_into(buf, packed),
+        lambda: decode_segment(torch.empty(1001, device=device), packed, "triton"),
+    ):
         with pytest.raises(ValueError, match="non-finite"):
             use()
     residual = torch.randn(1001, device=device) * 1e-3
@@ -221,14 +248,17 @@ def _gloo_cases(t, world):
     # the Triton kernels (interpreted on CPU): messages sent straight from the kernels' allocations
     if os.environ.get("TRITON_INTERPRET") == "1":
         x = _inputs(world, 1024, seed=8)[t.rank]
-        results["triton"] = (allreduce_device(x, codec="int4", min_compress_numel=0, backend="triton"),
-                             allreduce(x, t, codec="int4", min_compress_numel=0, tag="triton"))
+        results["triton"] = (
+            allreduce_device(x, codec="int4", min_compress_numel=0, backend="triton"),
+            allreduce(x, t, codec="int4", min_compress_numel=0, tag="triton"),
+        )
     # a subgroup: members are the group's ranks (here: the last two ranks of the world)
     sub = dist.new_group(ranks=[world - 2, world - 1], backend="gloo")
     if t.rank >= world - 2:
         xs = _inputs(2, 1234, seed=9)
-        results["sub"] = allreduce_device(xs[t.rank - (world - 2)], group=sub, codec="int8", op="mean",
-                                          min_compress_numel=0)
+        results["sub"] = allreduce_device(
+            xs[t.rank - (world - 2)], group=sub, codec="int8", op="mean", min_compress_numel=0
+        )
     return results
 
 
@@ -267,10 +297,12 @@ def _failures(t, world):
         "dtype": lambda r: dict(x=torch.randn(1000, dtype=torch.bfloat16 if r == 1 else torch.float32)),
         "codec": lambda r: dict(x=torch.randn(1000), codec="int8" if r == 1 else "int4"),
         "op": lambda r: dict(x=torch.randn(1000), op="sum" if r == 1 else "mean"),
-        "nan sent": lambda r: dict(x=torch.randn(1000).index_fill_(0, torch.tensor([990]), float("nan"))
-                                   if r == 0 else torch.randn(1000)),
-        "nan owned": lambda r: dict(x=torch.randn(1000).index_fill_(0, torch.tensor([3]), float("inf"))
-                                    if r == 0 else torch.randn(1000)),
+        "nan sent": lambda r: dict(
+            x=torch.randn(1000).index_fill_(0, torch.tensor([990]), float("nan")) if r == 0 else torch.randn(1000)
+        ),
+        "nan owned": lambda r: dict(
+            x=torch.randn(1000).index_fill_(0, torch.tensor([3]), float("inf")) if r == 0 else torch.randn(1000)
+        ),
     }
     out = {}
     for name, make in scenarios.items():
@@ -319,8 +351,10 @@ def _deferred_failures(t, world):
         except Exception as exc:  # noqa: BLE001 - returned for inspection
             out[name] = (type(exc).__name__, str(exc))
     x = _inputs(world, 1024, seed=11)[t.rank]
-    out["after"] = (allreduce_device(x, codec="int4", min_compress_numel=0, backend="triton"),
-                    allreduce(x, t, codec="int4", min_compress_numel=0, tag="after"))
+    out["after"] = (
+        allreduce_device(x, codec="int4", min_compress_numel=0, backend="triton"),
+        allreduce(x, t, codec="int4", min_compress_numel=0, tag="after"),
+    )
     return out
 
 
@@ -338,6 +372,7 @@ def test_deferred_non_finite_verdicts_fail_every_member_before_anything_is_sent(
 
 # ---- DDP hook, device path over gloo --------------------------------------------------------------------
 
+
 def _hook_training(t, steps):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -353,8 +388,9 @@ def _hook_training(t, steps):
         if mode == "bytes":
             state = QuantizedHookState(t, codec="int8", error_feedback=ef, min_compress_numel=0)
         else:
-            state = QuantizedHookState.from_process_group(None, on_device=True, codec="int8", error_feedback=ef,
-                                                          min_compress_numel=0)
+            state = QuantizedHookState.from_process_group(
+                None, on_device=True, codec="int8", error_feedback=ef, min_compress_numel=0
+            )
         ddp.register_comm_hook(state, quantized_allreduce_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         before = state.counter.bytes_sent
@@ -362,8 +398,10 @@ def _hook_training(t, steps):
             opt.zero_grad()
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
-        out[(mode, ef)] = (torch.nn.utils.parameters_to_vector(model.parameters()).detach(),
-                           state.counter.bytes_sent - before)
+        out[(mode, ef)] = (
+            torch.nn.utils.parameters_to_vector(model.parameters()).detach(),
+            state.counter.bytes_sent - before,
+        )
     return out
 
 
@@ -379,11 +417,13 @@ def test_ddp_hook_device_path_trains_exactly_like_the_bytes_path():
 
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
+
 def _nccl_target(rank, world, port, fn, args, queue):
     try:
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
         buffer = io.BytesIO()
         torch.save(fn(rank, *args), buffer)
         queue.put((rank, True, buffer.getvalue()))
@@ -402,8 +442,9 @@ def _launch_nccl(fn, world, *args, timeout=300.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_nccl_target, args=(r, world, port, fn, args, queue), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_nccl_target, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)
+    ]
     results, failures = {}, []
     try:
         for proc in procs:
@@ -424,9 +465,14 @@ def _launch_nccl(fn, world, *args, timeout=300.0):
                 proc.terminate()
 
 
-_GPU_CASES = [(1 << 20, "int4", "mean", torch.bfloat16), (1_000_003, "int8", "sum", torch.float32),
-              (300_001, "mxfp4", "mean", torch.bfloat16), (4099, "int4", "mean", torch.float32),
-              (1, "int4", "mean", torch.float32), (100_000, "fp32", "mean", torch.float32)]
+_GPU_CASES = [
+    (1 << 20, "int4", "mean", torch.bfloat16),
+    (1_000_003, "int8", "sum", torch.float32),
+    (300_001, "mxfp4", "mean", torch.bfloat16),
+    (4099, "int4", "mean", torch.float32),
+    (1, "int4", "mean", torch.float32),
+    (100_000, "fp32", "mean", torch.float32),
+]
 
 
 def _nccl_cases(rank, world):
@@ -455,8 +501,11 @@ def _nccl_cases(rank, world):
         x = torch.randn(64, 256, device="cuda", generator=gen)
         torch.nn.functional.mse_loss(ddp(x), x[:, :8]).backward()
         opt.step()
-    out["ddp"] = (state.on_device, state.counter.bytes_sent,
-                  torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu())
+    out["ddp"] = (
+        state.on_device,
+        state.counter.bytes_sent,
+        torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu(),
+    )
     return out
 
 
@@ -474,8 +523,9 @@ def test_nccl_two_gpus_bit_identical_and_equal_to_the_cpu_bytes_path():
     states = [ReductionErrorFeedback() for _ in range(world)]
     for call in range(3):
         xs = _inputs(world, 50_000, seed=400 + call)
-        ref = LocalFabric(world).run(lambda t, xs=xs: allreduce(xs[t.rank], t, codec="int4", min_compress_numel=0,
-                                                                error_feedback=states[t.rank]))[0]
+        ref = LocalFabric(world).run(
+            lambda t, xs=xs: allreduce(xs[t.rank], t, codec="int4", min_compress_numel=0, error_feedback=states[t.rank])
+        )[0]
     assert torch.equal(results[0]["ef"], ref) and torch.equal(results[1]["ef"], ref)
     (on_device, sent, weights), other = results[0]["ddp"], results[1]["ddp"]
     assert on_device and sent > 0 and torch.equal(weights, other[2])  # replicas stay bit-identical
@@ -492,8 +542,12 @@ def test_nccl_one_gpu_world_of_one_returns_the_input_and_steps_run_on_cuda():
     x, out, with_ef = _launch_nccl(_world_one, 1)[0]
     assert torch.equal(out, x) and torch.equal(with_ef.cpu(), x) and with_ef.is_cuda
     # every member and owner step on CUDA (Triton kernels) equals the CPU torch reference bit for bit
-    for world, codec, op, dtype in [(2, "int4", "mean", torch.bfloat16), (3, "int8", "mean", torch.float32),
-                                    (4, "int4", "sum", torch.float32), (2, "mxfp4", "mean", torch.bfloat16)]:
+    for world, codec, op, dtype in [
+        (2, "int4", "mean", torch.bfloat16),
+        (3, "int8", "mean", torch.float32),
+        (4, "int4", "sum", torch.float32),
+        (2, "mxfp4", "mean", torch.bfloat16),
+    ]:
         xs = _inputs(world, 200_003, seed=world, dtype=dtype)
         gpu = _simulate([v.cuda() for v in xs], codec, op).cpu()
         assert torch.equal(gpu, _simulate(xs, codec, op)), (world, codec, op)

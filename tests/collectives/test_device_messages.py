@@ -99,6 +99,6 @@ def test_a_forged_device_body_is_refused_like_a_forged_byte_payload(codec):
     sections = message_layout(c.spec, numel)[0]
     _, dtype, count, offset = next(s for s in sections if s[0] == "scales")
     bad = body.clone()
-    bad[offset:offset + count * torch.empty(0, dtype=dtype).element_size()] = 0xFF  # NaN bf16 / E8M0 NaN scales
+    bad[offset : offset + count * torch.empty(0, dtype=dtype).element_size()] = 0xFF  # NaN bf16 / E8M0 NaN scales
     with pytest.raises(PayloadMismatch, match="scale"):
         c.decode(bad, numel, "cuda")

@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 
@@ -43,8 +42,9 @@ def test_members_that_disagree_fail_on_every_member_with_a_clear_error(reduction
             codec = "int4"
         elif field == "op" and t.rank == 1:
             op = "sum"
-        return allreduce(x, t, codec=codec, op=op, reduction=reduction, timeout=timeout, min_compress_numel=0,
-                         tag="round/7")
+        return allreduce(
+            x, t, codec=codec, op=op, reduction=reduction, timeout=timeout, min_compress_numel=0, tag="round/7"
+        )
 
     results, elapsed = run_collecting(world, fn)
     # every member fails by itself, long before the timeout
@@ -79,8 +79,9 @@ def test_dead_member_mid_reduction_makes_every_survivor_time_out(reduction):
     def fn(t):
         if t.rank == 2:
             try:
-                allreduce(xs[2], DyingTransport(t), codec="int4", reduction=reduction, timeout=timeout,
-                          min_compress_numel=0)
+                allreduce(
+                    xs[2], DyingTransport(t), codec="int4", reduction=reduction, timeout=timeout, min_compress_numel=0
+                )
             except Died:
                 return "died"
         return allreduce(xs[t.rank], t, codec="int4", reduction=reduction, timeout=timeout, min_compress_numel=0)
@@ -107,16 +108,21 @@ def test_corrupted_payload_fails_every_member():
             return self.inner.recv(src, tag, timeout)
 
     xs = [torch.randn(900) for _ in range(world)]
-    results, elapsed = run_collecting(world, lambda t: allreduce(
-        xs[t.rank], Corrupting(t) if t.rank == 0 else t, codec="int8", timeout=20, min_compress_numel=0))
+    results, elapsed = run_collecting(
+        world,
+        lambda t: allreduce(
+            xs[t.rank], Corrupting(t) if t.rank == 0 else t, codec="int8", timeout=20, min_compress_numel=0
+        ),
+    )
     _assert_all_failed(results, elapsed, PayloadMismatch, "padding", limit=10)
 
 
 def test_non_finite_input_fails_every_member():
     xs = [torch.randn(600) for _ in range(3)]
     xs[1][5] = float("nan")
-    results, elapsed = run_collecting(3, lambda t: allreduce(xs[t.rank], t, codec="int4", timeout=20,
-                                                             min_compress_numel=0))
+    results, elapsed = run_collecting(
+        3, lambda t: allreduce(xs[t.rank], t, codec="int4", timeout=20, min_compress_numel=0)
+    )
     _assert_all_failed(results, elapsed, ValueError, "non-finite", limit=10)
 
 

@@ -7,8 +7,19 @@ from noloco.comm import LocalFabric
 from .helpers import exact_mean, gaussian_inputs, rel_error
 
 REDUCTIONS = ["two_phase", "ring", "naive_ring"]
-CODECS = ["fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "mxfp6", "mxfp8", "int4:g64:sym", "int8:stochastic",
-          "int4+hadamard"]
+CODECS = [
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "int4",
+    "mxfp4",
+    "mxfp6",
+    "mxfp8",
+    "int4:g64:sym",
+    "int8:stochastic",
+    "int4+hadamard",
+]
 
 
 def _reduce(world, xs, **kw):
@@ -77,4 +88,9 @@ def test_partial_sum_format_widens_with_contributors():
     assert partial_sum_codec(int4, 2, naive=False).name == "int8"
     assert partial_sum_codec(int4, 30, naive=True) is int4
     assert [partial_sum_codec(get_codec("mxfp4"), c, naive=False).name for c in (1, 3, 400, 5000, 6000)] == [
-        "mxfp4", "int8", "int8", "bf16", "fp32"]
+        "mxfp4",
+        "int8",
+        "int8",
+        "bf16",
+        "fp32",
+    ]

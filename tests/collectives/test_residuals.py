@@ -16,8 +16,15 @@ def _repeat(world, xs, calls, codec, reduction, states=None, start=0):
         drift = torch.zeros_like(exact)
         for call in range(start, start + calls):
             ef = None if states is None else states[t.rank]
-            out = allreduce(xs[t.rank], t, codec=codec, reduction=reduction, error_feedback=ef,
-                            min_compress_numel=0, tag=f"rep/{call}")
+            out = allreduce(
+                xs[t.rank],
+                t,
+                codec=codec,
+                reduction=reduction,
+                error_feedback=ef,
+                min_compress_numel=0,
+                tag=f"rep/{call}",
+            )
             drift += out.double() - exact
         return drift
 
@@ -59,8 +66,11 @@ def test_error_feedback_state_round_trips_through_state_dict():
 def test_error_feedback_rejects_other_sizes_and_bad_state():
     ef = ReductionErrorFeedback()
     fabric = LocalFabric(2)
-    fabric.run(lambda t: allreduce(torch.ones(100), t, codec="int8", min_compress_numel=0,
-                                   error_feedback=ReductionErrorFeedback()))
+    fabric.run(
+        lambda t: allreduce(
+            torch.ones(100), t, codec="int8", min_compress_numel=0, error_feedback=ReductionErrorFeedback()
+        )
+    )
     ef.load_state_dict({"version": 1, "contribution": torch.zeros(10), "result": torch.zeros(10)})
     with pytest.raises(ValueError, match="tracks 10"):
         allreduce(torch.ones(12), fabric.transports[0], error_feedback=ef)

@@ -42,8 +42,9 @@ def test_two_members_with_a_sparse_codec_run_the_allgather():
     gather = _reduce(2, xs, codec="topk:8/256+int2", reduction="allgather")
     assert torch.equal(two_phase[0], gather[0])
     three = _reduce(3, gaussian_inputs(3, 600, seed=2), codec="topk:8/256+int2")  # n = 3 stays two-phase
-    assert not torch.equal(three[0], _reduce(3, gaussian_inputs(3, 600, seed=2), codec="topk:8/256+int2",
-                                             reduction="allgather")[0])
+    assert not torch.equal(
+        three[0], _reduce(3, gaussian_inputs(3, 600, seed=2), codec="topk:8/256+int2", reduction="allgather")[0]
+    )
 
 
 @pytest.mark.parametrize("reduction", ["ring", "naive_ring"])
@@ -69,8 +70,15 @@ def test_error_feedback_over_many_calls_tracks_the_sum_of_means(codec, reduction
     def run(t):
         total = torch.zeros(numel)
         for c in range(calls):
-            total += allreduce(inputs[c][t.rank], t, codec=codec, reduction=reduction, min_compress_numel=0,
-                               error_feedback=efs[t.rank], tag=f"ef/{c}")
+            total += allreduce(
+                inputs[c][t.rank],
+                t,
+                codec=codec,
+                reduction=reduction,
+                min_compress_numel=0,
+                error_feedback=efs[t.rank],
+                tag=f"ef/{c}",
+            )
         return total
 
     outs = LocalFabric(world).run(run, timeout=300)

@@ -70,11 +70,16 @@ def test_allreduce_over_gloo_processes(world):
     # same algorithm, same inputs, same code path as the in-process fabric: identical bits
     from noloco.comm import LocalFabric
 
-    local = LocalFabric(world).run(lambda t: (
-        t.send((t.rank + 1) % world, "b", b"x" * 3), t.send((t.rank + 1) % world, "a", b""),
-        t.recv((t.rank - 1) % world, "a", 5), t.recv((t.rank - 1) % world, "b", 5),
-        allreduce(xs[t.rank], t, codec="fp32", op="sum"),
-        allreduce(xs[t.rank], t, codec="int4", reduction="two_phase", min_compress_numel=0))[-1])
+    local = LocalFabric(world).run(
+        lambda t: (
+            t.send((t.rank + 1) % world, "b", b"x" * 3),
+            t.send((t.rank + 1) % world, "a", b""),
+            t.recv((t.rank - 1) % world, "a", 5),
+            t.recv((t.rank - 1) % world, "b", 5),
+            allreduce(xs[t.rank], t, codec="fp32", op="sum"),
+            allreduce(xs[t.rank], t, codec="int4", reduction="two_phase", min_compress_numel=0),
+        )[-1]
+    )
     assert torch.equal(local[0], results[0]["two_phase"])
 
 

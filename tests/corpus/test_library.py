@@ -85,10 +85,13 @@ def _dictd(folder: Path, entries: list[tuple[str, str]], extra_index: str = "") 
 
 GCIDE = [
     ("00-database-info", "This file was converted from the original database on: 2008\n"),
-    ("Abuse", 'Abuse \\A*buse"\\, v. t. [F. abuser. See {Use}.]\n   1. To put to a wrong use.\n'
-              "      [1913 Webster]\n\n   2. To dishonor. [Obs.]\n      [WordNet 1.5 +PJC]\n"),
+    (
+        "Abuse",
+        'Abuse \\A*buse"\\, v. t. [F. abuser. See {Use}.]\n   1. To put to a wrong use.\n'
+        "      [1913 Webster]\n\n   2. To dishonor. [Obs.]\n      [WordNet 1.5 +PJC]\n",
+    ),
     ("Caf['e]", "Caf['e] \\Ca`f['e]\\, n. A coffee house; a ph[oe]nix of [ae]sthetic [sect] 3.\n   [1913 Webster]\n"),
-    ("abase", "Abase \\A*base\"\\, v. t.\n   To lower. [1913 Webster] Used of the eyes.\n"),
+    ("abase", 'Abase \\A*base"\\, v. t.\n   To lower. [1913 Webster] Used of the eyes.\n'),
     ("3-D", "3-D \\3-D\\, a.\n   Three-dimensional.\n   [WordNet 1.5]\n"),
 ]
 

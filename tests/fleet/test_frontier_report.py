@@ -102,8 +102,10 @@ def test_points_spell_their_overrides():
     assert frontier.point_overrides("noloco", "int2@noef", "int4", 8) == [
         "outer.algo=noloco", "comm.codec=int2", "comm.error_feedback=false", "comm.slow_codec=int4",
         "outer.slow_every=8"]  # fmt: skip
-    assert frontier.point_overrides("noloco", "int4@fused", "int8", 8)[-2:] == ["comm.slow_codec=int4",
-                                                                                "outer.slow_every=1"]
+    assert frontier.point_overrides("noloco", "int4@fused", "int8", 8)[-2:] == [
+        "comm.slow_codec=int4",
+        "outer.slow_every=1",
+    ]
     assert frontier.point_overrides("noloco", "fp32", "int4", 8)[-2:] == ["comm.slow_codec=fp32", "outer.slow_every=1"]
     assert frontier.point_overrides("diloco", "int2@outer.momentum=0.5", "int4", 8) == [
         "outer.algo=diloco", "comm.codec=int2", "outer.momentum=0.5"]  # fmt: skip
@@ -113,8 +115,13 @@ def test_points_spell_their_overrides():
 
 
 def test_the_plan_adds_the_reference_and_skips_unknown_codecs():
-    points = ["int4", "int4@fused", "fp32@outer.slow_every=8", "int2@outer.slow_stagger=true",
-              "no-such-codec"]  # the NoLoCo-only ones: not DiLoCo's
+    points = [
+        "int4",
+        "int4@fused",
+        "fp32@outer.slow_every=8",
+        "int2@outer.slow_stagger=true",
+        "no-such-codec",
+    ]  # the NoLoCo-only ones: not DiLoCo's
     runs, skipped = frontier.plan_of(["diloco"], points, [0, 1], "int4", 4, frontier.TINY)
     assert [(r.algo, r.point, r.seed) for r in runs] == [
         ("noloco", "fp32", 0), ("noloco", "fp32", 1), ("diloco", "fp32", 0), ("diloco", "fp32", 1),

@@ -38,8 +38,9 @@ def _write_metrics(folder: Path, workers: int, per_round: int, rounds: int, ever
             if step and step % every == 0:
                 sent += per_round
             wall += 0.01
-            lines.append(json.dumps({"worker": worker, "step": step, "bytes_sent": sent, "bytes_received": sent,
-                                     "wall": wall}))
+            lines.append(
+                json.dumps({"worker": worker, "step": step, "bytes_sent": sent, "bytes_received": sent, "wall": wall})
+            )
         (folder / f"metrics.rank{worker}.jsonl").write_text("\n".join(lines) + "\n")
 
 

@@ -19,7 +19,8 @@ def _result(method: str, loop: float, blocked: float, rounds: int = 10, final: f
 def test_the_blocking_counterpart_drops_the_overlap_and_fragment_keys_only():
     assert overlap_fleet.blocking_of("noloco/int4/outer.overlap=true/outer.fragments=4") == "noloco/int4"
     assert overlap_fleet.blocking_of("diloco/fp32/outer.momentum=0.5/outer.overlap=true/outer.overlap_steps=5") == (
-        "diloco/fp32/outer.momentum=0.5")
+        "diloco/fp32/outer.momentum=0.5"
+    )
 
 
 def test_an_overlapped_run_is_judged_against_max_of_its_blocking_runs_compute_and_exchange():
@@ -42,13 +43,31 @@ def test_an_overlapped_run_is_judged_against_max_of_its_blocking_runs_compute_an
 def test_longer_runs_say_how_much_sooner_overlap_reaches_ddps_loss():
     ddp = {**_result("ddp/fp32", 50.0, 0.0, final=5.0), "rate_bps": 1e10}  # --ddp-rate 10gbit: only the target
     # the longer runs cross 5.0 half-way between evaluations: overlapped at 15 s, blocking at 30 s, DiLoCo never
-    mine = _result("noloco/int4/outer.overlap=true", 40.0, 1.0, long=True, final=4.8,
-                   curve=[(0, 0.0, 0, 8.0), (100, 10.0, 0, 5.2), (200, 20.0, 0, 4.8)])
-    theirs = _result("noloco/int4", 80.0, 40.0, long=True, final=4.8,
-                     curve=[(0, 0.0, 0, 8.0), (100, 20.0, 0, 5.2), (200, 40.0, 0, 4.8)])
+    mine = _result(
+        "noloco/int4/outer.overlap=true",
+        40.0,
+        1.0,
+        long=True,
+        final=4.8,
+        curve=[(0, 0.0, 0, 8.0), (100, 10.0, 0, 5.2), (200, 20.0, 0, 4.8)],
+    )
+    theirs = _result(
+        "noloco/int4",
+        80.0,
+        40.0,
+        long=True,
+        final=4.8,
+        curve=[(0, 0.0, 0, 8.0), (100, 20.0, 0, 5.2), (200, 40.0, 0, 4.8)],
+    )
     never = _result("diloco/fp32/outer.momentum=0.5", 60.0, 20.0, long=True, final=5.1)
-    frag = _result("noloco/int4/outer.overlap=true/outer.fragments=4", 40.0, 1.0, long=True, final=4.8,
-                   curve=[(0, 0.0, 0, 8.0), (100, 25.0, 0, 5.2), (200, 50.0, 0, 4.8)])  # crosses at 37.5 s
+    frag = _result(
+        "noloco/int4/outer.overlap=true/outer.fragments=4",
+        40.0,
+        1.0,
+        long=True,
+        final=4.8,
+        curve=[(0, 0.0, 0, 8.0), (100, 25.0, 0, 5.2), (200, 50.0, 0, 4.8)],
+    )  # crosses at 37.5 s
     lines, verdicts = overlap_fleet.analyse([ddp, mine, theirs, never, frag])
     checks = {v["target"]: v for v in verdicts}
     vs_noloco = checks["overlapped NoLoCo-int4 reaches DDP-fp32's loss ≥ 1.5× sooner than blocking noloco/int4"]
@@ -142,8 +161,16 @@ def test_exchange_times_are_the_steady_rounds_exchanges_and_waits(tmp_path):
         lines = [{"step": 10, "wall": 1.0, "outer_ms": 5.0}]
         for q, (e, w) in enumerate(zip(ran, waited)):
             step = 10 * min(q + 2, 6)
-            lines.append({"step": step, "wall": float(step), "outer_ms": w + 5.0, "outer_round": q,
-                          "exchange_ms": e + 100.0 * rank, "wait_ms": w * (1 + rank)})
+            lines.append(
+                {
+                    "step": step,
+                    "wall": float(step),
+                    "outer_ms": w + 5.0,
+                    "outer_round": q,
+                    "exchange_ms": e + 100.0 * rank,
+                    "wait_ms": w * (1 + rank),
+                }
+            )
         (tmp_path / f"metrics.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     times = overlap_fleet.exchange_times(tmp_path)
     assert times["exchange_seconds"] == pytest.approx(0.550)  # the workers' means: 500 and 600 ms

@@ -46,8 +46,12 @@ def test_longer_budgets_give_time_to_target_and_bound_a_method_that_never_reache
                _result("noloco/int4", 5.4, 40.0, 8.0)]  # fmt: skip
     # the longer runs: NoLoCo-int4 crosses 5.0 half-way between its evaluations at 60 s and 80 s (MB 9 -> 11);
     # DiLoCo never gets there within 300 s
-    long4 = dict(_result("noloco/int4", 4.8, 80.0, 12.0), long=True, steps=400,
-                 curve=[(0, 0.0, 0, 8.0), (300, 60.0, 9e6, 5.2), (400, 80.0, 11e6, 4.8)])
+    long4 = dict(
+        _result("noloco/int4", 4.8, 80.0, 12.0),
+        long=True,
+        steps=400,
+        curve=[(0, 0.0, 0, 8.0), (300, 60.0, 9e6, 5.2), (400, 80.0, 11e6, 4.8)],
+    )
     longd = dict(_result("diloco/fp32", 5.1, 300.0, 150.0), long=True, steps=400)
     ddp["steps"] = 100
     lines, verdicts = throttled.analyse(results + [long4, longd])

@@ -259,8 +259,11 @@ def test_the_staggered_slow_term_follows_its_float64_reference(k, overlap):
     blocking and the overlap rules that leave φ alone until the means land, as the unstaggered split."""
     start = torch.randn(N, dtype=torch.float64)
     targets = torch.randn(WORKERS, N, dtype=torch.float64) * 2
-    results = LocalFabric(WORKERS).run(lambda t: _train(NoLoCo, t, start, targets, k, overlap, codec="fp32",
-                                                        max_norm_ratio=None, slow_every=3, slow_stagger=True))
+    results = LocalFabric(WORKERS).run(
+        lambda t: _train(
+            NoLoCo, t, start, targets, k, overlap, codec="fp32", max_norm_ratio=None, slow_every=3, slow_stagger=True
+        )
+    )
     reference = _reference("noloco", start, targets, k, overlap, slow_every=3, stagger=True)
     for rank, ((theta, slow), (ref_theta, ref_slow)) in enumerate(zip(results, reference)):
         assert torch.allclose(theta, ref_theta, atol=1e-5), (rank, theta - ref_theta)

@@ -204,9 +204,14 @@ def test_staggering_changes_the_trajectory():
     assert not torch.equal(run(True)[0], run(False)[0])
 
 
-@pytest.mark.parametrize("kw, match", [(dict(slow_stagger=True), "needs outer.slow_every > 1"),
-                                       (dict(slow_stagger="yes", slow_every=2), "must be true or false"),
-                                       (dict(slow_stagger=True, slow_every=2, overlap="eager"), "eager")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(slow_stagger=True), "needs outer.slow_every > 1"),
+        (dict(slow_stagger="yes", slow_every=2), "must be true or false"),
+        (dict(slow_stagger=True, slow_every=2, overlap="eager"), "eager"),
+    ],
+)
 def test_a_bad_stagger_is_refused(kw, match):
     transport = LocalFabric(1).transports[0]
     with pytest.raises(ValueError, match=match):

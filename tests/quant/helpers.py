@@ -6,9 +6,26 @@ import math
 
 import torch
 
-ALL_SPECS = ["int4", "int8", "int4:g64", "int4:sym", "int4:naive", "int4:stochastic", "int8:sym",
-             "int8:naive", "mxfp4", "mxfp6", "mxfp8", "bf16", "fp16", "fp32",
-             "int4+hadamard", "int8+hadamard", "mxfp4+hadamard", "bf16+hadamard"]
+ALL_SPECS = [
+    "int4",
+    "int8",
+    "int4:g64",
+    "int4:sym",
+    "int4:naive",
+    "int4:stochastic",
+    "int8:sym",
+    "int8:naive",
+    "mxfp4",
+    "mxfp6",
+    "mxfp8",
+    "bf16",
+    "fp16",
+    "fp32",
+    "int4+hadamard",
+    "int8+hadamard",
+    "mxfp4+hadamard",
+    "bf16+hadamard",
+]
 AWKWARD_SIZES = [0, 1, 127, 129, 10**6 + 3]
 
 
@@ -28,8 +45,16 @@ def awkward(kind: str, n: int, seed: int = 0) -> torch.Tensor:
 def bound_for(spec: str, x: torch.Tensor) -> float:
     """A loose relative-L2 error bound per spec for Gaussian data (sanity, not precision)."""
     base = spec.split("+")[0].split(":")[0]
-    return {"int4": 0.2, "int8": 0.012, "mxfp4": 0.2, "mxfp6": 0.08, "mxfp8": 0.05, "bf16": 0.005,
-            "fp16": 0.001, "fp32": 1e-6}[base]
+    return {
+        "int4": 0.2,
+        "int8": 0.012,
+        "mxfp4": 0.2,
+        "mxfp6": 0.08,
+        "mxfp8": 0.05,
+        "bf16": 0.005,
+        "fp16": 0.001,
+        "fp32": 1e-6,
+    }[base]
 
 
 def rel_l2(y: torch.Tensor, x: torch.Tensor) -> float:

@@ -19,8 +19,10 @@ def test_spec_defaults_match_design():
     assert QuantSpec.parse("int4+hadamard").hadamard_block == 128
 
 
-@pytest.mark.parametrize("bad", ["", "int5", "int4:g100", "int4:g8", "int4:foo", "mxfp4:g64", "int4+rot",
-                                 "int4+hadamard:b100", "fp64", "x" * 80])
+@pytest.mark.parametrize(
+    "bad",
+    ["", "int5", "int4:g100", "int4:g8", "int4:foo", "mxfp4:g64", "int4+rot", "int4+hadamard:b100", "fp64", "x" * 80],
+)
 def test_bad_spec_strings_raise_value_error(bad):
     with pytest.raises(ValueError):
         QuantSpec.parse(bad)

@@ -186,9 +186,16 @@ def test_a_non_finite_input_raises_at_first_use_not_at_the_call(deferred, spec):
     x = _nan_at(1000, 130)
     p = quantize(x, spec, backend="triton")  # no raise: the verdict is pending
     assert isinstance(p._pending, PendingCheck)
-    for use in (p.check, p.to_bytes, lambda: p.to("cpu"), p.sections, lambda: dequantize(p),
-                lambda: dequantize(p, backend="torch"), lambda: dequantize_accumulate(torch.zeros(1000), [p]),
-                lambda: dequantize_accumulate_requantize(None, [p], spec)):
+    for use in (
+        p.check,
+        p.to_bytes,
+        lambda: p.to("cpu"),
+        p.sections,
+        lambda: dequantize(p),
+        lambda: dequantize(p, backend="torch"),
+        lambda: dequantize_accumulate(torch.zeros(1000), [p]),
+        lambda: dequantize_accumulate_requantize(None, [p], spec),
+    ):
         with pytest.raises(ValueError, match="non-finite") as err:
             use()
         assert str(err.value) == NON_FINITE  # the message a refused call always had

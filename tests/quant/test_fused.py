@@ -6,8 +6,7 @@ from noloco.quant import dequantize, dequantize_accumulate, dequantize_accumulat
 from .helpers import awkward
 
 
-@pytest.mark.parametrize("specs", [["int4"] * 3, ["int8", "mxfp4", "bf16", "int4+hadamard", "mxfp6"],
-                                   ["mxfp8"] * 6])
+@pytest.mark.parametrize("specs", [["int4"] * 3, ["int8", "mxfp4", "bf16", "int4+hadamard", "mxfp6"], ["mxfp8"] * 6])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dequantize_accumulate_adds_every_input_in_place(specs, backend):
     xs = [awkward("gauss", 1000 + 7, seed=i) for i in range(len(specs))]

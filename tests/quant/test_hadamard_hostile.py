@@ -36,6 +36,7 @@ def _wire(p: Packed) -> Packed:
 
 # --- the transform: dense for small blocks, Kronecker factors above, equal to fp32 rounding ---------------------
 
+
 @pytest.mark.parametrize("block", [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
 def test_rotation_matches_a_float64_reference_to_fp32_rounding(block):
     spec = QuantSpec.parse(f"int4+hadamard:b{block}:s9")
@@ -66,6 +67,7 @@ def test_no_table_grows_with_the_square_of_the_block():
 
 # --- the cache is bounded, whatever seeds and blocks the peers send ---------------------------------------------
 
+
 def test_decoding_payloads_with_many_distinct_seeds_keeps_the_cache_within_its_bound():
     # What a hostile peer does: the same valid payload again and again, each time with another seed in the header.
     cache_clear()
@@ -75,8 +77,14 @@ def test_decoding_payloads_with_many_distinct_seeds_keeps_the_cache_within_its_b
     for seed in range(1, 71):  # 50 seeds fit in the 64 entries; 70 also exercise the eviction
         block = BLOCKS[seed % len(BLOCKS)]
         base = honest[block]
-        forged = Packed(QuantSpec.parse(f"int8+hadamard:b{block}:s{seed}"), base.shape, base.dtype,
-                        codes=base.codes, scales=base.scales, zero_points=base.zero_points)
+        forged = Packed(
+            QuantSpec.parse(f"int8+hadamard:b{block}:s{seed}"),
+            base.shape,
+            base.dtype,
+            codes=base.codes,
+            scales=base.scales,
+            zero_points=base.zero_points,
+        )
         y = dequantize(_wire(forged))
         assert y.shape == x.shape and torch.isfinite(y).all()
         info = cache_info()
@@ -103,6 +111,7 @@ def test_an_evicted_table_is_rebuilt_identically():
 
 # --- finite after dequantize, or PayloadError --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("block", [128, 4096])
 def test_forged_int4_payload_whose_inverse_rotation_overflows_is_refused(block):
     # every value of the block is c = 15 * s with s * 15 well inside fp32 (so from_bytes accepts it), but the inverse
@@ -112,9 +121,14 @@ def test_forged_int4_payload_whose_inverse_rotation_overflows_is_refused(block):
     bits = _bf16_bits(s)
     assert bits <= max_scale_bits16(15)
     groups = block // 128
-    p = Packed(spec, (block,), torch.float32, codes=torch.full((block // 2,), 0xFF, dtype=torch.uint8),
-               scales=torch.full((groups,), bits, dtype=torch.int16),
-               zero_points=torch.zeros(groups, dtype=torch.uint8))
+    p = Packed(
+        spec,
+        (block,),
+        torch.float32,
+        codes=torch.full((block // 2,), 0xFF, dtype=torch.uint8),
+        scales=torch.full((groups,), bits, dtype=torch.int16),
+        zero_points=torch.zeros(groups, dtype=torch.uint8),
+    )
     received = _wire(p)  # every value is in range: the wire accepts it
     with pytest.raises(PayloadError, match="non-finite values after the inverse rotation"):
         dequantize(received)
@@ -125,8 +139,13 @@ def test_other_forged_payloads_whose_inverse_rotation_overflows_are_refused(spec
     block = 128
     parsed = QuantSpec.parse(spec)
     if parsed.kind == "mx":  # E2M1 code 0b0111 = 6.0, both nibbles; X = 122: every value 6 * 2**122 = 3.2e37
-        p = Packed(parsed, (block,), torch.float32, codes=torch.full((block // 2,), 0x77, dtype=torch.uint8),
-                   scales=torch.full((block // 32,), 127 + 122, dtype=torch.uint8))
+        p = Packed(
+            parsed,
+            (block,),
+            torch.float32,
+            codes=torch.full((block // 2,), 0x77, dtype=torch.uint8),
+            scales=torch.full((block // 32,), 127 + 122, dtype=torch.uint8),
+        )
     else:  # a cast payload: every value 3.2e37, finite in bf16 / fp32
         vals = torch.full((block,), 3.2e37).to(torch.bfloat16 if parsed.name == "bf16" else torch.float32)
         p = Packed(parsed, (block,), torch.float32, codes=vals.view(torch.uint8).clone())
@@ -143,10 +162,19 @@ def test_forged_scales_decode_finite_or_raise_payload_error_never_inf():
     top = max_scale_bits16(15)
     for bits in list(range(top - 0x300, top + 1, 0x40)) + [top]:
         for pattern in ("max", "random"):
-            codes = (torch.full_like(base.codes, 0xFF) if pattern == "max"
-                     else torch.randint(0, 256, base.codes.shape, generator=gen, dtype=torch.uint8))
-            p = Packed(spec, base.shape, base.dtype, codes=codes, scales=torch.full_like(base.scales, bits),
-                       zero_points=torch.zeros_like(base.zero_points))
+            codes = (
+                torch.full_like(base.codes, 0xFF)
+                if pattern == "max"
+                else torch.randint(0, 256, base.codes.shape, generator=gen, dtype=torch.uint8)
+            )
+            p = Packed(
+                spec,
+                base.shape,
+                base.dtype,
+                codes=codes,
+                scales=torch.full_like(base.scales, bits),
+                zero_points=torch.zeros_like(base.zero_points),
+            )
             received = _wire(p)
             try:
                 y = dequantize(received)
@@ -158,8 +186,22 @@ def test_forged_scales_decode_finite_or_raise_payload_error_never_inf():
     assert outcomes["finite"] and outcomes["refused"]  # the sweep crosses the overflow edge
 
 
-SPECS_AT_THE_LIMIT = ["int4", "int4:sym", "int4:naive", "int4:stochastic", "int8", "int8:sym", "int8:naive",
-                      "mxfp4", "mxfp4:ceil", "mxfp6", "mxfp8", "mxfp8:ceil", "bf16", "fp32"]
+SPECS_AT_THE_LIMIT = [
+    "int4",
+    "int4:sym",
+    "int4:naive",
+    "int4:stochastic",
+    "int8",
+    "int8:sym",
+    "int8:naive",
+    "mxfp4",
+    "mxfp4:ceil",
+    "mxfp6",
+    "mxfp8",
+    "mxfp8:ceil",
+    "bf16",
+    "fp32",
+]
 
 
 @pytest.mark.parametrize("block", [16, 128, 4096])

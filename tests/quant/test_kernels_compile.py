@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -96,7 +96,7 @@ dequantize("mxfp4", 2, True)
 requantize("mxfp8", "mxfp8")
 requantize("int8", "int4")
 print("compiled")
-'''
+"""
 
 
 def _ptxas_available() -> bool:

@@ -39,25 +39,44 @@ def test_rows_and_markdown_report_idle_start_back_to_back_and_kernel_verdicts(mo
 
     # a GPU-like run: ceiling 100 GB/s, one row per verdict pattern (idle start, back-to-back, kernel)
     def row(fmt, op, api, b2b, kernel):
-        r = dict(kernels._row(fmt, torch.bfloat16, op, "triton"), ms=1.0, GBps=api, pct_copy=api, b2b_ms=1.0,
-                 b2b_GBps=b2b, b2b_pct_copy=b2b)
+        r = dict(
+            kernels._row(fmt, torch.bfloat16, op, "triton"),
+            ms=1.0,
+            GBps=api,
+            pct_copy=api,
+            b2b_ms=1.0,
+            b2b_GBps=b2b,
+            b2b_pct_copy=b2b,
+        )
         return r if kernel is None else dict(r, kernel_ms=1.0, kernel_pct_copy=kernel)
 
-    info = {"machine": "1× NVIDIA H200 (CUDA 13.0), Triton 3.6.0", "gpu": "NVIDIA H200", "torch": torch.__version__,
-            "triton": "3.6.0", "n": 1 << 28, "copy_GBps": 100.0, "command": "python -m benchmarks.kernels",
-            "b2b_calls": 20, "config": dict(tk.CONFIG), "rows": [
-                row("int4", "quantize", 50.0, 85.0, 90.0),  # target 80 %: no / yes / yes
-                row("int8", "quantize+ef", 81.0, 79.0, None),  # yes / no / (none)
-                row("mxfp4", "quantize", 60.0, 65.0, 71.0),  # target 70 %: no / no / yes
-                row("int4", "dequantize", 10.0, 10.0, 10.0),  # no target
-                dict(kernels._row("int8", torch.bfloat16, "quantize", "triton"), error="RuntimeError: boom"),
-            ]}
+    info = {
+        "machine": "1× NVIDIA H200 (CUDA 13.0), Triton 3.6.0",
+        "gpu": "NVIDIA H200",
+        "torch": torch.__version__,
+        "triton": "3.6.0",
+        "n": 1 << 28,
+        "copy_GBps": 100.0,
+        "command": "python -m benchmarks.kernels",
+        "b2b_calls": 20,
+        "config": dict(tk.CONFIG),
+        "rows": [
+            row("int4", "quantize", 50.0, 85.0, 90.0),  # target 80 %: no / yes / yes
+            row("int8", "quantize+ef", 81.0, 79.0, None),  # yes / no / (none)
+            row("mxfp4", "quantize", 60.0, 65.0, 71.0),  # target 70 %: no / no / yes
+            row("int4", "dequantize", 10.0, 10.0, 10.0),  # no target
+            dict(kernels._row("int8", torch.bfloat16, "quantize", "triton"), error="RuntimeError: boom"),
+        ],
+    }
     md = kernels.gpu_markdown(info, {}, "docs/results/kernels.json")
     assert "**Met: API idle start 1/3, API back-to-back 1/3, kernel 2/3.**" in md
     header = next(line for line in md.splitlines() if line.startswith("| format |"))
     cells = [c.strip() for c in header.strip("|").split("|")]
-    assert cells[cells.index("target") + 1:cells.index("target") + 4] == [
-        "met (API idle start)", "met (API back-to-back)", "met (kernel)"]
+    assert cells[cells.index("target") + 1 : cells.index("target") + 4] == [
+        "met (API idle start)",
+        "met (API back-to-back)",
+        "met (kernel)",
+    ]
     table = [line for line in md.splitlines() if line.startswith("| int") or line.startswith("| mx")]
     verdicts = [[c.strip() for c in line.strip("|").split("|")][15:18] for line in table]
     assert verdicts == [["**no**", "yes", "yes"], ["yes", "**no**", ""], ["**no**", "**no**", "yes"], ["", "", ""]]

@@ -39,8 +39,12 @@ def _same(a, b):
 
 def test_plans_never_reuse_launch_parameters_across_spec_numel_dtype():
     tk.clear_plans()
-    cases = [(spec, n, dt) for spec in ["int4", "int4:g64", "int8", "mxfp4", "mxfp8", "int4:naive"]
-             for n in [129, 130, 4099] for dt in [torch.float32, torch.bfloat16]]
+    cases = [
+        (spec, n, dt)
+        for spec in ["int4", "int4:g64", "int8", "mxfp4", "mxfp8", "int4:naive"]
+        for n in [129, 130, 4099]
+        for dt in [torch.float32, torch.bfloat16]
+    ]
     for rnd in range(2):  # the second round hits the cache for every case, interleaved
         for spec, n, dt in cases:
             x = awkward("student", n, seed=n + rnd).to(dt)
@@ -155,8 +159,10 @@ def test_direct_launches_give_the_reference_payload(direct, spec, dtype):
         assert torch.equal(acc_t, acc_r)
         assert torch.equal(dequantize(ps[0], backend="triton"), dequantize(ps[0], backend="torch"))
         acc = awkward("gauss", n, seed=9)
-        assert _same(dequantize_accumulate_requantize(acc, ps[:2], spec, backend="triton"),
-                     dequantize_accumulate_requantize(acc, ps[:2], spec, backend="torch"))
+        assert _same(
+            dequantize_accumulate_requantize(acc, ps[:2], spec, backend="triton"),
+            dequantize_accumulate_requantize(acc, ps[:2], spec, backend="torch"),
+        )
     ef_t, ef_r = ErrorFeedback(spec, backend="triton"), ErrorFeedback(spec, backend="torch")
     for _ in range(3):
         x = awkward("gauss", n, seed=5).to(dtype)
@@ -176,13 +182,17 @@ def test_direct_launch_is_not_used_for_another_specialization(direct):
 
 def test_stochastic_seeds_give_the_same_codes_on_the_direct_and_the_triton_path(direct, monkeypatch):
     x = awkward("gauss", 2000, seed=4)
-    a = [quantize(x, "int4:stochastic", generator=torch.Generator().manual_seed(s), backend="triton").codes
-         for s in range(20)]
+    a = [
+        quantize(x, "int4:stochastic", generator=torch.Generator().manual_seed(s), backend="triton").codes
+        for s in range(20)
+    ]
     assert direct.calls > 0  # each seed class (== 1, % 16 == 0, other) has its own compiled kernel
     monkeypatch.setattr(tk, "_DIRECT", False)
     tk.clear_plans()
-    b = [quantize(x, "int4:stochastic", generator=torch.Generator().manual_seed(s), backend="triton").codes
-         for s in range(20)]
+    b = [
+        quantize(x, "int4:stochastic", generator=torch.Generator().manual_seed(s), backend="triton").codes
+        for s in range(20)
+    ]
     assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
@@ -223,8 +233,9 @@ def test_a_refused_call_leaves_no_flag_behind(spec):
         dequantize_accumulate_requantize(x, [quantize(x, spec)], spec, backend="triton")
 
 
-@pytest.mark.parametrize("spec,group,marker", [("int4", 1, 0x7FC0), ("int8:sym", 1, 0x7FC0), ("mxfp4", 4, 255),
-                                               ("mxfp8", 4, 255)])
+@pytest.mark.parametrize(
+    "spec,group,marker", [("int4", 1, 0x7FC0), ("int8:sym", 1, 0x7FC0), ("mxfp4", 4, 255), ("mxfp8", 4, 255)]
+)
 def test_unchecked_calls_mark_bad_groups_and_never_trip_a_checked_call(spec, group, marker):
     x = torch.randn(1000)
     x[130] = float("inf")
@@ -233,8 +244,9 @@ def test_unchecked_calls_mark_bad_groups_and_never_trip_a_checked_call(spec, gro
     assert not torch.isfinite(dequantize(p, backend="triton")[130]).item()  # visible locally, never a number
     with pytest.raises(PayloadError):
         Packed.from_bytes(p.to_bytes())  # a marked payload never gets past a receiver
-    q = dequantize_accumulate_requantize(x, [quantize(torch.randn(1000), spec)], spec, backend="triton",
-                                         check_finite=False)
+    q = dequantize_accumulate_requantize(
+        x, [quantize(torch.randn(1000), spec)], spec, backend="triton", check_finite=False
+    )
     assert int(q.scales[group]) & 0xFFFF == marker
     y = torch.randn(1000)
     assert _same(quantize(y, spec, backend="triton"), quantize(y, spec, backend="torch"))  # checked: no raise
@@ -266,9 +278,12 @@ def test_gpu_direct_launches_are_used_and_match_the_triton_launcher(spec, monkey
         gen = torch.Generator(device="cuda").manual_seed(3)
         acc = torch.ones(n, device="cuda")
         dequantize_accumulate(acc, ps, backend="triton")
-        return [quantize(x, spec, generator=gen, backend="triton"),
-                quantize(x[1:], base, backend="triton"),  # misaligned: always Triton's launcher
-                dequantize_accumulate_requantize(x, ps, base, backend="triton"), acc]
+        return [
+            quantize(x, spec, generator=gen, backend="triton"),
+            quantize(x[1:], base, backend="triton"),  # misaligned: always Triton's launcher
+            dequantize_accumulate_requantize(x, ps, base, backend="triton"),
+            acc,
+        ]
 
     tk.clear_plans()
     first = run_all()  # Triton's launcher, compiled kernels recorded

@@ -26,8 +26,9 @@ def test_int3_packs_eight_codes_into_three_bytes():
     assert pack_bits(q, 3).tolist() == [word & 255, (word >> 8) & 255, word >> 16]
 
 
-@pytest.mark.parametrize("name", ["int2", "int3", "int2:g16", "int3:g4096", "int2:sym", "int3:naive", "sign",
-                                  "sign:g16"])
+@pytest.mark.parametrize(
+    "name", ["int2", "int3", "int2:g16", "int3:g4096", "int2:sym", "int3:naive", "sign", "sign:g16"]
+)
 @pytest.mark.parametrize("n", SIZES)
 def test_payload_size_is_what_the_spec_promises_and_round_trips(name, n):
     spec = QuantSpec.parse(name)
@@ -49,7 +50,7 @@ def test_int_low_bits_follow_the_zero_aware_formula(bits):
     y = dequantize(quantize(x, f"int{bits}"))
     L = (1 << bits) - 1
     for g in range(3):
-        seg, out = x[128 * g:128 * (g + 1)], y[128 * g:128 * (g + 1)]
+        seg, out = x[128 * g : 128 * (g + 1)], y[128 * g : 128 * (g + 1)]
         step = (seg.max().clamp_min(0) - seg.min().clamp_max(0)) / L
         assert float((seg - out).abs().max()) <= float(step) * 0.51
     assert float(y[5]) == 0.0  # zero is on the grid

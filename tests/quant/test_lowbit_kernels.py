@@ -20,8 +20,9 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("n,kind", [(1, "gauss"), (7, "gauss"), (129, "gauss"), (129, "zeros"), (300, "outlier"),
-                                    (300, "student")])
+@pytest.mark.parametrize(
+    "n,kind", [(1, "gauss"), (7, "gauss"), (129, "gauss"), (129, "zeros"), (300, "outlier"), (300, "student")]
+)
 def test_kernel_codes_and_scales_match_the_reference_bit_for_bit(spec, n, kind):
     x = awkward(kind, n, seed=n)
     if kind == "gauss" and n > 2:

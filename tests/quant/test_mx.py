@@ -51,7 +51,7 @@ def test_mxfp8_elements_match_torch_float8_e4m3fn_cast():
     x = awkward("gauss", 32 * 200, seed=1)
     p = quantize(x, "mxfp8")
     X = p.scales.long() - 127
-    w = (x.view(-1, 32) / (2.0 ** X.double())[:, None].float())
+    w = x.view(-1, 32) / (2.0 ** X.double())[:, None].float()
     assert torch.equal(p.codes.view(-1, 32), w.to(torch.float8_e4m3fn).view(torch.uint8))
 
 

@@ -34,8 +34,18 @@ def _element_sweep(name: str) -> torch.Tensor:
     grid = torch.tensor(mx_grid(e, m, top), dtype=torch.float64)
     mids = (grid[1:] + grid[:-1]) / 2
     emax_val = grid[-1].item()
-    extra = torch.tensor([0.0, emax_val * 1.01, emax_val * 1.2, 2.0 ** (element_params(name)["emax"] + 1) * 0.999,
-                          grid[1].item() / 4, grid[1].item() / 2 * 0.999, 1e-30, 2.0**-140])
+    extra = torch.tensor(
+        [
+            0.0,
+            emax_val * 1.01,
+            emax_val * 1.2,
+            2.0 ** (element_params(name)["emax"] + 1) * 0.999,
+            grid[1].item() / 4,
+            grid[1].item() / 2 * 0.999,
+            1e-30,
+            2.0**-140,
+        ]
+    )
     dense = torch.linspace(0, emax_val * 1.3, 4001, dtype=torch.float64)
     vals = _neighbours(torch.cat([grid, mids, extra, dense]).float())
     return torch.cat([vals, -vals])
@@ -67,7 +77,7 @@ def test_kernel_encodes_every_grid_point_tie_and_neighbour_like_the_reference(na
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_negative_zero_and_values_rounding_to_zero_get_code_zero(name):
-    x = torch.tensor([4.0, -0.0, -1e-30, 1e-30, -2.0**-140, 0.0] + [0.0] * 26)
+    x = torch.tensor([4.0, -0.0, -1e-30, 1e-30, -(2.0**-140), 0.0] + [0.0] * 26)
     for backend in ("torch", "triton"):
         p = quantize(x, name, backend=backend)
         codes = p.codes if name.startswith("mxfp8") else torch.stack([p.codes & 15, p.codes >> 4], 1).view(-1)

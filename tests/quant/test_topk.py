@@ -12,12 +12,21 @@ from noloco.quant.intq import pack_bits, unpack_bits
 from noloco.quant.topk import dct2, idct2
 
 
-@pytest.mark.parametrize("bad, match", [
-    ("topk:65/64+int2", "K must be in 1..C"), ("topk:0/64+int2", "K must be in 1..C"),
-    ("topk:4/100+int2", "power of two"), ("topk:4/131072+int2", "power of two"), ("topk:4/64+nope", "bad value codec"),
-    ("topk:4/64", "names no value codec"), ("topk:4/64+dct", "names no value codec"), ("topk4/64+int2", "must read"),
-    ("topk:4/64+topk:2/4+int2", "cannot be top-k"), ("topk:4/64+int2+hadamard", "cannot be top-k or rotated"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("topk:65/64+int2", "K must be in 1..C"),
+        ("topk:0/64+int2", "K must be in 1..C"),
+        ("topk:4/100+int2", "power of two"),
+        ("topk:4/131072+int2", "power of two"),
+        ("topk:4/64+nope", "bad value codec"),
+        ("topk:4/64", "names no value codec"),
+        ("topk:4/64+dct", "names no value codec"),
+        ("topk4/64+int2", "must read"),
+        ("topk:4/64+topk:2/4+int2", "cannot be top-k"),
+        ("topk:4/64+int2+hadamard", "cannot be top-k or rotated"),
+    ],
+)
 def test_bad_spellings_fail_with_one_line(bad, match):
     with pytest.raises(ValueError, match=match) as err:
         QuantSpec.parse(bad)
@@ -25,8 +34,12 @@ def test_bad_spellings_fail_with_one_line(bad, match):
 
 
 def test_spelling_round_trips_and_index_bits_fit_the_chunk():
-    for text, bits in [("topk:64/4096+int2", 12), ("topk:8/4096+dct+sign", 12), ("topk:1/2+fp32", 1),
-                       ("topk:3/64+int4:g64:sym", 6)]:
+    for text, bits in [
+        ("topk:64/4096+int2", 12),
+        ("topk:8/4096+dct+sign", 12),
+        ("topk:1/2+fp32", 1),
+        ("topk:3/64+int4:g64:sym", 6),
+    ]:
         spec = QuantSpec.parse(text)
         assert str(spec) == text and QuantSpec.parse(str(spec)) == spec and spec.bits == bits and spec.sparse
 
@@ -49,7 +62,7 @@ def test_fp32_values_keep_exactly_the_k_largest_magnitudes_per_chunk():
     x = torch.randn(64 * 3 + 10, generator=torch.Generator().manual_seed(3))
     y = dequantize(quantize(x, "topk:5/64+fp32"))
     for start in range(0, x.numel(), 64):
-        seg, out = x[start:start + 64], y[start:start + 64]
+        seg, out = x[start : start + 64], y[start : start + 64]
         keep = seg.abs().topk(min(5, seg.numel())).indices
         expect = torch.zeros_like(seg)
         expect[keep] = seg[keep]

@@ -12,8 +12,22 @@ from noloco.quant.intq import bf16_bits_to_float
 
 from .helpers import awkward
 
-DETERMINISTIC = ["int4", "int8", "int4:g64", "int8:g256", "int4:sym", "int8:sym", "int4:naive",
-                 "int8:naive", "int4:g16", "int4:g4096", "mxfp4", "mxfp8", "int4+hadamard", "mxfp8+hadamard"]
+DETERMINISTIC = [
+    "int4",
+    "int8",
+    "int4:g64",
+    "int8:g256",
+    "int4:sym",
+    "int8:sym",
+    "int4:naive",
+    "int8:naive",
+    "int4:g16",
+    "int4:g4096",
+    "mxfp4",
+    "mxfp8",
+    "int4+hadamard",
+    "mxfp8+hadamard",
+]
 
 
 def _same(a, b):
@@ -70,8 +84,9 @@ def test_triton_stochastic_rounding_is_unbiased_and_seedable():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["int4", "int8", "int4:sym", "int4:naive", "mxfp4", "mxfp8", "mxfp4:ceil",
-                                  "mxfp8:ceil"])
+@pytest.mark.parametrize(
+    "spec", ["int4", "int8", "int4:sym", "int4:naive", "mxfp4", "mxfp8", "mxfp4:ceil", "mxfp8:ceil"]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_kernels_match_reference_bit_for_bit_on_large_tensors(spec, dtype):
     x = awkward("student", (1 << 22) + 77, seed=0).to(dtype).cuda()
@@ -160,8 +175,10 @@ def test_non_finite_input_is_flagged_in_every_mode_and_position(spec, bad, where
     assert torch.equal(ef.residual(), before)  # residual untouched by a refused call
 
 
-@pytest.mark.parametrize("in_spec,out_spec", [("int8", "int4"), ("int4", "int8"), ("int4", "int4"),
-                                              ("mxfp4", "mxfp4"), ("int4:naive", "int4:naive")])
+@pytest.mark.parametrize(
+    "in_spec,out_spec",
+    [("int8", "int4"), ("int4", "int8"), ("int4", "int4"), ("mxfp4", "mxfp4"), ("int4:naive", "int4:naive")],
+)
 @pytest.mark.parametrize("n", [2001, 2048])
 def test_requantize_kernel_matches_reference_across_code_widths(in_spec, out_spec, n):
     from noloco.quant import dequantize_accumulate_requantize
@@ -188,8 +205,10 @@ def test_gpu_flag_views_and_requantize(spec):
     bf = x.to(torch.bfloat16)
     assert _same(quantize(bf, spec, backend="torch"), quantize(bf, spec, backend="triton"))
     ps = [quantize(torch.randn(x.numel(), device="cuda"), spec) for _ in range(2)]
-    assert _same(dequantize_accumulate_requantize(x, ps, spec, backend="triton"),
-                 dequantize_accumulate_requantize(x, ps, spec, backend="torch"))
+    assert _same(
+        dequantize_accumulate_requantize(x, ps, spec, backend="triton"),
+        dequantize_accumulate_requantize(x, ps, spec, backend="torch"),
+    )
     for bad in (float("nan"), float("inf")):
         y = x.clone()
         y[12345] = bad

@@ -68,9 +68,16 @@ def test_forged_huge_shape_is_rejected_before_allocating():
     assert Packed.from_bytes(_SAMPLES["int8"], max_numel=129).numel == 129
 
 
-@pytest.mark.parametrize("offset,value,match", [
-    (0, 0x58, "magic"), (4, 2, "version"), (5, 9, "dtype"), (6, 9, "ndim"), (7, 0, "spec length"),
-])
+@pytest.mark.parametrize(
+    "offset,value,match",
+    [
+        (0, 0x58, "magic"),
+        (4, 2, "version"),
+        (5, 9, "dtype"),
+        (6, 9, "ndim"),
+        (7, 0, "spec length"),
+    ],
+)
 def test_forged_header_fields_are_rejected(offset, value, match):
     body = bytearray(_SAMPLES["int8"][:-4])
     body[offset] = value
@@ -81,6 +88,7 @@ def test_forged_header_fields_are_rejected(offset, value, match):
 def _forge_section(section: str, index, value):
     def forge(p):
         getattr(p, section)[index] = value
+
     return forge
 
 

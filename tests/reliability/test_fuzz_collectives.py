@@ -79,8 +79,23 @@ def test_mutated_message_headers_are_accepted_only_when_identical_to_the_expecte
 
 # ----------------------------------------------------------------------------------------- codecs
 
-CODEC_SPECS = ["fp32", "int4", "int8", "int4:g64", "mxfp4", "mxfp6", "mxfp8", "bf16", "fp16", "int4+hadamard", "int2",
-               "int3", "sign", "topk:8/64+int2", "topk:8/64+dct+int3"]
+CODEC_SPECS = [
+    "fp32",
+    "int4",
+    "int8",
+    "int4:g64",
+    "mxfp4",
+    "mxfp6",
+    "mxfp8",
+    "bf16",
+    "fp16",
+    "int4+hadamard",
+    "int2",
+    "int3",
+    "sign",
+    "topk:8/64+int2",
+    "topk:8/64+dct+int3",
+]
 NUMEL = 301
 
 

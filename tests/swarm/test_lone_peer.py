@@ -14,8 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_a_lone_peer_says_once_why_its_rounds_wait(smoke_overrides, data_cache, tmp_path):
-    args = [*smoke_overrides, f"data.cache_dir={data_cache}", f"run.dir={tmp_path}", "backend=hivemind", "steps=9",
-            "outer.every=3", "peer.matchmaking_timeout=2", "threads=1", "log.tensorboard=false", "log.plot=false"]
+    args = [
+        *smoke_overrides,
+        f"data.cache_dir={data_cache}",
+        f"run.dir={tmp_path}",
+        "backend=hivemind",
+        "steps=9",
+        "outer.every=3",
+        "peer.matchmaking_timeout=2",
+        "threads=1",
+        "log.tensorboard=false",
+        "log.plot=false",
+    ]
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "NOLOCO_RUN_KEY": "a-long-shared-secret-for-tests"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

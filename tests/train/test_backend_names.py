@@ -22,7 +22,7 @@ def test_no_module_outside_the_backends_package_branches_on_a_backend_name():
 def test_the_pattern_finds_a_branch_on_a_name():
     assert BRANCH.search('    if cfg.backend == "hivemind":')
     assert BRANCH.search("per_process = cfg.workers if cfg.get('backend', 'local') == 'local' else 1")
-    assert not BRANCH.search('    if BACKENDS[cfg.backend].fixed_world:')
+    assert not BRANCH.search("    if BACKENDS[cfg.backend].fixed_world:")
 
 
 def test_every_backend_spec_names_an_importable_module_with_a_launch():

@@ -30,8 +30,14 @@ def test_noloco_on_cuda_lowers_the_held_out_loss_in_bf16(tiny_config):
 
 
 def test_cuda_and_cpu_fp32_runs_agree_within_tolerance(tiny_config):
-    common = ("steps=20", "outer.every=10", "precision=fp32", "comm.codec=fp32", "log.tensorboard=false",
-              "log.plot=false")
+    common = (
+        "steps=20",
+        "outer.every=10",
+        "precision=fp32",
+        "comm.codec=fp32",
+        "log.tensorboard=false",
+        "log.plot=false",
+    )
     cpu = run(tiny_config(*common, "device=cpu", "run.name=cpu"), quiet=True)
     cuda = run(tiny_config(*common, "device=cuda", "run.name=gpu"), quiet=True)
     # different matmul kernels (cuBLAS vs the CPU's) round differently; 20 steps stay within 2e-3 nats
@@ -42,8 +48,9 @@ def test_resume_on_cuda_is_bit_exact(tiny_config, tmp_path):
     from noloco.train import checkpoint
 
     full = run(tiny_config(*GPU, "steps=16", "outer.every=4", "checkpoint.every=8", "run.name=full"), quiet=True)
-    part = run(tiny_config(*GPU, "steps=16", "outer.every=4", "checkpoint.every=8", "run.name=part"),
-               stop_after=8, quiet=True)
+    part = run(
+        tiny_config(*GPU, "steps=16", "outer.every=4", "checkpoint.every=8", "run.name=part"), stop_after=8, quiet=True
+    )
     folder, run_dir, step = checkpoint.resolve(f"{part['run_dir']}/checkpoints/latest")
     cfg = tiny_config(*GPU, "steps=16", "outer.every=4", "checkpoint.every=8", "run.name=part")
     resumed = run(cfg, run_dir=run_dir, resume_from=folder, resume_step=step, quiet=True)
@@ -57,8 +64,17 @@ def test_the_staggered_slow_term_on_cuda_resumes_bit_exactly_inside_a_cycle(tiny
     the run that never stopped."""
     from noloco.train import checkpoint
 
-    common = (*GPU, "steps=18", "outer.every=2", "checkpoint.every=10", "comm.codec=topk:64/4096+int2",
-              "comm.slow_codec=int4", "outer.slow_every=3", "outer.slow_stagger=true", f"outer.overlap={overlap}")
+    common = (
+        *GPU,
+        "steps=18",
+        "outer.every=2",
+        "checkpoint.every=10",
+        "comm.codec=topk:64/4096+int2",
+        "comm.slow_codec=int4",
+        "outer.slow_every=3",
+        "outer.slow_stagger=true",
+        f"outer.overlap={overlap}",
+    )
     full = run(tiny_config(*common, "run.name=full"), quiet=True)
     part = run(tiny_config(*common, "run.name=part"), stop_after=10, quiet=True)
     folder, run_dir, step = checkpoint.resolve(f"{part['run_dir']}/checkpoints/latest")
@@ -70,12 +86,21 @@ def test_the_staggered_slow_term_on_cuda_resumes_bit_exactly_inside_a_cycle(tiny
 def test_a_checkpoint_saved_on_cuda_resumes_on_the_cpu(tiny_config):
     from noloco.train import checkpoint
 
-    part = run(tiny_config(*GPU, "steps=8", "outer.every=4", "checkpoint.every=4", "precision=fp32", "run.name=move"),
-               stop_after=4,
-               quiet=True)
+    part = run(
+        tiny_config(*GPU, "steps=8", "outer.every=4", "checkpoint.every=4", "precision=fp32", "run.name=move"),
+        stop_after=4,
+        quiet=True,
+    )
     folder, run_dir, step = checkpoint.resolve(f"{part['run_dir']}/checkpoints/latest")
-    cfg = tiny_config("device=cpu", "steps=8", "outer.every=4", "precision=fp32", "log.tensorboard=false",
-                      "log.plot=false", "run.name=move")
+    cfg = tiny_config(
+        "device=cpu",
+        "steps=8",
+        "outer.every=4",
+        "precision=fp32",
+        "log.tensorboard=false",
+        "log.plot=false",
+        "run.name=move",
+    )
     resumed = run(cfg, run_dir=run_dir, resume_from=folder, resume_step=step, quiet=True)
     assert resumed["final_eval_loss"] < resumed["unigram_eval_loss"] + 1.0
 
@@ -83,8 +108,15 @@ def test_a_checkpoint_saved_on_cuda_resumes_on_the_cpu(tiny_config):
 def test_local_workers_sharing_a_gpu_match_torch_processes_on_it(tiny_config):
     from noloco.train.backends.distributed import launch as run_torch
 
-    common = ("steps=12", "outer.every=4", "workers=2", "threads=1", "precision=fp32", "log.tensorboard=false",
-              "log.plot=false")
+    common = (
+        "steps=12",
+        "outer.every=4",
+        "workers=2",
+        "threads=1",
+        "precision=fp32",
+        "log.tensorboard=false",
+        "log.plot=false",
+    )
     local = run(tiny_config(*common, "device=cuda", "run.name=local"), quiet=True)
     torch_run = run_torch(tiny_config(*common, "device=cuda", "backend=torch", "run.name=torch"), quiet=True)
     # the same kernels on the same GPU: cuBLAS is deterministic for a fixed shape and stream, so the
@@ -100,8 +132,9 @@ def test_compiled_workers_sharing_a_gpu_compile_one_graph_and_train_like_eager(t
     def compiled_graphs(workers):
         torch._dynamo.reset()
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        result = run(tiny_config(*common, f"workers={workers}", "compile=true", f"run.name=compiled{workers}"),
-                     quiet=True)
+        result = run(
+            tiny_config(*common, f"workers={workers}", "compile=true", f"run.name=compiled{workers}"), quiet=True
+        )
         return torch._dynamo.utils.counters["stats"]["unique_graphs"] - before, result
 
     eager = run(tiny_config(*common, "workers=4", "run.name=eager"), quiet=True)
@@ -146,8 +179,18 @@ def test_overlapped_exchange_on_cuda_matches_the_cpu_and_torch_processes(tiny_co
     its means must be complete before the training stream reads them, on one process of K workers and on K."""
     from noloco.train.backends.distributed import launch as run_torch
 
-    common = ("steps=16", "outer.every=4", "outer.fragments=2", f"outer.overlap={rule}", "workers=2", "threads=1",
-              "precision=fp32", "comm.codec=int4", "log.tensorboard=false", "log.plot=false")
+    common = (
+        "steps=16",
+        "outer.every=4",
+        "outer.fragments=2",
+        f"outer.overlap={rule}",
+        "workers=2",
+        "threads=1",
+        "precision=fp32",
+        "comm.codec=int4",
+        "log.tensorboard=false",
+        "log.plot=false",
+    )
     cpu = run(tiny_config(*common, "device=cpu", "run.name=cpu"), quiet=True)
     local = run(tiny_config(*common, "device=cuda", "run.name=local"), quiet=True)
     torch_run = run_torch(tiny_config(*common, "device=cuda", "backend=torch", "run.name=torch"), quiet=True)

@@ -248,10 +248,7 @@ def test_hf_files_give_the_same_first_batches_as_data_source_files(tmp_path, kin
             f"data.cache_dir={tmp_path}/b",
         ]
     )
-    corpora = [
-        load_corpus(c)
-        for c in (files, hf)
-    ]
+    corpora = [load_corpus(c) for c in (files, hf)]
     a, b = corpora
     assert a.tokenizer_path != b.tokenizer_path  # built independently, each in its own cache
     assert a.tokenizer().to_str() == b.tokenizer().to_str()
@@ -332,9 +329,7 @@ def test_a_transformers_tokenizer_folder_adds_no_special_tokens_inside_documents
     assert int((corpus.train == tok.token_to_id("</s>")).sum()) == corpus.train_documents
 
 
-def test_a_tokenizer_that_does_not_match_the_checkpoint_is_refused(
-    tiny_config, tiny_overrides, tmp_path, capsys
-):
+def test_a_tokenizer_that_does_not_match_the_checkpoint_is_refused(tiny_config, tiny_overrides, tmp_path, capsys):
     path = bpe_tokenizer_file(tmp_path / "tok.json", documents(40), vocab_size=300)
     launch(
         tiny_config(

@@ -43,8 +43,15 @@ def write_run(folder: Path, *, summary: dict | None = None, config: dict | None 
     folder.mkdir(parents=True)
     if records is None:
         records = [
-            {"worker": rank, "step": step, "loss": 5.0, "bytes_sent": step * 1_000_000, "bytes_received": 0,
-             "wall": step * 0.1, "eval_loss": 6.0 - step / 10}  # fmt: skip
+            {
+                "worker": rank,
+                "step": step,
+                "loss": 5.0,
+                "bytes_sent": step * 1_000_000,
+                "bytes_received": 0,
+                "wall": step * 0.1,
+                "eval_loss": 6.0 - step / 10,
+            }  # fmt: skip
             for step in steps
             for rank in range(ranks)
         ]
@@ -114,8 +121,9 @@ def test_unplottable_folder_exits_2_and_writes_nothing(tmp_path, capsys, case):
 def test_same_label_runs_name_the_differing_key(tmp_path):
     runs = [
         write_run(tmp_path / "a", summary=SUMMARY, config=with_(CONFIG, run__name="a")),
-        write_run(tmp_path / "b", summary=SUMMARY | {"backend": "torch"},
-                  config=with_(CONFIG, run__name="b", backend="torch")),  # fmt: skip
+        write_run(
+            tmp_path / "b", summary=SUMMARY | {"backend": "torch"}, config=with_(CONFIG, run__name="b", backend="torch")
+        ),  # fmt: skip
         write_run(tmp_path / "c", summary=SUMMARY, config=with_(CONFIG, run__name="c", outer__momentum=0.1)),
         write_run(tmp_path / "d", summary=SUMMARY | {"workers": 4}, config=with_(CONFIG, workers=4)),
     ]
@@ -205,6 +213,6 @@ def test_the_legend_of_several_runs_covers_no_panel(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     runs = [write_run(tmp_path / f"r{i}", summary=SUMMARY, config=with_(CONFIG, run__seed=i)) for i in range(6)]
     plot_runs(runs, tmp_path / "many.png", title="t", target=5.2)
-    (legends, panels), = boxes
+    ((legends, panels),) = boxes
     assert len(legends) == 1
     assert not any(legends[0].overlaps(panel) for panel in panels)

@@ -443,4 +443,3 @@ def _write_own_summary(folder: Path, rank: int, result: WorkerResult, transport,
     (folder / f"summary.rank{rank}.json").write_text(json.dumps(own, indent=1))
     print(f"noloco: rank {rank} finished training but could not gather the run's summary "
           f"({type(exc).__name__}); wrote {folder / f'summary.rank{rank}.json'}", flush=True)  # fmt: skip
-

@@ -280,8 +280,13 @@ def _announce(cfg: DictConfig, corpus, params: int, say) -> None:
         f"swarm {cfg.peer.run_id}")  # fmt: skip
 
 
-def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | None = None, resume_step: int = 0,
-           quiet: bool = False) -> dict:
+def launch(
+    cfg: DictConfig,
+    run_dir: Path | None = None,
+    resume_from: Path | None = None,
+    resume_step: int = 0,
+    quiet: bool = False,
+) -> dict:
     """Run one swarm peer until ``cfg.steps`` inner steps; returns (and writes) its summary.
 
     ``resume_from``: this peer's own checkpoint (``runs/<run>/peer-<name>/checkpoints/...``); the peer
@@ -331,8 +336,10 @@ def launch(cfg: DictConfig, run_dir: Path | None = None, resume_from: Path | Non
         run.raise_if_stopped(ctx, kind=PeerInterrupted)
         backend.publish(cfg.steps, -1)  # finished: round -1 takes this peer out of others' front and expected sets
         summary = _summary(run, backend, result, peer_dir)
-        say(f"noloco peer {name}: done · held-out loss {summary['final_eval_loss']:.4f} · rounds joined "
-            f"{summary['rounds_joined']}/{summary['rounds']} · {summary['bytes_sent'] / 1e6:.2f} MB sent · {peer_dir}")
+        say(
+            f"noloco peer {name}: done · held-out loss {summary['final_eval_loss']:.4f} · rounds joined "
+            f"{summary['rounds_joined']}/{summary['rounds']} · {summary['bytes_sent'] / 1e6:.2f} MB sent · {peer_dir}"
+        )
         return summary
     finally:
         if endpoint is not None:
@@ -367,8 +374,11 @@ def _start_dht(cfg: DictConfig, key, say):
                              startup_timeout=cfg.comm.startup_timeout, record_validators=[validator],
                              identity=identity)  # fmt: skip
     except P2PDaemonError as exc:  # a bootstrap peer that has exited, an address nobody listens on
-        where = f"none of peer.initial_peers={list(peer.initial_peers)} answered" if peer.initial_peers else \
-            f"its p2p daemon could not start on peer.host_maddrs={list(peer.host_maddrs)}"
+        where = (
+            f"none of peer.initial_peers={list(peer.initial_peers)} answered"
+            if peer.initial_peers
+            else f"its p2p daemon could not start on peer.host_maddrs={list(peer.host_maddrs)}"
+        )
         reason = (str(exc).strip().splitlines() or ["P2PDaemonError"])[0][:200]
         raise ConfigError(f"noloco peer: {where} (is the bootstrap peer still running?): {reason}") from None
     return dht, validator, identity
@@ -582,7 +592,6 @@ def _summary(run: Run, backend: HivemindBackend, result: WorkerResult, peer_dir:
     summary = run.summary([result], None, peer_dir, start=backend.joined_from.get("step", run.resume_step),
                           extra=extra)  # fmt: skip
     return finish(run.cfg, summary, quiet=True)
-
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - convenience for `python -m`

@@ -96,7 +96,11 @@ def launch(
     run.create(workers_here=cfg.workers)
     ctx = run.context(run.metrics(), cfg.workers, stop=LocalStop())
     fabric = LocalFabric(cfg.workers)
-    results: list[WorkerResult] = run.train(ctx, lambda: fabric.run(
-        lambda transport: train_worker(ctx, LocalBackend(transport, startup_timeout=cfg.comm.startup_timeout))))
+    results: list[WorkerResult] = run.train(
+        ctx,
+        lambda: fabric.run(
+            lambda transport: train_worker(ctx, LocalBackend(transport, startup_timeout=cfg.comm.startup_timeout))
+        ),
+    )
     run.raise_if_stopped(ctx)
     return finish(cfg, run.summary(results, consensus_distance([r.slow_weights for r in results])), quiet)
