@@ -61,21 +61,32 @@ def _outer_rounds_done(swarm, name: str) -> int:
     return sum("outer_round" in line for line in path.read_text().splitlines())
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP)."""
+    stat = open(f"/proc/{pid}/stat").read()
+    return stat[stat.rfind(")") + 2] == "T"
+
+
 def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_live_weights(swarm):
-    # long enough that the survivors are still training when the late peer is up: a step takes ~0.045 s
-    # here, and a peer's start (torch, hivemind, its DHT) 20-50 s on busy cores. CI rehearsals saw the
-    # survivors finish first with 200 and with 400 steps (17 s of training), leaving nobody to join from.
-    steps = 1500
+    # The survivors freeze themselves (SIGSTOP, a NOLOCO_FAULTS fault) at step 95, after the victim's death,
+    # and go on only once the late peer is up: a peer's start (torch, hivemind, its DHT) takes 20-50 s on busy
+    # cores, and without the hold the survivors had to train 1500 steps to be still there for it.
+    steps, hold = 300, 95
     common = (f"steps={steps}", "outer.every=10")
-    swarm.peer("0", *common, "peer.rank=0", "peer.wait_for_peers=2")
+    env = {"NOLOCO_FAULTS": f"inner.step@{hold}=stop"}
+    survivors = [swarm.peer("0", *common, "peer.rank=0", "peer.wait_for_peers=2", env=env)]
     bootstrap = swarm.maddrs("0")[0]
     join = f'peer.initial_peers=["{bootstrap}"]'
-    swarm.peer("1", *common, join, "peer.rank=1", "peer.wait_for_peers=2")
-    victim = swarm.peer("2", *common, join, "peer.rank=2", "peer.wait_for_peers=2")
+    survivors.append(swarm.peer("1", *common, join, "peer.rank=1", "peer.wait_for_peers=2", env=env))
+    victim = swarm.peer("2", *common, join, "peer.rank=2", "peer.wait_for_peers=2", env=env)
     swarm.wait(lambda: _outer_rounds_done(swarm, "2") >= 1, 150, "peer 2 did not reach round 1")
     os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT process and its p2pd die at once
-    # waits until the DHT lists the live peers; once they have finished its rounds are skipped at once
-    swarm.peer("late", *common, join, "peer.rank=3", "peer.wait_for_peers=2")
+    # waits (up to 120 s) until the DHT lists the live peers; once they have finished its rounds are skipped at once
+    swarm.peer("late", *common, join, "peer.rank=3", "peer.wait_for_peers=2", "peer.join_timeout=120")
+    swarm.maddrs("late", timeout=150)
+    swarm.wait(lambda: all(_stopped(p.pid) for p in survivors), 150, "the survivors did not reach the hold")
+    for proc in survivors:
+        os.kill(proc.pid, signal.SIGCONT)
     for name in ("0", "1", "late"):
         assert swarm.finish(name, timeout=300) == 0, swarm.logs()
 
