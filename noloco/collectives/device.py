@@ -406,9 +406,8 @@ def allreduce_device(
     send, send_sizes, failure = _encode_phase(call, flat, contribution)
     clock.mark("encode")
     codec_id = crc(f"{requested.name}|{'fp32' if _is_raw(spec) else spec}")
-    _check_call(
-        [_META_MAGIC, numel, DTYPE_CODES[x.dtype], OP_CODES[op], codec_id, n], group, device, nccl, me, n, failure
-    )
+    meta = [_META_MAGIC, numel, DTYPE_CODES[x.dtype], OP_CODES[op], codec_id, n]  # what every member must agree on
+    _check_call(meta, group, device, nccl, me, n, failure)
     clock.mark("check")
 
     own, own_is_scratch, received = _reduce_scatter_phase(call, flat, send, send_sizes, contribution)

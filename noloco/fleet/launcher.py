@@ -26,6 +26,9 @@ sends each message D seconds after the call (one-way latency per message; TCP's 
 not delayed). It applies to noloco's exchanges, not to other traffic of the command.
 """
 
+# fmt: off
+# (hand layout: the kernels' aligned argument lists and the launcher's option table read better as written)
+
 from __future__ import annotations
 
 import argparse
@@ -188,15 +191,8 @@ def launch(
                          cpus=[sorted(cpus) for cpus in cpu_sets] if cpu_sets else None)  # fmt: skip
     try:
         _bring_up(fleet, hosts, rate_bps, prefix, folder, out)
-        env = functools.partial(
-            _worker_env,
-            fleet,
-            hosts=hosts,
-            port=port,
-            local_world_size=local_world_size,
-            pinned=bool(cpu_sets),
-            delay=delay,
-        )
+        env = functools.partial(_worker_env, fleet, hosts=hosts, port=port, local_world_size=local_world_size,
+                                pinned=bool(cpu_sets), delay=delay)
         previous = signal.getsignal(signal.SIGINT)
         if threading.current_thread() is threading.main_thread():  # Ctrl-C: the workers stop as train.py does
             signal.signal(signal.SIGINT, workers.interrupt)
@@ -256,7 +252,8 @@ class _Workers:
         _signal_running(self.procs, signal.SIGINT)
 
 
-def _bring_up(fleet: Fleet, hosts: int, rate_bps: float | None, prefix: str, folder: Path | None, out: TextIO) -> None:
+def _bring_up(fleet: Fleet, hosts: int, rate_bps: float | None, prefix: str, folder: Path | None,
+              out: TextIO) -> None:
     """Build the fleet's namespaces and links, say so on ``out``, and create the run folder."""
     fleet.up()
     shaping = f"{rate_bps / 1e6:g} Mbit/s each way (ingress via {fleet.ingress_mode})" if rate_bps else "unshaped"
@@ -266,9 +263,8 @@ def _bring_up(fleet: Fleet, hosts: int, rate_bps: float | None, prefix: str, fol
         folder.mkdir(parents=True, exist_ok=True)
 
 
-def _worker_env(
-    fleet: Fleet, host: int, *, hosts: int, port: int, local_world_size: int | None, pinned: bool, delay: float
-) -> dict[str, str]:
+def _worker_env(fleet: Fleet, host: int, *, hosts: int, port: int, local_world_size: int | None, pinned: bool,
+                delay: float) -> dict[str, str]:
     """The environment of host ``host``'s worker: its torch.distributed rank and rendezvous, and noloco's."""
     return {
         "RANK": str(host),
@@ -284,16 +280,8 @@ def _worker_env(
     }
 
 
-def _start_hosts(
-    workers: _Workers,
-    fleet: Fleet,
-    command: list[str],
-    hosts: int,
-    env: Callable[[int], dict],
-    folder: Path | None,
-    cpu_sets: list[set[int]] | None,
-    out: TextIO,
-) -> None:
+def _start_hosts(workers: _Workers, fleet: Fleet, command: list[str], hosts: int, env: Callable[[int], dict],
+                 folder: Path | None, cpu_sets: list[set[int]] | None, out: TextIO) -> None:
     """Start ``command`` once per host (pinned to its cores if ``cpu_sets``), each with a thread that streams
     its output to ``out`` (and its log file in ``folder``); everything started goes into ``workers`` at once,
     so that teardown finds it if a later host fails to start."""
@@ -314,9 +302,8 @@ def _start_hosts(
         workers.threads.append(thread)
 
 
-def _wait_for_workers(
-    procs: list[subprocess.Popen], codes: list[int | None], grace: float, out: TextIO, workers: _Workers | None = None
-) -> None:
+def _wait_for_workers(procs: list[subprocess.Popen], codes: list[int | None], grace: float, out: TextIO,
+                      workers: _Workers | None = None) -> None:
     """Poll the workers into ``codes`` until all exited; once one failed, stop the others after ``grace`` s (not
     after a Ctrl-C passed on to them: each saves its checkpoint, however long that takes, and exits 130)."""
     failed_at = None
@@ -336,15 +323,8 @@ def _wait_for_workers(
         time.sleep(0.1)
 
 
-def _record_result(
-    result: FleetResult,
-    fleet: Fleet,
-    command: list[str],
-    hosts: int,
-    rate_bps: float | None,
-    queue_s: float,
-    started: float,
-) -> None:
+def _record_result(result: FleetResult, fleet: Fleet, command: list[str], hosts: int, rate_bps: float | None,
+                   queue_s: float, started: float) -> None:
     """Fill in ``result`` (link stats, wall time, exit status, summary) and write ``fleet.json`` to the run folder."""
     codes, folder = result.exit_codes, result.run_dir
     result.link_stats = [fleet.link_stats(host) for host in range(hosts)]
@@ -461,25 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/fleet"), help="run.dir for train commands")
     parser.add_argument("--name", default=None, help="run.name for train commands (default fleet-<N>h-<time>)")
     parser.add_argument("--prefix", default=None, help="namespace name prefix (default nlc<pid>)")
-    parser.add_argument(
-        "--local-world-size",
-        type=int,
-        default=None,
-        help="LOCAL_WORLD_SIZE per worker (torch threads = cores / it; default --hosts)",
-    )
-    parser.add_argument(
-        "--cpus-per-host",
-        type=int,
-        default=None,
-        metavar="N",
-        help="pin each host's worker to N cores of its own (default: all hosts share every core)",
-    )
+    parser.add_argument("--local-world-size", type=int, default=None,
+                        help="LOCAL_WORLD_SIZE per worker (torch threads = cores / it; default --hosts)")
+    parser.add_argument("--cpus-per-host", type=int, default=None, metavar="N",
+                        help="pin each host's worker to N cores of its own (default: all hosts share every core)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds the others get after a worker fails")
-    parser.add_argument(
-        "--cleanup",
-        action="store_true",
-        help="remove the namespaces of launchers that died without cleaning up, then exit",
-    )
+    parser.add_argument("--cleanup", action="store_true",
+                        help="remove the namespaces of launchers that died without cleaning up, then exit")
     args = parser.parse_args(argv)
     if not is_root():
         print(NOT_ROOT, file=sys.stderr)

@@ -49,6 +49,9 @@ bitcast casts, pointer casts) and run under ``TRITON_INTERPRET=1`` on the CPU; t
 sm_90 with Triton 3.6 and with the installed Triton.
 """
 
+# fmt: off
+# (hand layout: the kernels' aligned argument lists and the launcher's option table read better as written)
+
 from __future__ import annotations
 
 import functools
@@ -183,18 +186,8 @@ def _group_params(scales_ptr, zp_ptr, mins_ptr, g, gmask, KIND: tl.constexpr, MO
 
 
 @triton.jit
-def _decode(
-    q,
-    s,
-    zz,
-    KIND: tl.constexpr,
-    MODE: tl.constexpr,
-    HALF: tl.constexpr,
-    EBITS: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    SUBSCALE: tl.constexpr,
-):
+def _decode(q, s, zz, KIND: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, EBITS: tl.constexpr,
+            MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
     """fp32 values of int32 codes ``q`` given the group parameters from :func:`_group_params`."""
     if KIND == 0:
         if MODE == 0:
@@ -209,25 +202,9 @@ def _decode(
 
 
 @triton.jit
-def _dequant_pair(
-    codes_ptr,
-    scales_ptr,
-    zp_ptr,
-    mins_ptr,
-    g,
-    gmask,
-    c,
-    nw,
-    nb,
-    KIND: tl.constexpr,
-    BITS: tl.constexpr,
-    MODE: tl.constexpr,
-    HALF: tl.constexpr,
-    EBITS: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    SUBSCALE: tl.constexpr,
-):
+def _dequant_pair(codes_ptr, scales_ptr, zp_ptr, mins_ptr, g, gmask, c, nw, nb,
+                  KIND: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr,
+                  EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
     """fp32 values of elements 2c and 2c + 1 of one payload (paired tile)."""
     if BITS == 4:
         byte = tl.load(codes_ptr + c, mask=c < nb, other=0).to(tl.int32)
@@ -243,23 +220,9 @@ def _dequant_pair(
 
 
 @triton.jit
-def _dequant_flat(
-    codes_ptr,
-    scales_ptr,
-    zp_ptr,
-    mins_ptr,
-    g,
-    gmask,
-    e,
-    n,
-    KIND: tl.constexpr,
-    MODE: tl.constexpr,
-    HALF: tl.constexpr,
-    EBITS: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    SUBSCALE: tl.constexpr,
-):
+def _dequant_flat(codes_ptr, scales_ptr, zp_ptr, mins_ptr, g, gmask, e, n,
+                  KIND: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, EBITS: tl.constexpr,
+                  MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
     """fp32 values of elements e of an 8-bit payload (flat tile)."""
     q = tl.load(codes_ptr + e, mask=e < n, other=0).to(tl.int32)
     s, zz = _group_params(scales_ptr, zp_ptr, mins_ptr, g, gmask, KIND, MODE)
@@ -267,20 +230,9 @@ def _dequant_flat(
 
 
 @triton.jit
-def _group_stats(
-    va,
-    vb,
-    ea,
-    eb,
-    PAIRED: tl.constexpr,
-    KIND: tl.constexpr,
-    MODE: tl.constexpr,
-    INV_STEPS: tl.constexpr,
-    INV_SYM: tl.constexpr,
-    EMAX: tl.constexpr,
-    MXCEIL: tl.constexpr,
-    MAXMANT: tl.constexpr,
-):
+def _group_stats(va, vb, ea, eb, PAIRED: tl.constexpr, KIND: tl.constexpr, MODE: tl.constexpr,
+                 INV_STEPS: tl.constexpr, INV_SYM: tl.constexpr, EMAX: tl.constexpr, MXCEIL: tl.constexpr,
+                 MAXMANT: tl.constexpr):
     """Per-group [GPP, 1] statistics of the tile (elements beyond n are 0, except for naive).
 
     Returns (p, lo, lb, bad): int -- p = unrounded scale, lo = zero-aware range low / naive bf16 min,
@@ -334,9 +286,8 @@ def _group_stats(
 
 
 @triton.jit
-def _int_codes(
-    v, inv, z, lo, eidx, seed, MODE: tl.constexpr, STOCH: tl.constexpr, LEVELS: tl.constexpr, HALF: tl.constexpr
-):
+def _int_codes(v, inv, z, lo, eidx, seed, MODE: tl.constexpr, STOCH: tl.constexpr, LEVELS: tl.constexpr,
+               HALF: tl.constexpr):
     """int32 codes q of an int tile (per-group 1/s, int32 zero point z, naive min lo).
 
     Round half to even as an integer: t + 1.5 * 2**23 lands in [2**23, 2**24), whose step is 1, so the sum's fp32
@@ -396,44 +347,13 @@ def _mx_codes(v, X, EBITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr
 
 
 @triton.jit
-def _quant(
-    va,
-    vb,
-    g,
-    gmask,
-    c,
-    n,
-    nw,
-    nb,
-    seed,
-    codes_ptr,
-    scales_ptr,
-    zp_ptr,
-    mins_ptr,
-    flag_ptr,
-    call_id,
-    PAIRED: tl.constexpr,
-    ODD: tl.constexpr,
-    NEED_DEQ: tl.constexpr,
-    KIND: tl.constexpr,
-    BITS: tl.constexpr,
-    MODE: tl.constexpr,
-    STOCH: tl.constexpr,
-    LEVELS: tl.constexpr,
-    HALF: tl.constexpr,
-    MAXB: tl.constexpr,
-    EBITS: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    EMIN: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAXMANT: tl.constexpr,
-    MXCEIL: tl.constexpr,
-    MAXVAL: tl.constexpr,
-    SUBSCALE: tl.constexpr,
-    INV_STEPS: tl.constexpr,
-    INV_SYM: tl.constexpr,
-):
+def _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr, call_id,
+           PAIRED: tl.constexpr, ODD: tl.constexpr, NEED_DEQ: tl.constexpr,
+           KIND: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, STOCH: tl.constexpr,
+           LEVELS: tl.constexpr, HALF: tl.constexpr, MAXB: tl.constexpr, EBITS: tl.constexpr,
+           MBITS: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+           MAXMANT: tl.constexpr, MXCEIL: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr,
+           INV_STEPS: tl.constexpr, INV_SYM: tl.constexpr):
     """Quantize the tile (va[, vb]); store codes, group parameters and, if a group is bad, ``call_id`` into the
     non-finite flag word (every bad program of a call stores the same id, so plain stores suffice).
 
@@ -508,49 +428,15 @@ def _quant(
 
 
 @triton.jit(do_not_specialize=["call_id"])
-def _quantize_kernel(
-    x_ptr,
-    xw_ptr,
-    res_ptr,
-    resw_ptr,
-    res_out_ptr,
-    res_outw_ptr,
-    codes_ptr,
-    scales_ptr,
-    zp_ptr,
-    mins_ptr,
-    flag_ptr,
-    call_id,
-    n,
-    nw,
-    nb,
-    seed,
-    HAS_RES: tl.constexpr,
-    PAIRED: tl.constexpr,
-    XW: tl.constexpr,
-    ODD: tl.constexpr,
-    I64: tl.constexpr,
-    GROUP: tl.constexpr,
-    GPP: tl.constexpr,
-    KIND: tl.constexpr,
-    BITS: tl.constexpr,
-    MODE: tl.constexpr,
-    STOCH: tl.constexpr,
-    LEVELS: tl.constexpr,
-    HALF: tl.constexpr,
-    MAXB: tl.constexpr,
-    EBITS: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    EMIN: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAXMANT: tl.constexpr,
-    MXCEIL: tl.constexpr,
-    MAXVAL: tl.constexpr,
-    SUBSCALE: tl.constexpr,
-    INV_STEPS: tl.constexpr,
-    INV_SYM: tl.constexpr,
-):
+def _quantize_kernel(x_ptr, xw_ptr, res_ptr, resw_ptr, res_out_ptr, res_outw_ptr, codes_ptr, scales_ptr, zp_ptr,
+                     mins_ptr, flag_ptr, call_id, n, nw, nb, seed,
+                     HAS_RES: tl.constexpr, PAIRED: tl.constexpr, XW: tl.constexpr, ODD: tl.constexpr,
+                     I64: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, KIND: tl.constexpr,
+                     BITS: tl.constexpr, MODE: tl.constexpr, STOCH: tl.constexpr, LEVELS: tl.constexpr,
+                     HALF: tl.constexpr, MAXB: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+                     BIAS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXMANT: tl.constexpr,
+                     MXCEIL: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr, INV_STEPS: tl.constexpr,
+                     INV_SYM: tl.constexpr):
     if PAIRED:
         g, c = _tile(GPP, GROUP // 2, I64)
         va, vb = _load_pair(x_ptr, xw_ptr, c, nw, XW, ODD)
@@ -565,44 +451,9 @@ def _quantize_kernel(
             va = va + tl.load(res_ptr + c, mask=c < n, other=0.0)
         vb = va
     gmask = g * GROUP < n
-    da, db = _quant(
-        va,
-        vb,
-        g,
-        gmask,
-        c,
-        n,
-        nw,
-        nb,
-        seed,
-        codes_ptr,
-        scales_ptr,
-        zp_ptr,
-        mins_ptr,
-        flag_ptr,
-        call_id,
-        PAIRED,
-        ODD,
-        HAS_RES,
-        KIND,
-        BITS,
-        MODE,
-        STOCH,
-        LEVELS,
-        HALF,
-        MAXB,
-        EBITS,
-        MBITS,
-        BIAS,
-        EMIN,
-        EMAX,
-        MAXMANT,
-        MXCEIL,
-        MAXVAL,
-        SUBSCALE,
-        INV_STEPS,
-        INV_SYM,
-    )
+    da, db = _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr, call_id,
+                    PAIRED, ODD, HAS_RES, KIND, BITS, MODE, STOCH, LEVELS, HALF, MAXB, EBITS, MBITS, BIAS,
+                    EMIN, EMAX, MAXMANT, MXCEIL, MAXVAL, SUBSCALE, INV_STEPS, INV_SYM)
     if HAS_RES:
         if PAIRED:
             _store_pair(res_out_ptr, res_outw_ptr, c, nw, va - da, vb - db, ODD)
@@ -611,70 +462,34 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(
-    out_ptr,
-    outw_ptr,
-    n,
-    nw,
-    nb,
-    c0,
-    s0,
-    z0,
-    m0,
-    c1,
-    s1,
-    z1,
-    m1,
-    c2,
-    s2,
-    z2,
-    m2,
-    c3,
-    s3,
-    z3,
-    m3,
-    K: tl.constexpr,
-    ACCUM: tl.constexpr,
-    PAIRED: tl.constexpr,
-    ODD: tl.constexpr,
-    I64: tl.constexpr,
-    GROUP: tl.constexpr,
-    GPP: tl.constexpr,
-    KIND: tl.constexpr,
-    BITS: tl.constexpr,
-    MODE: tl.constexpr,
-    HALF: tl.constexpr,
-    EBITS: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    SUBSCALE: tl.constexpr,
-):
+def _dequantize_kernel(out_ptr, outw_ptr, n, nw, nb,
+                       c0, s0, z0, m0, c1, s1, z1, m1, c2, s2, z2, m2, c3, s3, z3, m3,
+                       K: tl.constexpr, ACCUM: tl.constexpr, PAIRED: tl.constexpr, ODD: tl.constexpr,
+                       I64: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr,
+                       KIND: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr,
+                       EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
     if PAIRED:
         g, c = _tile(GPP, GROUP // 2, I64)
         gmask = g * GROUP < n
-        ya, yb = _dequant_pair(
-            c0, s0, z0, m0, g, gmask, c, nw, nb, KIND, BITS, MODE, HALF, EBITS, MBITS, BIAS, SUBSCALE
-        )
+        ya, yb = _dequant_pair(c0, s0, z0, m0, g, gmask, c, nw, nb, KIND, BITS, MODE, HALF, EBITS, MBITS, BIAS,
+                               SUBSCALE)
         if ACCUM:
             aa, ab = _load_pair(out_ptr, outw_ptr, c, nw, 2, ODD)
             ya = aa + ya
             yb = ab + yb
         if K > 1:
-            ta, tb = _dequant_pair(
-                c1, s1, z1, m1, g, gmask, c, nw, nb, KIND, BITS, MODE, HALF, EBITS, MBITS, BIAS, SUBSCALE
-            )
+            ta, tb = _dequant_pair(c1, s1, z1, m1, g, gmask, c, nw, nb, KIND, BITS, MODE, HALF, EBITS, MBITS, BIAS,
+                                   SUBSCALE)
             ya = ya + ta
             yb = yb + tb
         if K > 2:
-            ta, tb = _dequant_pair(
-                c2, s2, z2, m2, g, gmask, c, nw, nb, KIND, BITS, MODE, HALF, EBITS, MBITS, BIAS, SUBSCALE
-            )
+            ta, tb = _dequant_pair(c2, s2, z2, m2, g, gmask, c, nw, nb, KIND, BITS, MODE, HALF, EBITS, MBITS, BIAS,
+                                   SUBSCALE)
             ya = ya + ta
             yb = yb + tb
         if K > 3:
-            ta, tb = _dequant_pair(
-                c3, s3, z3, m3, g, gmask, c, nw, nb, KIND, BITS, MODE, HALF, EBITS, MBITS, BIAS, SUBSCALE
-            )
+            ta, tb = _dequant_pair(c3, s3, z3, m3, g, gmask, c, nw, nb, KIND, BITS, MODE, HALF, EBITS, MBITS, BIAS,
+                                   SUBSCALE)
             ya = ya + ta
             yb = yb + tb
         _store_pair(out_ptr, outw_ptr, c, nw, ya, yb, ODD)
@@ -685,105 +500,52 @@ def _dequantize_kernel(
         if ACCUM:
             y = tl.load(out_ptr + c, mask=c < n, other=0.0) + y
         if K > 1:
-            y = y + _dequant_flat(c1, s1, z1, m1, g, gmask, c, n, KIND, MODE, HALF, EBITS, MBITS, BIAS, SUBSCALE)
+            y = y + _dequant_flat(c1, s1, z1, m1, g, gmask, c, n, KIND, MODE, HALF, EBITS, MBITS, BIAS,
+                                  SUBSCALE)
         if K > 2:
-            y = y + _dequant_flat(c2, s2, z2, m2, g, gmask, c, n, KIND, MODE, HALF, EBITS, MBITS, BIAS, SUBSCALE)
+            y = y + _dequant_flat(c2, s2, z2, m2, g, gmask, c, n, KIND, MODE, HALF, EBITS, MBITS, BIAS,
+                                  SUBSCALE)
         if K > 3:
-            y = y + _dequant_flat(c3, s3, z3, m3, g, gmask, c, n, KIND, MODE, HALF, EBITS, MBITS, BIAS, SUBSCALE)
+            y = y + _dequant_flat(c3, s3, z3, m3, g, gmask, c, n, KIND, MODE, HALF, EBITS, MBITS, BIAS,
+                                  SUBSCALE)
         tl.store(out_ptr + c, y, mask=c < n)
 
 
 @triton.jit(do_not_specialize=["call_id"])
-def _requantize_kernel(
-    acc_ptr,
-    accw_ptr,
-    n,
-    nw,
-    nb,
-    seed,
-    codes_ptr,
-    scales_ptr,
-    zp_ptr,
-    mins_ptr,
-    flag_ptr,
-    call_id,
-    c0,
-    s0,
-    z0,
-    m0,
-    c1,
-    s1,
-    z1,
-    m1,
-    c2,
-    s2,
-    z2,
-    m2,
-    c3,
-    s3,
-    z3,
-    m3,
-    K: tl.constexpr,
-    HAS_ACC: tl.constexpr,
-    PAIRED: tl.constexpr,
-    ODD: tl.constexpr,
-    EVEN: tl.constexpr,
-    I64: tl.constexpr,
-    GROUP: tl.constexpr,
-    GPP: tl.constexpr,
-    IKIND: tl.constexpr,
-    IBITS: tl.constexpr,
-    IMODE: tl.constexpr,
-    IHALF: tl.constexpr,
-    IEBITS: tl.constexpr,
-    IMBITS: tl.constexpr,
-    IBIAS: tl.constexpr,
-    ISUBSCALE: tl.constexpr,
-    KIND: tl.constexpr,
-    BITS: tl.constexpr,
-    MODE: tl.constexpr,
-    STOCH: tl.constexpr,
-    LEVELS: tl.constexpr,
-    HALF: tl.constexpr,
-    MAXB: tl.constexpr,
-    EBITS: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    EMIN: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAXMANT: tl.constexpr,
-    MXCEIL: tl.constexpr,
-    MAXVAL: tl.constexpr,
-    SUBSCALE: tl.constexpr,
-    INV_STEPS: tl.constexpr,
-    INV_SYM: tl.constexpr,
-):
+def _requantize_kernel(acc_ptr, accw_ptr, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr, call_id,
+                       c0, s0, z0, m0, c1, s1, z1, m1, c2, s2, z2, m2, c3, s3, z3, m3,
+                       K: tl.constexpr, HAS_ACC: tl.constexpr, PAIRED: tl.constexpr, ODD: tl.constexpr,
+                       EVEN: tl.constexpr, I64: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr,
+                       IKIND: tl.constexpr, IBITS: tl.constexpr, IMODE: tl.constexpr, IHALF: tl.constexpr,
+                       IEBITS: tl.constexpr, IMBITS: tl.constexpr, IBIAS: tl.constexpr,
+                       ISUBSCALE: tl.constexpr,
+                       KIND: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, STOCH: tl.constexpr,
+                       LEVELS: tl.constexpr, HALF: tl.constexpr, MAXB: tl.constexpr, EBITS: tl.constexpr,
+                       MBITS: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+                       MAXMANT: tl.constexpr, MXCEIL: tl.constexpr, MAXVAL: tl.constexpr, SUBSCALE: tl.constexpr,
+                       INV_STEPS: tl.constexpr, INV_SYM: tl.constexpr):
     if PAIRED:
         g, c = _tile(GPP, GROUP // 2, I64)
         gmask = g * GROUP < n
-        va, vb = _dequant_pair(
-            c0, s0, z0, m0, g, gmask, c, nw, nb, IKIND, IBITS, IMODE, IHALF, IEBITS, IMBITS, IBIAS, ISUBSCALE
-        )
+        va, vb = _dequant_pair(c0, s0, z0, m0, g, gmask, c, nw, nb, IKIND, IBITS, IMODE, IHALF, IEBITS, IMBITS,
+                               IBIAS, ISUBSCALE)
         if HAS_ACC:
             aa, ab = _load_pair(acc_ptr, accw_ptr, c, nw, 2, ODD)
             va = aa + va
             vb = ab + vb
         if K > 1:
-            ta, tb = _dequant_pair(
-                c1, s1, z1, m1, g, gmask, c, nw, nb, IKIND, IBITS, IMODE, IHALF, IEBITS, IMBITS, IBIAS, ISUBSCALE
-            )
+            ta, tb = _dequant_pair(c1, s1, z1, m1, g, gmask, c, nw, nb, IKIND, IBITS, IMODE, IHALF, IEBITS, IMBITS,
+                                   IBIAS, ISUBSCALE)
             va = va + ta
             vb = vb + tb
         if K > 2:
-            ta, tb = _dequant_pair(
-                c2, s2, z2, m2, g, gmask, c, nw, nb, IKIND, IBITS, IMODE, IHALF, IEBITS, IMBITS, IBIAS, ISUBSCALE
-            )
+            ta, tb = _dequant_pair(c2, s2, z2, m2, g, gmask, c, nw, nb, IKIND, IBITS, IMODE, IHALF, IEBITS, IMBITS,
+                                   IBIAS, ISUBSCALE)
             va = va + ta
             vb = vb + tb
         if K > 3:
-            ta, tb = _dequant_pair(
-                c3, s3, z3, m3, g, gmask, c, nw, nb, IKIND, IBITS, IMODE, IHALF, IEBITS, IMBITS, IBIAS, ISUBSCALE
-            )
+            ta, tb = _dequant_pair(c3, s3, z3, m3, g, gmask, c, nw, nb, IKIND, IBITS, IMODE, IHALF, IEBITS, IMBITS,
+                                   IBIAS, ISUBSCALE)
             va = va + ta
             vb = vb + tb
         if not EVEN:  # decoded padding is not 0: zero it so it cannot move the group statistics
@@ -792,62 +554,25 @@ def _requantize_kernel(
     else:
         g, c = _tile(GPP, GROUP, I64)
         gmask = g * GROUP < n
-        va = _dequant_flat(c0, s0, z0, m0, g, gmask, c, n, IKIND, IMODE, IHALF, IEBITS, IMBITS, IBIAS, ISUBSCALE)
+        va = _dequant_flat(c0, s0, z0, m0, g, gmask, c, n, IKIND, IMODE, IHALF, IEBITS, IMBITS, IBIAS,
+                           ISUBSCALE)
         if HAS_ACC:
             va = tl.load(acc_ptr + c, mask=c < n, other=0.0) + va
         if K > 1:
-            va = va + _dequant_flat(
-                c1, s1, z1, m1, g, gmask, c, n, IKIND, IMODE, IHALF, IEBITS, IMBITS, IBIAS, ISUBSCALE
-            )
+            va = va + _dequant_flat(c1, s1, z1, m1, g, gmask, c, n, IKIND, IMODE, IHALF, IEBITS, IMBITS, IBIAS,
+                                    ISUBSCALE)
         if K > 2:
-            va = va + _dequant_flat(
-                c2, s2, z2, m2, g, gmask, c, n, IKIND, IMODE, IHALF, IEBITS, IMBITS, IBIAS, ISUBSCALE
-            )
+            va = va + _dequant_flat(c2, s2, z2, m2, g, gmask, c, n, IKIND, IMODE, IHALF, IEBITS, IMBITS, IBIAS,
+                                    ISUBSCALE)
         if K > 3:
-            va = va + _dequant_flat(
-                c3, s3, z3, m3, g, gmask, c, n, IKIND, IMODE, IHALF, IEBITS, IMBITS, IBIAS, ISUBSCALE
-            )
+            va = va + _dequant_flat(c3, s3, z3, m3, g, gmask, c, n, IKIND, IMODE, IHALF, IEBITS, IMBITS, IBIAS,
+                                    ISUBSCALE)
         if not EVEN:
             va = tl.where(c < n, va, 0.0)
         vb = va
-    _quant(
-        va,
-        vb,
-        g,
-        gmask,
-        c,
-        n,
-        nw,
-        nb,
-        seed,
-        codes_ptr,
-        scales_ptr,
-        zp_ptr,
-        mins_ptr,
-        flag_ptr,
-        call_id,
-        PAIRED,
-        ODD,
-        False,
-        KIND,
-        BITS,
-        MODE,
-        STOCH,
-        LEVELS,
-        HALF,
-        MAXB,
-        EBITS,
-        MBITS,
-        BIAS,
-        EMIN,
-        EMAX,
-        MAXMANT,
-        MXCEIL,
-        MAXVAL,
-        SUBSCALE,
-        INV_STEPS,
-        INV_SYM,
-    )
+    _quant(va, vb, g, gmask, c, n, nw, nb, seed, codes_ptr, scales_ptr, zp_ptr, mins_ptr, flag_ptr, call_id,
+           PAIRED, ODD, False, KIND, BITS, MODE, STOCH, LEVELS, HALF, MAXB, EBITS, MBITS, BIAS,
+           EMIN, EMAX, MAXMANT, MXCEIL, MAXVAL, SUBSCALE, INV_STEPS, INV_SYM)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -923,30 +648,18 @@ class _Plan:
             that signature (see :meth:`launch`).
     """
 
-    __slots__ = (
-        "kernel",
-        "grid",
-        "consts",
-        "n_runtime",
-        "num_warps",
-        "paired",
-        "sizes",
-        "sections",
-        "total",
-        "compiled",
-    )
+    __slots__ = ("kernel", "grid", "consts", "n_runtime", "num_warps", "paired", "sizes", "sections", "total",
+                 "compiled")
 
-    def __init__(
-        self, kernel, n: int, group: int, cfg: tuple[int, int], paired: bool, consts: dict, out_spec: QuantSpec | None
-    ) -> None:
+    def __init__(self, kernel, n: int, group: int, cfg: tuple[int, int], paired: bool, consts: dict,
+                 out_spec: QuantSpec | None) -> None:
         gpp = max(1, cfg[0] // group)
         self.kernel = kernel
         groups = (n + group - 1) // group
         self.grid = ((groups + gpp - 1) // gpp,)
-        consts = dict(
-            consts, PAIRED=paired, ODD=paired and n % 2 == 1, I64=n + gpp * group >= 2**31, GROUP=group, GPP=gpp
-        )
-        names = kernel.arg_names[len(kernel.arg_names) - len(consts) :]
+        consts = dict(consts, PAIRED=paired, ODD=paired and n % 2 == 1, I64=n + gpp * group >= 2**31, GROUP=group,
+                      GPP=gpp)
+        names = kernel.arg_names[len(kernel.arg_names) - len(consts):]
         if set(names) != set(consts):  # a signature/host mismatch must fail loudly, not launch garbage
             raise RuntimeError(f"{kernel.__name__}: constexprs {sorted(consts)} do not match {names}")
         self.consts = tuple(consts[k] for k in names)
@@ -986,26 +699,14 @@ class _Plan:
         ck = self.compiled.get(sig)
         if ck is not None and _hooks_idle():
             try:
-                ck.run(
-                    self.grid[0],
-                    1,
-                    1,
-                    _raw_stream(device.index),
-                    ck.function,
-                    ck.packed_metadata,
-                    None,
-                    None,
-                    None,
-                    *args,
-                    *self.consts,
-                )
+                ck.run(self.grid[0], 1, 1, _raw_stream(device.index), ck.function, ck.packed_metadata, None, None,
+                       None, *args, *self.consts)
                 return
             except TypeError as err:  # pragma: no cover - a Triton whose launcher takes other arguments
                 _DIRECT = False
                 clear_plans()
-                warnings.warn(
-                    f"noloco.quant: direct Triton launches switched off ({err})", RuntimeWarning, stacklevel=2
-                )
+                warnings.warn(f"noloco.quant: direct Triton launches switched off ({err})", RuntimeWarning,
+                              stacklevel=2)
         if len(args) != self.n_runtime:
             raise RuntimeError(f"{self.kernel.__name__} takes {self.n_runtime} runtime arguments, got {len(args)}")
         ret = self.kernel[self.grid](*args, *self.consts, num_warps=self.num_warps, enable_fp_fusion=False)
@@ -1044,26 +745,10 @@ def _run(plan: _Plan, args: tuple, sig: tuple, device: torch.device) -> None:
 def _decode_consts(spec: QuantSpec) -> dict:
     if spec.kind == "mx":
         p = element_params(spec.name)
-        return dict(
-            KIND=1,
-            BITS=spec.bits,
-            MODE=0,
-            HALF=0,
-            EBITS=p["e_bits"],
-            MBITS=p["m_bits"],
-            BIAS=p["bias"],
-            SUBSCALE=2.0 ** (p["emin"] - p["m_bits"]),
-        )
-    return dict(
-        KIND=0,
-        BITS=spec.bits,
-        MODE=("zero", "sym", "naive").index(spec.mode),
-        HALF=1 << (spec.bits - 1),
-        EBITS=1,
-        MBITS=1,
-        BIAS=0,
-        SUBSCALE=1.0,
-    )
+        return dict(KIND=1, BITS=spec.bits, MODE=0, HALF=0, EBITS=p["e_bits"], MBITS=p["m_bits"],
+                    BIAS=p["bias"], SUBSCALE=2.0 ** (p["emin"] - p["m_bits"]))
+    return dict(KIND=0, BITS=spec.bits, MODE=("zero", "sym", "naive").index(spec.mode),
+                HALF=1 << (spec.bits - 1), EBITS=1, MBITS=1, BIAS=0, SUBSCALE=1.0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1072,31 +757,11 @@ def _encode_consts(spec: QuantSpec) -> dict:
     if spec.kind == "mx":
         p = element_params(spec.name)
         maxmant = int(torch.tensor(p["max_value"], dtype=torch.float32).view(torch.int32)) & 0x7FFFFF
-        c.update(
-            STOCH=False,
-            LEVELS=0,
-            MAXB=0,
-            EMIN=p["emin"],
-            EMAX=p["emax"],
-            MAXMANT=maxmant,
-            MXCEIL=spec.mx_scale == "ceil",
-            MAXVAL=p["max_value"],
-            INV_STEPS=1.0,
-            INV_SYM=1.0,
-        )
+        c.update(STOCH=False, LEVELS=0, MAXB=0, EMIN=p["emin"], EMAX=p["emax"], MAXMANT=maxmant,
+                 MXCEIL=spec.mx_scale == "ceil", MAXVAL=p["max_value"], INV_STEPS=1.0, INV_SYM=1.0)
     else:
-        c.update(
-            STOCH=spec.stochastic,
-            LEVELS=spec.levels,
-            MAXB=max_scale_bits16(spec.levels),
-            EMIN=0,
-            EMAX=0,
-            MAXMANT=0,
-            MXCEIL=False,
-            MAXVAL=0.0,
-            INV_STEPS=inv_steps(spec),
-            INV_SYM=inv_sym(spec),
-        )
+        c.update(STOCH=spec.stochastic, LEVELS=spec.levels, MAXB=max_scale_bits16(spec.levels), EMIN=0,
+                 EMAX=0, MAXMANT=0, MXCEIL=False, MAXVAL=0.0, INV_STEPS=inv_steps(spec), INV_SYM=inv_sym(spec))
     return c
 
 
@@ -1159,10 +824,8 @@ def _verdict(flag: FlagWord, call_id: int, defer: bool, device: torch.device) ->
     or None after reading the word now and raising ``ValueError`` if the call met a non-finite group."""
     if defer and device.type in _DEFER_DEVICES:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "a checked quantizing call cannot be captured in a CUDA graph (its verdict is read "
-                "after the launch); pass check_finite=False"
-            )
+            raise RuntimeError("a checked quantizing call cannot be captured in a CUDA graph (its verdict is read "
+                               "after the launch); pass check_finite=False")
         return flag.defer(call_id)
     if flag.is_set(call_id):
         raise ValueError(NON_FINITE)
@@ -1175,9 +838,8 @@ def _verdict(flag: FlagWord, call_id: int, defer: bool, device: torch.device) ->
 def _seed(spec: QuantSpec, generator: torch.Generator | None) -> int:
     if not spec.stochastic:
         return 0
-    return int(
-        torch.randint(0, 2**31 - 1, (1,), generator=generator, device="cpu" if generator is None else generator.device)
-    )
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator,
+                             device="cpu" if generator is None else generator.device))
 
 
 def _word_aligned(t: torch.Tensor) -> torch.Tensor:
@@ -1201,14 +863,9 @@ def _sig(ptr_bits: int, seed: int) -> tuple[bool, bool, bool]:
 # ------------------------------------------------------------------------------------------------------ ops
 
 
-def quantize(
-    v: torch.Tensor,
-    spec: QuantSpec,
-    generator: torch.Generator | None = None,
-    residual: torch.Tensor | None = None,
-    check: bool = True,
-    defer: bool = False,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, PendingCheck | None]:
+def quantize(v: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
+             residual: torch.Tensor | None = None, check: bool = True, defer: bool = False
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, PendingCheck | None]:
     """Quantize flat ``v`` (fp32/bf16/fp16, contiguous) with the fused kernel.
 
     Args:
@@ -1235,18 +892,9 @@ def quantize(
     has_res = residual is not None
     paired = spec.bits == 4
     cfg = CONFIG[quantize_config_key(spec, has_res, v.dtype)]
-    plan = _plan(
-        ("q", spec, n, v.dtype, has_res, dev, cfg),
-        lambda: _Plan(
-            _quantize_kernel,
-            n,
-            spec.group,
-            cfg,
-            paired,
-            dict(_encode_consts(spec), HAS_RES=has_res, XW=_XW[v.dtype]),
-            spec,
-        ),
-    )
+    plan = _plan(("q", spec, n, v.dtype, has_res, dev, cfg), lambda: _Plan(
+        _quantize_kernel, n, spec.group, cfg, paired, dict(_encode_consts(spec), HAS_RES=has_res, XW=_XW[v.dtype]),
+        spec))
     sections = plan.alloc(dev)
     res_out = torch.empty(n, dtype=torch.float32, device=dev) if has_res else None
     pending = None
@@ -1274,29 +922,8 @@ def quantize(
             else:
                 res = resw = rout = routw = v
                 bits = v.data_ptr()
-        _run(
-            plan,
-            (
-                v,
-                vw,
-                res,
-                resw,
-                rout,
-                routw,
-                codes,
-                scales,
-                sections.get("zero_points", codes),
-                sections.get("mins", codes),
-                flag,
-                call_id,
-                n,
-                n // 2,
-                (n + 1) // 2,
-                seed,
-            ),
-            _sig(bits, seed),
-            dev,
-        )
+        _run(plan, (v, vw, res, resw, rout, routw, codes, scales, sections.get("zero_points", codes),
+                    sections.get("mins", codes), flag, call_id, n, n // 2, (n + 1) // 2, seed), _sig(bits, seed), dev)
         if check:
             pending = _verdict(word, call_id, defer, dev)
     return sections, res_out, pending
@@ -1337,34 +964,21 @@ def dequantize_accumulate(out: torch.Tensor, inputs: list[Packed], accumulate: b
         paired = spec.bits == 4
         cfg = CONFIG["dequantize/paired" if paired else "dequantize/flat"]
         k = len(inputs)
-        plan = _plan(
-            ("d", spec, n, k, accumulate, dev, cfg),
-            lambda: _Plan(
-                _dequantize_kernel, n, spec.group, cfg, paired, dict(_decode_consts(spec), K=k, ACCUM=accumulate), None
-            ),
-        )
+        plan = _plan(("d", spec, n, k, accumulate, dev, cfg), lambda: _Plan(
+            _dequantize_kernel, n, spec.group, cfg, paired, dict(_decode_consts(spec), K=k, ACCUM=accumulate),
+            None))
         dst = _word_aligned(out) if paired else out
         args, bits = _input_args(inputs)
-        _run(
-            plan,
-            (dst, _words(dst) if paired else dst, n, n // 2, (n + 1) // 2, *args),
-            _sig(bits | dst.data_ptr(), 0),
-            dev,
-        )
+        _run(plan, (dst, _words(dst) if paired else dst, n, n // 2, (n + 1) // 2, *args),
+             _sig(bits | dst.data_ptr(), 0), dev)
         if dst is not out:
             out.copy_(dst)
     return out
 
 
-def dequantize_accumulate_requantize(
-    acc: torch.Tensor | None,
-    inputs: list[Packed],
-    n: int,
-    spec: QuantSpec,
-    generator: torch.Generator | None = None,
-    check: bool = True,
-    defer: bool = False,
-) -> tuple[dict[str, torch.Tensor], PendingCheck | None]:
+def dequantize_accumulate_requantize(acc: torch.Tensor | None, inputs: list[Packed], n: int, spec: QuantSpec,
+                                     generator: torch.Generator | None = None, check: bool = True,
+                                     defer: bool = False) -> tuple[dict[str, torch.Tensor], PendingCheck | None]:
     """(sections, pending) of Q(acc + deq(inputs[0]) + ...); inputs share one spec whose group equals ``spec``'s.
 
     ``check``, ``defer`` and ``pending`` as in :func:`quantize`.
@@ -1378,17 +992,9 @@ def dequantize_accumulate_requantize(
 
     def build() -> _Plan:
         gpp = max(1, cfg[0] // spec.group)
-        return _Plan(
-            _requantize_kernel,
-            n,
-            spec.group,
-            cfg,
-            paired,
-            dict(
-                _input_consts(in_spec), **_encode_consts(spec), K=k, HAS_ACC=has_acc, EVEN=n % (gpp * spec.group) == 0
-            ),
-            spec,
-        )
+        return _Plan(_requantize_kernel, n, spec.group, cfg, paired,
+                     dict(_input_consts(in_spec), **_encode_consts(spec), K=k, HAS_ACC=has_acc,
+                          EVEN=n % (gpp * spec.group) == 0), spec)
 
     plan = _plan(("r", in_spec, spec, n, k, has_acc, dev, cfg), build)
     sections = plan.alloc(dev)
@@ -1405,26 +1011,9 @@ def dequantize_accumulate_requantize(
         else:
             a = aw = codes
         seed = _seed(spec, generator)
-        _run(
-            plan,
-            (
-                a,
-                aw,
-                n,
-                n // 2,
-                (n + 1) // 2,
-                seed,
-                codes,
-                sections["scales"],
-                sections.get("zero_points", codes),
-                sections.get("mins", codes),
-                flag,
-                call_id,
-                *args,
-            ),
-            _sig(bits, seed),
-            dev,
-        )
+        _run(plan, (a, aw, n, n // 2, (n + 1) // 2, seed, codes, sections["scales"],
+                    sections.get("zero_points", codes), sections.get("mins", codes), flag, call_id, *args),
+             _sig(bits, seed), dev)
         if check:
             pending = _verdict(word, call_id, defer, dev)
     return sections, pending
