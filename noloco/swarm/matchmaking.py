@@ -482,6 +482,7 @@ class SwarmMatchmaking(GroupSource):
         self._penalty_lock = threading.Lock()  # release() may run in an overlapped exchange's thread
         self._late: dict[str, int] = {}
         self._banned_until: dict[str, int] = {}  # peer -> last swarm round it is left out of
+        self.penalties: dict[str, int] = {}  # reason -> penalties this peer imposed for it (a peer's summary)
         self._silent: list[tuple[str, int]] = []  # (peer, round) it sent nothing in; settled next round
         self._heard: set[tuple[str, int]] = set()  # (peer, round) whose join this peer took
         self._excluded: set[tuple[str, int]] = set()  # (peer, round) exclusions already counted
@@ -548,6 +549,7 @@ class SwarmMatchmaking(GroupSource):
         # alike (a peer let back in by one member only makes both members' rounds fail).
         until = ((round_index + length) // length + 1) * length - 1
         self._banned_until[peer] = max(self._banned_until.get(peer, -1), until)
+        self.penalties[reason] = self.penalties.get(reason, 0) + 1
         self.endpoint.count_rejection(reason, f"{what}; left out until round {until} (strike {strikes})", peer)
 
     def _strike_record(self, round_index: int, peer: str, what: str) -> None:

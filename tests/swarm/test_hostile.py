@@ -283,9 +283,13 @@ def test_a_key_holder_sending_bad_data_is_struck_and_the_others_average_without_
     rejected = [s["rejected_messages"] for s in (a, b)]
     reason = "no_data" if mode == "partial" else "invalid_data"
     assert sum(r.get(reason, 0) for r in rejected) >= 2, rejected
-    if stats.get("groups", 0) >= 2:  # a repeat offender is penalised; one offence is struck, not yet penalised
-        # (with adaptive deadlines an attacker that answers late may be drawn into a single group of 20 rounds)
-        assert max(r.get("penalized", 0) for r in rejected) >= 1, rejected
+    for s, r in zip((a, b), rejected):
+        # a repeat offender is penalised (left out of the next draws); one offence is struck, not yet penalised.
+        # Whether it is then seen left out of a window ("penalized") depends on when it announces, so the test
+        # checks the penalty each peer imposed (invalid payloads are counted for good; no_data strikes count in a
+        # row only, and a partial sender's first messages are data).
+        if reason == "invalid_data" and r.get(reason, 0) >= 2:
+            assert s["penalties"].get(reason, 0) >= 1, (r, s["penalties"])
     assert sum(s.get("rounds_retried", 0) for s in (a, b)) >= 1, (a.get("rounds_retried"), b.get("rounds_retried"))
     for s in (a, b):
         # lost: rounds where it was the only partner (a 2-member group: skipped), and ones where the honest

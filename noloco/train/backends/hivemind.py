@@ -584,6 +584,7 @@ def _summary(run: Run, backend: HivemindBackend, result: WorkerResult, peer_dir:
         "matchmaking_seconds_per_round": [round(r.matchmaking_seconds, 3) for r in rounds],
         "exchange_seconds_per_round": [round(r.exchange_seconds, 3) for r in joined],
         "rejected_messages": rejection_counts(backend),
+        "penalties": dict(backend.matchmaking.penalties),  # by reason: strikes that left a peer out of draws
         "states_served": backend.state.served,
         "states_throttled": backend.state.throttled,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
