@@ -84,7 +84,7 @@ def run_case(case: str, cache: Path, tree: Path = ROOT) -> dict:
                                 *extra], _env(tree))  # fmt: skip
 
         try:
-            a = peer("a", "peer.rank=0")
+            a = peer("a", "peer.worker=0")
             maddrs = run_dir / "swarm" / "peer-a" / "maddrs.json"
             deadline = time.monotonic() + 120
             while not maddrs.exists():
@@ -92,7 +92,7 @@ def run_case(case: str, cache: Path, tree: Path = ROOT) -> dict:
                     raise RuntimeError(f"peer a did not start: {(run_dir / 'a.log').read_text()[-2000:]}")
                 time.sleep(0.2)
             first = json.loads(maddrs.read_text())["maddrs"][0]
-            b = peer("b", "peer.rank=1", f'peer.initial_peers=["{first}"]')
+            b = peer("b", "peer.worker=1", f'peer.initial_peers=["{first}"]')
             metrics = run_dir / "swarm" / "peer-b" / "metrics.jsonl"
             while case != "honest" and not metrics.exists() and b.poll() is None and time.monotonic() < deadline + 120:
                 time.sleep(0.2)  # the attacker comes once both train: a waits for one peer, which must be b

@@ -47,10 +47,10 @@ TOKENS_PER_STEP = 4 * 32  # data.batch_size × data.seq_len of benchmarks.peers.
 def _start(swarm: PeerSwarm, names: list[str], common_args: list[str], env: dict[str, dict]) -> None:
     """Start ``names`` (the first one bootstraps the others), all waiting for each other before training."""
     wait = [f"peer.wait_for_peers={len(names) - 1}"]
-    swarm.peer(names[0], *common_args, *wait, "peer.rank=0", env=env.get(names[0]))
+    swarm.peer(names[0], *common_args, *wait, "peer.worker=0", env=env.get(names[0]))
     join = f'peer.initial_peers=["{swarm.maddr(names[0])}"]'
     for rank, name in enumerate(names[1:], start=1):
-        swarm.peer(name, *common_args, *wait, join, f"peer.rank={rank}", env=env.get(name))
+        swarm.peer(name, *common_args, *wait, join, f"peer.worker={rank}", env=env.get(name))
 
 
 def swarm_run(folder: Path, peers: int, steps: int, every: int, deadlines: str, slow_seconds: float = 0.0,

@@ -59,10 +59,10 @@ def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float
             f"peer.wait_for_peers={peers - 1}", "peer.live_timeout=60"]  # fmt: skip
     started = time.monotonic()
     with PeerSwarm(folder, args) as swarm:
-        swarm.peer(names[0], "peer.rank=0")
+        swarm.peer(names[0], "peer.worker=0")
         join = f'peer.initial_peers=["{swarm.maddr(names[0], timeout)}"]'
         for rank, name in enumerate(names[1:], start=1):
-            swarm.peer(name, join, f"peer.rank={rank}")
+            swarm.peer(name, join, f"peer.worker={rank}")
         codes = swarm.finish(names, timeout)
         per_peer = []
         for name in names:

@@ -16,9 +16,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from noloco.collectives import REDUCTIONS, get_codec, known_codecs
+from noloco.collectives import known_codecs
+from noloco.collectives.settings import check_reduction_settings
+from noloco.data.settings import check_data_settings
+from noloco.models.settings import check_model_settings
 from noloco.optim import ALGORITHMS, NoLoCo
 from noloco.optim.overlap import OVERLAP_RULES, check_overlap_steps, overlap_rule
+from noloco.swarm.settings import check_peer_settings
 from noloco.train.backends import BACKENDS
 
 ALGOS = tuple(ALGORITHMS)
@@ -160,8 +164,12 @@ def _deprecated(old: str, new: str) -> None:
 
 
 def _resolve_deprecated(cfg: DictConfig) -> None:
-    """Old key names still work: ``comm.algorithm`` → ``comm.reduction``; ``comm.timeout`` → the three timeouts."""
+    """Old key names still work: ``comm.algorithm`` → ``comm.reduction``; ``comm.timeout`` → the three timeouts;
+    ``peer.rank`` → ``peer.worker``."""
     comm = cfg.comm
+    if cfg.peer.rank is not None:
+        _deprecated("peer.rank", "peer.worker")
+        cfg.peer.worker, cfg.peer.rank = cfg.peer.rank, None
     if comm.algorithm is not None:
         _deprecated("comm.algorithm", "comm.reduction")
         comm.reduction, comm.algorithm = comm.algorithm, None
@@ -209,33 +217,35 @@ def _require(condition: bool, message: str) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Check values and their relations; resolve defaults that depend on other keys."""
+    """Check values and their relations; resolve defaults that depend on other keys. Each section whose keys a
+    component reads is checked by that component (its ``check_*_settings``: the same check it runs itself)."""
     _validate_process(cfg)
     _validate_outer(cfg)
     _validate_comm(cfg.comm)
     _validate_inner(cfg)
     _validate_algorithm(cfg)
     _validate_exchange_schedule(cfg)
-    _validate_data(cfg.data)
-    _validate_sources(cfg)
+    _owner_check(check_data_settings, cfg.data)
+    _owner_check(check_model_settings, cfg.model)
     if cfg.eval.every is None:
         cfg.eval.every = cfg.outer.every
     _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
     final = cfg.checkpoint.final
     _require(isinstance(final, bool), f"checkpoint.final must be true or false, got {final!r}")
-    from noloco.models.llama import PRESETS
-
-    limit = cfg.model.max_memory_gb
-    _require(limit == "auto" or (isinstance(limit, (int, float)) and not isinstance(limit, bool)
-                                 and 0 < limit < math.inf), f"model.max_memory_gb must be auto or a number of GB > 0, "
-             f"got {limit!r}")  # fmt: skip
-    _require(cfg.model.preset in PRESETS, f"model.preset={cfg.model.preset!r} is not one of {sorted(PRESETS)}")
     _validate_names(cfg)
     stall = cfg.run.stall_timeout
     _require(isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < math.inf,
              f"run.stall_timeout must be a number of seconds >= 0 (0: off), got {stall!r}")  # fmt: skip
-    _validate_peer(cfg.peer)
+    _owner_check(check_peer_settings, cfg.peer)
+
+
+def _owner_check(check, section) -> None:
+    """Run an owner's ``check(section)``: its ValueError (naming the key) becomes a ConfigError."""
+    try:
+        check(section)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _validate_process(cfg: DictConfig) -> None:
@@ -291,17 +301,8 @@ def _validate_algorithm(cfg: DictConfig) -> None:
 
 
 def _validate_comm(comm) -> None:
-    """The ``comm`` section: codecs, reduction, error feedback, timeouts, the norm bound."""
-    for key in ("codec", "slow_codec"):
-        value = comm[key]
-        if value is not None:
-            _require(value in known_codecs(), f"comm.{key}={value!r} is not a codec: {_codec_error(value)}")
-            _require(
-                not (comm.reduction in ("ring", "naive_ring") and get_codec(value).name.startswith("topk")),
-                f"comm.reduction={comm.reduction} cannot carry the top-k codec comm.{key}={value!r}; "
-                "use two_phase or allgather",
-            )
-    _require(comm.reduction in REDUCTIONS, f"comm.reduction={comm.reduction!r} is not one of {REDUCTIONS}")
+    """The ``comm`` section: codecs and reduction (the collectives' check), the run's startup timeout."""
+    _owner_check(check_reduction_settings, comm)
     # comm.recv_timeout, group_timeout, error_feedback_decay and max_norm_ratio: the algorithm's own check
     startup = comm.startup_timeout  # (the run's, not the algorithm's: processes meeting)
     _require(isinstance(startup, (int, float)) and not isinstance(startup, bool) and 0 < startup < math.inf,
@@ -340,24 +341,6 @@ def _validate_exchange_schedule(cfg: DictConfig) -> None:
              "in flight needs the outer state on the GPU)")  # fmt: skip
 
 
-def _validate_data(data) -> None:
-    """The ``data`` section: sizes, the vocabulary bound, a files source's path."""
-    _require(data.seq_len >= 2 and data.batch_size >= 1, "data.seq_len must be >= 2 and data.batch_size >= 1")
-    _require(isinstance(data.max_vocab_size, int) and data.max_vocab_size >= 2,
-             f"data.max_vocab_size must be an integer >= 2, got {data.max_vocab_size!r}")  # fmt: skip
-    _require(isinstance(data.vocab_size, int) and 2 <= data.vocab_size <= data.max_vocab_size,
-             f"data.vocab_size={data.vocab_size!r} is not in [2, data.max_vocab_size={data.max_vocab_size}] "
-             "(raise data.max_vocab_size for a larger vocabulary)")  # fmt: skip
-    if data.source == "files":
-        _require(bool(data.path), "data.source=files needs data.path")
-        import glob
-
-        _require(
-            Path(str(data.path)).expanduser().exists() or bool(glob.glob(str(Path(data.path).expanduser()))),
-            f"data.path={data.path!r} does not exist",
-        )
-
-
 def _single_component(value) -> bool:
     """A name that is one path component of its own: not empty, no separator, not ``.`` or ``..``."""
     text = str(value)
@@ -374,65 +357,6 @@ def _validate_names(cfg: DictConfig) -> None:
                  "'..'): it names a folder under run.dir")  # fmt: skip
 
 
-def _validate_peer(peer) -> None:
-    """The swarm's limits against hostile peers (``peer.*``, docs/swarm.md): counts and seconds in range."""
-
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    for key, least in (("max_unauth_per_peer", 1), ("max_unauth_streams", 1), ("state_burst", 1),
-                       ("state_concurrency", 1), ("strikes_before_penalty", 1), ("penalty_rounds", 0),
-                       ("max_penalty_rounds", 1)):  # fmt: skip
-        value = peer[key]
-        _require(isinstance(value, int) and not isinstance(value, bool) and value >= least,
-                 f"peer.{key} must be an integer >= {least}, got {value!r}")  # fmt: skip
-    for key in ("header_timeout", "state_interval", "window", "confirm_timeout", "min_window", "min_confirm"):
-        _require(number(peer[key]) and peer[key] > 0, f"peer.{key} must be a number of seconds > 0, got {peer[key]!r}")
-    _require(peer.deadlines in ("adaptive", "fixed"),
-             f"peer.deadlines must be adaptive or fixed, got {peer.deadlines!r}")  # fmt: skip
-    _require(number(peer.deadline_spread) and peer.deadline_spread >= 0,
-             f"peer.deadline_spread must be a number >= 0, got {peer.deadline_spread!r}")  # fmt: skip
-    value = peer.deadline_rounds
-    _require(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1000,
-             f"peer.deadline_rounds must be an integer in 1..1000, got {value!r}")  # fmt: skip
-
-
-def _exists(spec) -> bool:
-    import glob
-
-    specs = [spec] if isinstance(spec, str) else list(spec)
-    return bool(specs) and all(Path(str(s)).expanduser().exists() or glob.glob(str(Path(str(s)).expanduser()))
-                               for s in specs)  # fmt: skip
-
-
-def _validate_sources(cfg: DictConfig) -> None:
-    """``model.source``, ``data.source=hf`` and ``data.tokenizer`` (docs/your-model-and-data.md)."""
-    model, data = cfg.model, cfg.data
-    _require(model.source in ("noloco", "hf"), f"model.source={model.source!r} is not one of noloco, hf")
-    _require(model.hf_weights in ("auto", True, False), f"model.hf_weights must be auto, true or false, got "
-             f"{model.hf_weights!r}")  # fmt: skip
-    if model.source == "hf":
-        from noloco.models.hf import ModelError, model_folder
-
-        try:
-            model_folder(model.hf_path)  # no folder, or no config.json in it
-        except ModelError as exc:
-            raise ConfigError(str(exc)) from None
-    if data.source == "hf":
-        _require(bool(data.hf_path), "data.source=hf needs data.hf_path (a builder such as json or parquet with "
-                 "data.hf_files, a dataset folder, or a hub name)")  # fmt: skip
-        _require(data.hf_files is None or _exists(data.hf_files), f"data.hf_files={data.hf_files!r} matches no file")
-        _require(isinstance(data.text_field, str) and bool(data.text_field), "data.text_field must be a field name")
-    _require(isinstance(data.streaming, bool), f"data.streaming must be true or false, got {data.streaming!r}")
-    _require(not data.streaming or data.source == "hf", "data.streaming=true needs data.source=hf")
-    _require(isinstance(data.stream_sample, int) and data.stream_sample >= 1, "data.stream_sample must be >= 1")
-    from noloco.data.stream_end import MODES
-
-    _require(data.stream_end in MODES, f"data.stream_end={data.stream_end!r} is not one of {', '.join(MODES)}")
-    _require(data.tokenizer is None or Path(str(data.tokenizer)).expanduser().exists(),
-             f"data.tokenizer={data.tokenizer!r}: no such file or folder")  # fmt: skip
-
-
 def _validate_wandb(wandb) -> None:
     """``log.wandb``: a known mode; with a project set, the wandb package installed (found, not imported)."""
     from importlib.util import find_spec
@@ -446,12 +370,3 @@ def _validate_wandb(wandb) -> None:
             f"log.wandb.project={wandb.project!r} needs wandb, which is not installed: pip install 'noloco[wandb]' "
             "(or drop log.wandb.project)",
         )
-
-
-def _codec_error(name: object) -> str:
-    """Why ``name`` is not a codec: the parser's own one-line message."""
-    try:
-        get_codec(name)
-    except ValueError as err:
-        return str(err)
-    return "not a codec"

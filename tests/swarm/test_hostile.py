@@ -32,9 +32,9 @@ def _train_seconds(swarm, name: str) -> float:
 def _pair(swarm, steps: int, every: int, *extra: str) -> tuple[str, ...]:
     """Start honest peers a and b (b bootstrapped from a); both wait for each other before training."""
     common = (f"steps={steps}", f"outer.every={every}", *extra)
-    swarm.peer("a", *common, "peer.rank=0", "peer.wait_for_peers=1")
+    swarm.peer("a", *common, "peer.worker=0", "peer.wait_for_peers=1")
     join = f'peer.initial_peers=["{swarm.maddrs("a")[0]}"]'
-    swarm.peer("b", *common, join, "peer.rank=1", "peer.wait_for_peers=1")
+    swarm.peer("b", *common, join, "peer.worker=1", "peer.wait_for_peers=1")
     return common + (join,)
 
 
@@ -107,7 +107,7 @@ def test_a_key_holder_claiming_to_be_ahead_is_not_followed(swarm):
     stats_path = swarm.attacker("ahead", "ahead", "a", "--seconds", "90", "--count", "400", "--pause", "0.5",
                                 "--steps", str(steps), "--every", str(every), key=swarm.key)  # fmt: skip
     _wait_ready(swarm, stats_path)
-    swarm.peer("late", *common, "peer.rank=2", "peer.wait_for_peers=2")
+    swarm.peer("late", *common, "peer.worker=2", "peer.wait_for_peers=2")
     for name in ("a", "b", "late"):
         assert swarm.finish(name, timeout=200) == 0, swarm.logs()
     stats = swarm.stats(stats_path)

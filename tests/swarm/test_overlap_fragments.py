@@ -118,9 +118,9 @@ def test_two_peers_train_together_with_overlap_or_fragments(swarm, overlap, frag
     common = (f"steps={steps}", f"outer.every={every}", f"outer.overlap={overlap}", f"outer.fragments={fragments}",
               "peer.wait_for_peers=1", "peer.join_timeout=120",
               *([f"outer.overlap_steps={tau}"] if tau else []))  # fmt: skip
-    swarm.peer("a", *common, "peer.rank=0")
+    swarm.peer("a", *common, "peer.worker=0")
     join = f'peer.initial_peers=["{swarm.maddrs("a", timeout=120)[0]}"]'
-    swarm.peer("b", *common, join, "peer.rank=1")
+    swarm.peer("b", *common, join, "peer.worker=1")
     for name in ("a", "b"):
         assert swarm.finish(name, timeout=300) == 0, swarm.logs()
 

@@ -24,13 +24,13 @@ def test_eight_peers_form_their_rounds_beside_a_straggler(swarm):
     common = (f"steps={STEPS}", f"outer.every={EVERY}", "checkpoint.every=0", "checkpoint.final=false",
               "eval.every=40", "eval.batches=1", "log.plot=false",
               f"peer.wait_for_peers={PEERS - 1}", "peer.join_timeout=240")  # fmt: skip
-    swarm.peer("0", *common, "peer.rank=0")
+    swarm.peer("0", *common, "peer.worker=0")
     join = f'peer.initial_peers=["{swarm.maddrs("0", timeout=120)[0]}"]'
     for rank in range(1, PEERS - 1):
-        swarm.peer(str(rank), *common, join, f"peer.rank={rank}")
+        swarm.peer(str(rank), *common, join, f"peer.worker={rank}")
     # every step of the straggler starts 0.4 s late: 5 steps a round take 2 s more than the others' (~0.1-0.5 s
     # here, busy cores), and every round it is due in it is late
-    swarm.peer("slow", *common, join, f"peer.rank={PEERS - 1}", env={"NOLOCO_FAULTS": slow_steps(STEPS, 0.4)})
+    swarm.peer("slow", *common, join, f"peer.worker={PEERS - 1}", env={"NOLOCO_FAULTS": slow_steps(STEPS, 0.4)})
     names = [*map(str, range(PEERS - 1)), "slow"]
     for name in names:
         assert swarm.finish(name, timeout=600) == 0, swarm.logs()

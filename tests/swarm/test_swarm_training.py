@@ -22,8 +22,8 @@ def test_four_peers_from_a_hivemind_dht_bootstrap_train_in_varying_pairs_and_a_w
     common = ("steps=60", "outer.every=10", f'peer.initial_peers=["{bootstrap}"]', "peer.join_timeout=120")
     good = [str(rank) for rank in range(4)]
     for rank in good:
-        swarm.peer(rank, *common, f"peer.rank={rank}", "peer.wait_for_peers=3")
-    swarm.peer("intruder", *common, "steps=30", "peer.rank=9", "peer.join=never", key="not-the-run-key")
+        swarm.peer(rank, *common, f"peer.worker={rank}", "peer.wait_for_peers=3")
+    swarm.peer("intruder", *common, "steps=30", "peer.worker=9", "peer.join=never", key="not-the-run-key")
     for name in [*good, "intruder"]:
         assert swarm.finish(name, timeout=200) == 0, swarm.logs()
 
@@ -74,15 +74,15 @@ def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_
     steps, hold = 300, 95
     common = (f"steps={steps}", "outer.every=10")
     env = {"NOLOCO_FAULTS": f"inner.step@{hold}=stop"}
-    survivors = [swarm.peer("0", *common, "peer.rank=0", "peer.wait_for_peers=2", env=env)]
+    survivors = [swarm.peer("0", *common, "peer.worker=0", "peer.wait_for_peers=2", env=env)]
     bootstrap = swarm.maddrs("0")[0]
     join = f'peer.initial_peers=["{bootstrap}"]'
-    survivors.append(swarm.peer("1", *common, join, "peer.rank=1", "peer.wait_for_peers=2", env=env))
-    victim = swarm.peer("2", *common, join, "peer.rank=2", "peer.wait_for_peers=2", env=env)
+    survivors.append(swarm.peer("1", *common, join, "peer.worker=1", "peer.wait_for_peers=2", env=env))
+    victim = swarm.peer("2", *common, join, "peer.worker=2", "peer.wait_for_peers=2", env=env)
     swarm.wait(lambda: _outer_rounds_done(swarm, "2") >= 1, 150, "peer 2 did not reach round 1")
     os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT process and its p2pd die at once
     # waits (up to 120 s) until the DHT lists the live peers; once they have finished its rounds are skipped at once
-    swarm.peer("late", *common, join, "peer.rank=3", "peer.wait_for_peers=2", "peer.join_timeout=120")
+    swarm.peer("late", *common, join, "peer.worker=3", "peer.wait_for_peers=2", "peer.join_timeout=120")
     swarm.maddrs("late", timeout=150)
     swarm.wait(lambda: all(_stopped(p.pid) for p in survivors), 150, "the survivors did not reach the hold")
     for proc in survivors:

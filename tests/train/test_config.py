@@ -74,6 +74,9 @@ def test_old_key_names_still_work_and_map_onto_the_new_ones(capsys):
     assert cfg.comm.reduction == "ring" and cfg.comm.algorithm is None
     assert (cfg.comm.recv_timeout, cfg.comm.group_timeout, cfg.comm.startup_timeout) == (7, 7, 7)
     assert cfg.comm.timeout is None
+    cfg = load_config(["backend=hivemind", "peer.rank=3"])  # a swarm has no ranks: the key is peer.worker
+    assert cfg.peer.worker == 3 and cfg.peer.rank is None
+    assert "peer.rank is deprecated, use peer.worker" in capsys.readouterr().err
 
 
 def test_a_mistyped_key_gets_a_did_you_mean():

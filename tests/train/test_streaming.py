@@ -241,7 +241,7 @@ def test_streaming_on_hivemind_each_peer_reads_the_shard_of_its_rank(tmp_path):
         for rank in (0, 1):
             log = (tmp_path / f"peer{rank}.log").open("w")
             peers[rank] = subprocess.Popen(
-                [sys.executable, "train.py", *args, f"peer.rank={rank}"],
+                [sys.executable, "train.py", *args, f"peer.worker={rank}"],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -92,7 +92,7 @@ def exchange_period(cfg: DictConfig) -> int:
 
 
 def worker_of(peer_id: str) -> int:
-    """A peer's worker index when ``peer.rank`` is not set: a 31-bit hash of its peer id. It picks the peer's data
+    """A peer's worker index when ``peer.worker`` is not set: a 31-bit hash of its peer id. It picks the peer's data
     stream (batches by ``(seed, worker, step)``) and names its checkpoint file; it orders nothing (a swarm has
     no ranks: groups are formed by matchmaking)."""
     return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
@@ -397,10 +397,10 @@ def _worker_and_name(cfg: DictConfig, endpoint: SwarmEndpoint, run: Run) -> tupl
     a resumed peer keeps its checkpoint's) and its name (``peer.name``, else its worker index where given, else
     the end of its peer id; a resumed peer keeps its folder's)."""
     peer = cfg.peer
-    worker = peer.rank if peer.rank is not None else worker_of(endpoint.peer_id)
+    worker = peer.worker if peer.worker is not None else worker_of(endpoint.peer_id)
     if run.resume_from is not None:  # the data stream (and checkpoint file) of the run being resumed
         worker = _checkpoint_rank(run.resume_from, worker)
-    name = str(peer.name or (worker if peer.rank is not None else endpoint.peer_id[-8:]))
+    name = str(peer.name or (worker if peer.worker is not None else endpoint.peer_id[-8:]))
     if run.resume_from is not None and run.folder is not None and not peer.name:
         name = run.folder.name.removeprefix("peer-")
     return worker, name
