@@ -941,17 +941,18 @@ class OuterAlgorithm(Algorithm):
             raise ValueError("checkpoint holds an overlapped exchange, this run does not overlap (outer.overlap)")
 
 
-def _group_source(transport: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:
-    if isinstance(transport, GroupSource):
-        return transport
-    size = None if group_size is None else min(group_size, transport.world_size)
-    return ScheduledGroups(transport, size, seed)
+def _group_source(peers: Transport | GroupSource, group_size: int | None, seed: int) -> GroupSource:
+    """``peers`` as a group source: itself, or a fixed world's transport's seeded schedule of groups."""
+    if isinstance(peers, GroupSource):
+        return peers
+    size = None if group_size is None else min(group_size, peers.world_size)
+    return ScheduledGroups(peers, size, seed)
 
 
 class NoLoCo(OuterAlgorithm):
     """NoLoCo: outer momentum with a pull toward the mean of a random subgroup (docs/design.md §3.1).
 
-    ``transport`` is either a fixed world's transport (groups drawn from a seeded schedule of
+    ``peers`` is either a fixed world's :class:`~noloco.comm.Transport` (groups drawn from a seeded schedule of
     ``group_size``) or a :class:`~noloco.gossip.GroupSource` (e.g. swarm matchmaking). ``exchange``
     takes the keyword arguments of :class:`OuterAlgorithm` that shape the exchange: ``codec``,
     ``slow_codec``, ``error_feedback``, ``reduction``, ``timeout``, ``group_timeout``,
@@ -976,7 +977,7 @@ class NoLoCo(OuterAlgorithm):
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        transport: Transport | GroupSource,
+        peers: Transport | GroupSource,
         every: int = 20,
         lr: float = 0.7,
         pull: float = 0.7,
@@ -987,7 +988,7 @@ class NoLoCo(OuterAlgorithm):
     ):
         self.check_settings({"lr": lr, "pull": pull, "momentum": momentum})
         momentum = self.DEFAULT_MOMENTUM if momentum is None else momentum
-        group_source = _group_source(transport, group_size, seed)
+        group_source = _group_source(peers, group_size, seed)
         super().__init__(model, inner_opt, group_source, NoLoCoRule(lr, pull, momentum), every, **exchange)
 
     def _fused_exchange(self) -> bool:  # Codec equality: int4 == int4:g128
@@ -1010,7 +1011,7 @@ class DiLoCo(OuterAlgorithm):
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        transport: Transport | GroupSource,
+        peers: Transport | GroupSource,
         every: int = 20,
         lr: float = 0.7,
         momentum: float | None = None,
@@ -1019,7 +1020,7 @@ class DiLoCo(OuterAlgorithm):
     ):
         self.check_settings({"lr": lr, "momentum": momentum})
         momentum = self.DEFAULT_MOMENTUM if momentum is None else momentum
-        group_source = _group_source(transport, None, 0)
+        group_source = _group_source(peers, None, 0)
         super().__init__(model, inner_opt, group_source, DiLoCoRule(lr, momentum, nesterov), every, **exchange)
 
 
@@ -1032,11 +1033,11 @@ class PeriodicAveraging(OuterAlgorithm):
         self,
         model: torch.nn.Module,
         inner_opt: torch.optim.Optimizer,
-        transport: Transport | GroupSource,
+        peers: Transport | GroupSource,
         every: int = 20,
         **exchange,
     ):
-        super().__init__(model, inner_opt, _group_source(transport, None, 0), AveragingRule(), every, **exchange)
+        super().__init__(model, inner_opt, _group_source(peers, None, 0), AveragingRule(), every, **exchange)
 
 
 #: ``outer.algo`` → the class that runs it (the one list of algorithm names)
