@@ -53,6 +53,8 @@ class Progress:
                  quiet_start: bool = False):  # fmt: skip
         from tqdm import tqdm
 
+        if "_lock" not in vars(tqdm):  # tqdm's default lock is a process-shared semaphore: a rank killed on a second
+            tqdm.set_lock(threading.RLock())  # Ctrl-C would leak it (resource_tracker's warning); one bar per process
         self._lock = threading.Lock()
         self._workers, self._initial, self._desc = workers, initial, desc
         self._steps: dict[int, int] = {}

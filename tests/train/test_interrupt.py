@@ -387,6 +387,27 @@ def test_ctrl_c_on_the_torch_backend_stops_every_rank_at_one_step(tiny_overrides
     _resume_matches_clean(f"{run_dir}/checkpoints/latest", clean, run_dir)
 
 
+def test_a_progress_bar_holds_no_semaphore_a_killed_rank_could_leak():
+    """A rank still there 5 s after a second Ctrl-C is killed; tqdm's default lock is a process-shared semaphore,
+    which a killed process never releases, and the resource tracker then printed a warning after the launcher's
+    last line (seen at load 8). The bar's lock is a thread lock: no semaphore is registered, bar on or off."""
+    code = (
+        "import multiprocessing\n"
+        "multiprocessing.set_start_method('spawn')  # as in a spawned rank: named semaphores, tracked\n"
+        "from multiprocessing import resource_tracker as rt\n"
+        "seen = []\n"
+        "rt.register = lambda name, rtype: seen.append(rtype)\n"
+        "from noloco.train.run import Progress\n"
+        "for enabled in (False, True):\n"
+        "    bar = Progress(10, 0, 2, enabled)\n"
+        "    bar.advance(0, 1.0)\n"
+        "print(seen)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 @pytest.mark.slow
 def test_second_ctrl_c_on_the_torch_backend_quits_at_once(tiny_overrides, tmp_path):
     """The launcher passes the second Ctrl-C on, the ranks quit, the launcher exits 130 within seconds; the
