@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 
 from noloco.comm.base import ByteCounter, CommError
 from noloco.gossip.base import Group, GroupSource
-from noloco.swarm.deadline import AdaptiveDeadline
+from noloco.swarm.deadline import AdaptiveDeadline, window_need
 from noloco.swarm.endpoint import RunKey, SwarmEndpoint, SwarmTransport
 from noloco.swarm.identity import verify
 
@@ -858,7 +858,7 @@ class SwarmMatchmaking(GroupSource):
                 time.sleep(max(0.0, min(self.poll, end + self.slack - now)))
                 continue
             if len(in_window) > 1:
-                self._note_window(round_index, in_window, start, expected, present)
+                self._note_window(round_index, in_window, start, expected)
                 return in_window, start, mine
             if self.adaptive and formed_before([e.time for e in entries], cut, start):
                 raise _Late(f"round {round_index} formed without this peer")
@@ -875,13 +875,17 @@ class SwarmMatchmaking(GroupSource):
         ``round_index`` and absent from this peer's window (a peer behind the swarm: not waited for again)."""
         return self.adaptive and round_index - self.cycle <= self._missed.get(peer, -(10**9)) < round_index
 
-    def _note_window(self, round_index: int, in_window: list[Announcement], start: float, expected: set[str],
-                     present: set[str]) -> None:  # fmt: skip
-        """What the read window says for the adaptive deadlines: how late its last peer announced after it opened,
-        and which expected peers were absent (remembered for :meth:`_missed_last`)."""
-        self.window_deadline.observe(max(e.time for e in in_window) - start)
+    def _note_window(self, round_index: int, in_window: list[Announcement], start: float, expected: set[str]) -> None:
+        """What the read window says for the adaptive deadlines: how late its peers in step announced after it
+        opened (:func:`window_need`: a straggler's late tail left out, or every peer would learn to wait for it),
+        and which expected peers were absent or in that late tail (remembered for :meth:`_missed_last`: a peer
+        behind the others is not waited for again until it announces in step with them)."""
+        deadline = self.window_deadline
+        need = window_need([e.time - start for e in in_window], deadline.spread, deadline.floor)
+        self.window_deadline.observe(need)
+        in_step = {e.peer for e in in_window if e.time - start <= need}
         for peer in expected:
-            if peer in present:
+            if peer in in_step:
                 self._missed.pop(peer, None)
             else:
                 self._missed[peer] = round_index

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from noloco.swarm.deadline import MAD_SCALE, AdaptiveDeadline
+from noloco.swarm.deadline import MAD_SCALE, AdaptiveDeadline, window_need
 from noloco.swarm.matchmaking import MAX_WINDOW, cut_windows, formed_before, width_error, windows
 from noloco.train.config import ConfigError, load_config
 
@@ -45,6 +45,35 @@ def test_a_straggler_among_the_samples_moves_the_deadline_little():
     calm.observe(0.3)
     late.observe(8.0)  # the straggler's round
     assert late.value() < 1.5 * calm.value() < 1.0
+
+
+def test_a_window_needs_the_time_of_its_peers_in_step_not_of_a_straggler_late_in_every_round():
+    """Seven peers announce within 0.3 s, the eighth 2 s after the window opened: the window needed 0.3 s.
+
+    Observing the last announcement (2 s) made every peer learn to wait 2 s for a peer late in every round
+    (the median of the observations, not an outlier among them)."""
+    in_step = [0.0, 0.05, 0.1, 0.12, 0.2, 0.25, 0.3]
+    assert window_need([*in_step, 2.0]) == 0.3
+    assert window_need([0.0, 0.05, 2.0]) == 0.05
+    deadline = AdaptiveDeadline(floor=0.1, ceiling=3.0)
+    for _ in range(8):
+        deadline.observe(window_need([*in_step, 2.0]))
+    assert deadline.value() < 1.0  # the straggler 2 s late no longer fits in the windows others open
+
+
+def test_a_window_of_evenly_spread_arrivals_needs_all_of_them():
+    """Announcements spread over 3 s (slow links, DHT jitter) keep the window at 3 s: only a tail apart is cut."""
+    assert window_need([0.4 * i for i in range(8)]) == 0.4 * 7
+    assert window_need([0.0, 1.5, 3.0]) == 3.0
+    assert window_need([0.0, 2.0]) == 2.0  # two peers: nothing to compare with
+    assert window_need([]) == 0.0
+
+
+def test_a_peer_a_little_behind_a_tight_cluster_is_within_the_tolerance():
+    """Seven peers at once and one 0.3 s later: a MAD of 0, but 0.3 s is within the shortest window (1 s)."""
+    assert window_need([0.0] * 7 + [0.3]) == 0.0
+    assert window_need([0.0] * 7 + [0.3], tolerance=1.0) == 0.3
+    assert window_need([0.0] * 7 + [2.0], tolerance=1.0) == 0.0
 
 
 def test_old_rounds_leave_the_history():
