@@ -11,7 +11,8 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
 * ``python train.py ...``: the tiny-run overrides (:data:`TINY`, a session data cache, ``run.dir=runs/<file>-<line>``)
   appended, in a workspace under the session's tmp dir (symlinks to train.py, configs/, scripts/, docker/,
   tests/, a copy of benchmarks/); ``backend=local`` ones and the ``python -m ...`` tools run in one long-lived
-  runner process (:data:`RUNNER`: torch imported once); ``backend=torch workers=4`` runs 2 workers;
+  runner process (:data:`RUNNER`: torch imported once), except a hub dataset's (offline, in a fresh interpreter:
+  :func:`train_hub`); ``backend=torch workers=4`` runs 2 workers;
 * ``torchrun``: ``--nproc-per-node 2``; ``noloco-fleet`` (root): ``--hosts 2``, workers 2, tiny;
   ``--cleanup`` on a stale fleet built for the purpose;
 * swarm peers (``backend=hivemind``): real peers on loopback (``peer.host_maddrs``), a first peer and the
@@ -725,10 +726,15 @@ def fleet_cleanup(docs: Docs, cmd, part, step) -> str:
 
 def train_hub(docs: Docs, cmd, part, step) -> str:
     """A hub dataset: offline here (``HF_HUB_OFFLINE=1``), so either it trains (a cached copy) or it ends, as the
-    doc's table says, with exit 2 and one ``error: data.hf_path=...: cannot load the dataset`` line."""
+    doc's table says, with exit 2 and one ``error: data.hf_path=...: cannot load the dataset`` line.
+
+    It runs in a fresh interpreter, not the runner: huggingface_hub reads ``HF_HUB_OFFLINE`` when it is imported,
+    and an earlier command had the runner import it without, so there the hub was tried (five retries, 23 s of
+    back-off on a machine without a network) before the same error line."""
     argv = [*part.argv, *docs.tiny_for(cmd, part.argv)]
     env = {**step.env, **part.env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    rc, out = docs.python(argv, step.cwd, env, cmd.id)
+    rc, out = docs.run([sys.executable, *argv[1:]], step.cwd, env, cmd.id)
+    assert "Retrying in" not in out, f"the hub was tried although offline:\n{tail(out)}"
     if rc == 0:
         return shown(argv) + "   (from the local datasets cache)"
     errors = [line for line in out.splitlines() if line.startswith("error: ")]

@@ -123,7 +123,9 @@ def test_a_killed_peer_resumes_from_its_own_checkpoint(swarm):
     swarm.wait(lambda: not swarm.group_members(killed.pid), 20, "the killed peer's DHT process or p2pd lives on")
     latest = swarm.peer_dir("solo") / "checkpoints" / "latest"
     assert latest.resolve().name == "step_000005"
-    swarm.peer("solo", f"resume={latest}")
+    # the same overrides again: the fixture's (peer.matchmaking_timeout=8) are on every peer's command line and win
+    # over the checkpoint's config, so without them the resumed lone peer waited 8 s in each of its rounds
+    swarm.peer("solo", *common, f"resume={latest}")
     assert swarm.finish("solo", timeout=200) == 0, swarm.logs()
     assert "resuming from its own checkpoint at step 5" in (swarm.run_dir / "solo.log").read_text()
     s = swarm.summary("solo")

@@ -271,20 +271,20 @@ def _temporary_files(run_dir: Path) -> list[Path]:
     return [p for p in (run_dir / "checkpoints").rglob(".*")] if (run_dir / "checkpoints").exists() else []
 
 
-_CLEAN: dict[str, Path] = {}
+_CLEAN: list[Path] = []
 
 
-def _clean_run(tiny_overrides, tmp_path: Path, backend: str) -> Path:
-    """The uninterrupted run of the same config (once per backend and session; kept beside the session's tmp
-    folders, since a test's own tmp_path goes when it passes)."""
-    if backend not in _CLEAN:
-        name = f"clean-{backend}"
-        done = subprocess.run([*TRAIN, *_args(tiny_overrides, f"backend={backend}", f"run.name={name}")],
+def _clean_run(tiny_overrides, tmp_path: Path) -> Path:
+    """The uninterrupted local-backend run of the same config (once per session; kept beside the session's tmp
+    folders, since a test's own tmp_path goes when it passes). The torch backend's run of it is the same bit for
+    bit (tests/train/test_distributed.py), so it is the twin of a run on either backend."""
+    if not _CLEAN:
+        done = subprocess.run([*TRAIN, *_args(tiny_overrides, "backend=local", "run.name=clean")],
                               capture_output=True, text=True, timeout=600)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        _CLEAN[backend] = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp_path.parent)) / name
-        shutil.copytree(tmp_path / name, _CLEAN[backend], symlinks=True)
-    return _CLEAN[backend]
+        _CLEAN.append(Path(tempfile.mkdtemp(prefix="clean-", dir=tmp_path.parent)) / "clean")
+        shutil.copytree(tmp_path / "clean", _CLEAN[0], symlinks=True)
+    return _CLEAN[0]
 
 
 def _resume_matches_clean(latest: str, clean: Path, run_dir: Path) -> None:
@@ -301,7 +301,7 @@ def _resume_matches_clean(latest: str, clean: Path, run_dir: Path) -> None:
 def test_ctrl_c_saves_every_worker_at_one_step_and_resumes_exactly(tiny_overrides, tmp_path):
     """SIGINT mid-run with checkpoint.every=0: exit 130, the line, a complete checkpoint of the stop step on
     every worker, no temporary files; resuming it ends bit-identical to the uninterrupted run."""
-    clean = _clean_run(tiny_overrides, tmp_path, "local")
+    clean = _clean_run(tiny_overrides, tmp_path)
     run_dir = tmp_path / "ctrl-c"
     proc = subprocess.Popen([*TRAIN, *_args(tiny_overrides, "checkpoint.every=0", "run.name=ctrl-c")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -360,8 +360,12 @@ def test_second_ctrl_c_quits_at_once_and_keeps_the_last_complete_checkpoint(tiny
 @pytest.mark.slow
 def test_ctrl_c_on_the_torch_backend_stops_every_rank_at_one_step(tiny_overrides, tmp_path):
     """Ctrl-C reaches the launcher and its ranks (one process group, as from a terminal): the launcher passes
-    it on once, the ranks agree on a step over the store, save it, and the run resumes exactly."""
-    clean = _clean_run(tiny_overrides, tmp_path, "torch")
+    it on once, the ranks agree on a step over the store, save it, and the run resumes exactly.
+
+    The uninterrupted twin is the local backend's run of the same config (shared with the local Ctrl-C test): the
+    torch backend gives the local trajectory bit for bit (tests/train/test_distributed.py), so the resumed torch
+    run must end bit-identical to it."""
+    clean = _clean_run(tiny_overrides, tmp_path)
     run_dir = tmp_path / "torch"
     proc = subprocess.Popen([*TRAIN, *_args(tiny_overrides, "backend=torch", "checkpoint.every=0", "run.name=torch")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
