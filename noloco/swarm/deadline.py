@@ -46,10 +46,15 @@ def window_need(offsets: list[float], spread: float = 4.0, tolerance: float = 0.
     values = sorted(float(o) for o in offsets if math.isfinite(float(o)))
     if len(values) < 3:
         return values[-1] if values else 0.0
+    cutoff = max(float(tolerance), robust_bound(values, spread))
+    return max(v for v in values if v <= cutoff)
+
+
+def robust_bound(values: list[float], spread: float) -> float:
+    """``median + spread × 1.4826 × MAD`` of ``values`` (non-empty): their centre plus ``spread`` robust spreads."""
     median = statistics.median(values)
     mad = statistics.median(abs(v - median) for v in values)
-    cutoff = max(float(tolerance), median + spread * MAD_SCALE * mad)
-    return max(v for v in values if v <= cutoff)
+    return median + spread * MAD_SCALE * mad
 
 
 class AdaptiveDeadline:
@@ -89,10 +94,7 @@ class AdaptiveDeadline:
         """This round's deadline in seconds: ``clamp(median + spread × 1.4826 × MAD, floor, ceiling)``."""
         if len(self.samples) < self.min_samples:
             return self.ceiling
-        samples = list(self.samples)
-        median = statistics.median(samples)
-        mad = statistics.median(abs(s - median) for s in samples)
-        return min(self.ceiling, max(self.floor, median + self.spread * MAD_SCALE * mad))
+        return min(self.ceiling, max(self.floor, robust_bound(list(self.samples), self.spread)))
 
     def state(self) -> dict:
         """What the deadline is built from, for the peer's summary: ``{"seconds", "samples", "median"}``."""

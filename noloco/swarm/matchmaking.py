@@ -872,7 +872,8 @@ class SwarmMatchmaking(GroupSource):
 
     def _missed_last(self, peer: str, round_index: int) -> bool:
         """With :attr:`adaptive`: whether ``peer`` was expected in one of the last ``cycle`` rounds before
-        ``round_index`` and absent from this peer's window (a peer behind the swarm: not waited for again)."""
+        ``round_index`` and absent from this peer's window or in its late tail (a peer behind the swarm: not
+        waited for again until it announces in step)."""
         return self.adaptive and round_index - self.cycle <= self._missed.get(peer, -(10**9)) < round_index
 
     def _note_window(self, round_index: int, in_window: list[Announcement], start: float, expected: set[str]) -> None:
@@ -882,7 +883,7 @@ class SwarmMatchmaking(GroupSource):
         behind the others is not waited for again until it announces in step with them)."""
         deadline = self.window_deadline
         need = window_need([e.time - start for e in in_window], deadline.spread, deadline.floor)
-        self.window_deadline.observe(need)
+        deadline.observe(need)
         in_step = {e.peer for e in in_window if e.time - start <= need}
         for peer in expected:
             if peer in in_step:
