@@ -15,7 +15,8 @@ matchmaking mode of ``--deadlines`` (``adaptive``: per-round deadlines from rece
    own checkpoint (``resume=``). Reported: seconds from the restart to its first outer round joined with the
    swarm, and to its first inner step.
 
-Usage: ``python -m benchmarks.straggler [--peers 8] [--factor 4] [--steps 200] [--every 10] [--out DIR]``; writes
+Usage: ``python -m benchmarks.straggler [--peers 8] [--factor 4] [--steps 200] [--every 10] [--out DIR]
+[-- KEY=VALUE ...]`` (the keys: ``train.py`` overrides for the restart's peers, such as a 125M-sized model); writes
 ``DIR/straggler.md`` and ``DIR/straggler.json`` (default ``runs/benchmarks/straggler/``; ``--name`` renames them);
 the peers' run folders go under ``runs/benchmarks/straggler/``. Needs about
 ``--peers`` cores to be meaningful (each peer trains on one thread); on fewer, the peers' compute shares the
@@ -80,11 +81,14 @@ def swarm_run(folder: Path, peers: int, steps: int, every: int, deadlines: str, 
         return out
 
 
-def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float = 1800) -> dict:
-    """Kill one of ``peers`` after its second round, restart it from its checkpoint; seconds to rejoin."""
+def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float = 1800,
+                overrides: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """Kill one of ``peers`` after its second round, restart it from its checkpoint; seconds to rejoin.
+
+    ``overrides``: ``train.py`` keys for every peer after the tiny model's (a larger model, the GPU)."""
     names = [f"p{i}" for i in range(peers)]
     args = [*TINY, f"steps={steps}", f"outer.every={every}", f"eval.every={steps}", f"checkpoint.every={every}",
-            "peer.deadlines=adaptive"]  # fmt: skip
+            "peer.deadlines=adaptive", *overrides]  # fmt: skip
     victim = names[-1]
     with PeerSwarm(folder, args) as swarm:
         _start(swarm, names, args, {})
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-restart", action="store_true", help="skip the kill-and-restart measurement")
     common.add_out(parser, "straggler")
     parser.add_argument("--name", default="straggler", help="report file names (straggler)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="train.py keys for the restart's peers, after '--' (a 125M-sized peer on the GPU: "
+                             "-- model.preset=125m data.vocab_size=32000 device=cuda)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.peers < 3 or args.factor <= 1 or args.steps < 3 * args.every or args.every < 1:
         parser.error("need --peers >= 3, --factor > 1, --every >= 1 and --steps >= 3 x --every")
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         row["ratio"] = row["others_tokens_per_second"] / row["base_tokens_per_second"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("base", "slow")}), flush=True)
-    restart = None if args.no_restart else restart_run(work / "restart", args.peers, 3 * args.steps, args.every)
+    restart = None if args.no_restart else restart_run(work / "restart", args.peers, 3 * args.steps, args.every,
+                                                       overrides=tuple(args.overrides))  # fmt: skip
     print(json.dumps({"restart": restart}), flush=True)
     command, machine = common.command("straggler", argv), common.machine()
     lines = _report(args, rows, restart, command, machine)
@@ -189,11 +197,12 @@ def _report(args, rows: list[dict], restart: dict | None, command: str, machine:
                      f"{r['straggler_rounds_joined']}/{r['rounds']} |")  # fmt: skip
     if restart is not None:
         fmt = lambda v: "–" if v is None else f"{v:.2f}"
+        model = f" ({' '.join(args.overrides)})" if args.overrides else ""
         lines += ["", "## Restart to first round", "",
-                  f"One of {args.peers} peers SIGKILLed after its second round and restarted from its own checkpoint "
-                  f"(step {restart['resumed_at_step']}): {fmt(restart['seconds_to_first_step'])} s to its first "
-                  f"inner step, {fmt(restart['seconds_to_first_round'])} s to its first outer round joined with the "
-                  "swarm (process start, torch and hivemind imports, DHT and p2pd start, checkpoint load "
+                  f"One of {args.peers} peers{model} SIGKILLed after its second round and restarted from its own "
+                  f"checkpoint (step {restart['resumed_at_step']}): {fmt(restart['seconds_to_first_step'])} s to its "
+                  f"first inner step, {fmt(restart['seconds_to_first_round'])} s to its first outer round joined with "
+                  "the swarm (process start, torch and hivemind imports, DHT and p2pd start, checkpoint load "
                   "included)."]  # fmt: skip
     return lines
 

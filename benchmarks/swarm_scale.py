@@ -14,7 +14,12 @@ For each N of ``--peers`` (8, 16, 32, 64):
 NoLoCo's claim (arXiv 2506.10911) is that its sync does not grow with N while the all-reduce's does. Everything
 shares one machine's cores here, so both also measure the machine's load: N beyond the cores slows every peer.
 
-Usage: ``python -m benchmarks.swarm_scale --peers 8 16 [--steps 60] [--every 10] [--reps 5] [--out DIR]``;
+``--sleep-step S`` takes the machine's load out: each peer computes a single 8-token sequence per step and
+sleeps ``S`` seconds (its compute time, emulated), so N peers beyond the cores do not slow each other's training;
+the model, and so the exchange, stay the same.
+
+Usage: ``python -m benchmarks.swarm_scale --peers 8 16 [--steps 60] [--every 10] [--reps 5] [--sleep-step S]
+[--out DIR]``;
 writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default ``runs/benchmarks/swarm_scale/``; ``--name`` renames
 them); the peers' run folders go under ``runs/benchmarks/swarm_scale/``.
 """
@@ -38,7 +43,10 @@ if not __package__:  # `python benchmarks/swarm_scale.py`: rerun as `python -m b
     os.execv(sys.executable, [sys.executable, "-m", "benchmarks.swarm_scale", *sys.argv[1:]])
 
 from benchmarks import common
-from benchmarks.peers import TINY, PeerSwarm, joined_seconds
+from benchmarks.peers import TINY, PeerSwarm, joined_seconds, slow_steps
+
+#: ``--sleep-step``: one sequence of 8 tokens per step (about 30× less compute than TINY's 4 × 32), same model
+SLEEP_DATA = ["data.batch_size=1", "data.seq_len=8"]
 
 
 def _raise_fd_limit() -> int:
@@ -52,17 +60,22 @@ def _raise_fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float) -> dict:
-    """N peers training ``steps`` steps with a round every ``every``: medians over peers of their rounds."""
+def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float, sleep_step: float = 0.0) -> dict:
+    """N peers training ``steps`` steps with a round every ``every``: medians over peers of their rounds.
+
+    ``sleep_step`` > 0: the peers' compute is a sleep of that many seconds per step (one sequence of 8 tokens
+    computed, so the cores stay free; the same model, so the same exchange)."""
     names = [f"p{i}" for i in range(peers)]
     args = [*TINY, f"steps={steps}", f"outer.every={every}", f"eval.every={steps}", "checkpoint.every=0",
-            f"peer.wait_for_peers={peers - 1}", "peer.live_timeout=60"]  # fmt: skip
+            f"peer.wait_for_peers={peers - 1}", "peer.live_timeout=60",
+            *(SLEEP_DATA if sleep_step > 0 else [])]  # fmt: skip
+    env = {"NOLOCO_FAULTS": slow_steps(steps, sleep_step)} if sleep_step > 0 else None
     started = time.monotonic()
     with PeerSwarm(folder, args) as swarm:
-        swarm.peer(names[0], "peer.worker=0")
+        swarm.peer(names[0], "peer.worker=0", env=env)
         join = f'peer.initial_peers=["{swarm.maddr(names[0], timeout)}"]'
         for rank, name in enumerate(names[1:], start=1):
-            swarm.peer(name, join, f"peer.worker={rank}")
+            swarm.peer(name, join, f"peer.worker={rank}", env=env)
         codes = swarm.finish(names, timeout)
         per_peer = []
         for name in names:
@@ -162,18 +175,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=10, help="inner steps per round (10)")
     parser.add_argument("--reps", type=int, default=5, help="gloo all-reduce repetitions (5)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one N may take (1800)")
+    parser.add_argument("--sleep-step", type=float, default=0.0, metavar="S",
+                        help="emulate compute: each peer computes one 8-token sequence per step and sleeps S "
+                             "seconds (same model and exchange; the cores stay free); 0: real compute")  # fmt: skip
     common.add_out(parser, "swarm_scale")
     parser.add_argument("--name", default="swarm_scale", help="report file names (swarm_scale)")
     args = parser.parse_args(argv)
-    if min(args.peers) < 2 or args.steps < 2 * args.every or args.every < 1 or args.reps < 1:
-        parser.error("need --peers >= 2, --every >= 1, --steps >= 2 x --every, --reps >= 1")
+    if min(args.peers) < 2 or args.steps < 2 * args.every or args.every < 1 or args.reps < 1 or args.sleep_step < 0:
+        parser.error("need --peers >= 2, --every >= 1, --steps >= 2 x --every, --reps >= 1, --sleep-step >= 0")
     fds = _raise_fd_limit()
     out = common.out_dir(args.out)
     # the peers' run folders (logs, metrics) stay under runs/, whatever --out is
     work = Path(tempfile.mkdtemp(prefix="swarm_scale-", dir=common.out_dir(common.RUNS / "swarm_scale")))
     rows = []
     for n in args.peers:
-        row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout)
+        row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout, args.sleep_step)
         row["gloo_seconds"] = gloo_point(n, row["params"], args.reps)["seconds"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "per_peer"}), flush=True)
@@ -197,7 +213,13 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
         f"Swarm: N peers on loopback, tiny LLaMA ({rows[0]['params']:,} parameters), NoLoCo pairs, int4, adaptive "
         f"deadlines, {args.steps} inner steps, a round every {args.every}. Sync = matchmaking + exchange of a joined "
         "round (median over its rounds, then over the peers); formed = rounds joined / rounds (median, worst peer). "
-        f"gloo: N processes all-reduce the same number of fp32 values, median of {args.reps} (slowest process).",
+        + (
+            f"Compute emulated: each peer computes one 8-token sequence a step and sleeps {args.sleep_step:g} s, so "
+            "the cores are not shared by N peers' training (the exchange is the same model's). "
+            if args.sleep_step
+            else ""
+        )
+        + f"gloo: N processes all-reduce the same number of fp32 values, median of {args.reps} (slowest process).",
         "",
         "| N | swarm sync (s) | matchmaking (s) | exchange (s) | loop s / round | rounds formed (median, worst) | "
         "gloo all-reduce (s) | gloo ÷ swarm sync |",
