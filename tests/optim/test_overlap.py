@@ -36,6 +36,8 @@ def _train(transport: Transport, overlap: bool, wrap=None, step_seconds: float =
         loss = 0.5 * error.pow(2).sum() + 0.25 * quartic * error.pow(4).sum()
         loss.backward()
         time.sleep(step_seconds)  # stands in for compute
+        if ticks is not None and step % EVERY == 0:
+            ticks.launch()
         algo.step()
         if ticks is not None:
             ticks.advance(last=step == STEPS)
@@ -249,11 +251,16 @@ def test_provisional_is_the_blocking_trajectory_when_inner_training_is_linear_an
 
 
 class Ticks:
-    """A worker's inner steps, as its outer messages' sender sees them."""
+    """A worker's inner steps, as its outer messages' sender sees them, and the step count at each outer step."""
 
     def __init__(self):
-        self.steps, self.done = 0, False
+        self.steps, self.done, self.launches = 0, False, []
         self.changed = threading.Condition()
+
+    def launch(self) -> None:
+        """An outer step begins (before ``algo.step()`` of a round's last inner step)."""
+        with self.changed:
+            self.launches.append(self.steps)
 
     def advance(self, last: bool) -> None:
         with self.changed:
@@ -261,26 +268,29 @@ class Ticks:
             self.done = self.done or last
             self.changed.notify_all()
 
-    def moves_on(self, wait: float) -> bool:
-        """Whether training takes another inner step within ``wait`` s (False at once once it has ended)."""
+    def moves_on(self, launch: int, wait: float) -> bool:
+        """Whether training took another inner step after its ``launch``-th outer step began, waiting up to
+        ``wait`` s for one. Counted from the outer step, not from the send: a loaded machine may run the
+        exchange's thread only after training has gone on to the next outer step, which then waits for it."""
         with self.changed:
-            start = self.steps
+            start = self.launches[launch]
             return self.changed.wait_for(lambda: self.steps > start or self.done, wait) and self.steps > start
 
 
 class HeldLink(Transport):
-    """The first outer message of each round leaves only once its sender's training has taken another inner step
-    (or ``wait`` s passed, or training ended): ``moved`` records, per round, whether training went on meanwhile."""
+    """The first outer message of each round leaves only once its sender's training has taken an inner step since
+    the round's outer step began (or ``wait`` s passed, or training ended): ``moved`` records, per round, whether
+    training went on meanwhile."""
 
     def __init__(self, inner: Transport, ticks: Ticks, wait: float, moved: list):
         self.inner, self.ticks, self.wait, self.moved = inner, ticks, wait, moved
         self.rank, self.world_size, self.counter = inner.rank, inner.world_size, inner.counter
-        self.rounds: set[str] = set()
+        self.rounds: list[str] = []  # in the order of the outer steps that sent them
 
     def send(self, dst: int, tag: str, payload: bytes) -> None:
-        if tag.startswith("outer/") and tag.split("/")[1] not in self.rounds and not self.ticks.done:
-            self.rounds.add(tag.split("/")[1])
-            self.moved.append(self.ticks.moves_on(self.wait))
+        if tag.startswith("outer/") and tag.split("/")[1] not in self.rounds:
+            self.rounds.append(tag.split("/")[1])
+            self.moved.append(self.ticks.moves_on(len(self.rounds) - 1, self.wait))
         self.inner.send(dst, tag, payload)
 
     def recv(self, src: int, tag: str, timeout: float) -> bytes:
@@ -289,8 +299,8 @@ class HeldLink(Transport):
 
 @pytest.mark.parametrize("cls", [NoLoCo, DiLoCo])
 def test_overlapped_training_goes_on_while_an_exchange_is_on_the_link(cls):
-    """Held until its sender trains on: overlapped, every round's first message sent before the last step is let go
-    by a step; blocking, none is (training waits in the outer step, so each leaves after the short wait)."""
+    """Held until its sender trains on: overlapped, every round's first message is let go by a step taken after its
+    outer step began; blocking, none is (training waits in the outer step, so each leaves after the short wait)."""
 
     def moved(overlap: bool, wait: float) -> list[bool]:
         ticks, log = [Ticks(), Ticks()], []

@@ -37,8 +37,9 @@ def awkward(kind: str, n: int, seed: int = 0) -> torch.Tensor:
     x = torch.randn(n, generator=g)
     if kind == "outlier" and n:
         x[n // 2] = 1e4
-    if kind == "student":
-        x = torch.distributions.StudentT(2.0).sample((n,)) if n else x
+    if kind == "student":  # Student's t, 2 degrees of freedom: z / sqrt(chi2_2 / 2), chi2_2 = -2 log u (seeded)
+        u = torch.rand(n, generator=g).clamp_min(torch.finfo(torch.float32).tiny)
+        x = x / torch.sqrt(-torch.log(u))
     return x
 
 

@@ -35,8 +35,9 @@ def test_codes_and_scales_match_a_float64_reference(spec_text, kind):
         s = scales[gi].item()
         # stored scale: rounded *up* to bf16, by less than one bf16 ulp (2**-7 relative)
         assert s_exact * (1 - 1e-6) <= s <= max(s_exact, 2.0**-126) * (1 + 2.0**-7)
-        if spec.mode == "zero":
-            z = min(max(round(-lo / s), 0), L)
+        if spec.mode == "zero":  # documented in fp32: rne(-lo × (1/s)), 1/s rounded to fp32 first
+            inv = 1.0 / torch.tensor(s, dtype=torch.float32)
+            z = int(torch.round(torch.tensor(-lo, dtype=torch.float32) * inv).clamp(0, L))
             assert p.zero_points[gi].item() == z
         sl = slice(gi * spec.group, gi * spec.group + grp.numel())
         ref_q = torch.clamp(torch.round(grp / s) + z, 1 if spec.mode == "sym" else 0, L).long()
