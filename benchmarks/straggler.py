@@ -99,10 +99,13 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
         resumed_at = int(latest.resolve().name.split("_")[-1])
         # the killed run's lines past the checkpoint stay until the resumed peer rewrites the file: only new ones count
         before = {json.dumps(m, sort_keys=True) for m in swarm.metrics(victim)}
+        log = folder / f"{victim}.log"
+        log_from, timeline = log.stat().st_size, []  # (seconds after the restart, a new line of its log)
         started = time.monotonic()
         swarm.peer(victim, *args, f"resume={latest}", f'peer.initial_peers=["{swarm.maddr(names[0])}"]')
         first_step = first_round = None
         while first_round is None and time.monotonic() - started < timeout:
+            log_from = _new_lines(log, log_from, time.monotonic() - started, timeline)
             after = [m for m in swarm.metrics(victim)
                      if m["step"] > resumed_at and json.dumps(m, sort_keys=True) not in before]  # fmt: skip
             if first_step is None and after:
@@ -114,7 +117,19 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
             time.sleep(0.05)
         swarm.finish(names, timeout)
         return {"resumed_at_step": resumed_at, "seconds_to_first_step": first_step,
-                "seconds_to_first_round": first_round}  # fmt: skip
+                "seconds_to_first_round": first_round, "log_timeline": timeline}  # fmt: skip
+
+
+def _new_lines(log: Path, offset: int, seconds: float, timeline: list) -> int:
+    """Append ``(seconds, line)`` for each complete line written to ``log`` past ``offset``; the new offset."""
+    with log.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    done = data.rfind(b"\n") + 1
+    for line in data[:done].decode("utf-8", "replace").splitlines():
+        if line.strip():
+            timeline.append((round(seconds, 2), line.strip()[:200]))
+    return offset + done
 
 
 def _median(rows: dict, key: str, names) -> float:
@@ -204,6 +219,9 @@ def _report(args, rows: list[dict], restart: dict | None, command: str, machine:
                   f"first inner step, {fmt(restart['seconds_to_first_round'])} s to its first outer round joined with "
                   "the swarm (process start, torch and hivemind imports, DHT and p2pd start, checkpoint load "
                   "included)."]  # fmt: skip
+        if restart.get("log_timeline"):
+            lines += ["", "The restarted peer's log, each line's first sight (s after the restart):", "", "```"]
+            lines += [f"{t:7.2f}  {line}" for t, line in restart["log_timeline"][:40]] + ["```"]
     return lines
 
 

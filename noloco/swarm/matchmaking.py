@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 
 from noloco.comm.base import ByteCounter, CommError
 from noloco.gossip.base import Group, GroupSource
-from noloco.swarm.deadline import AdaptiveDeadline, window_need
+from noloco.swarm.deadline import AdaptiveDeadline, PeerPace, window_need
 from noloco.swarm.endpoint import RunKey, SwarmEndpoint, SwarmTransport
 from noloco.swarm.identity import verify
 
@@ -416,7 +416,8 @@ class SwarmMatchmaking(GroupSource):
             waits: the width of the windows this peer opens follows how late, after a window opened, the last
             of its peers announced in recent rounds (between ``min_window`` and ``window``), and the wait for
             the members' ``join`` follows how long recent confirmations took (between ``min_confirm`` and
-            ``confirm_timeout``); an expected peer that missed this peer's previous round is not waited for;
+            ``confirm_timeout``); an expected peer that missed a window is not waited for until it has been in
+            step for a streak of windows (:class:`~noloco.swarm.deadline.PeerPace`);
             a peer that finds its round already formed without it skips it at once (outcome ``late``) and joins
             the next one, instead of waiting alone until ``timeout``.
         min_window, min_confirm: the adaptive deadlines' lower bounds (seconds).
@@ -500,7 +501,7 @@ class SwarmMatchmaking(GroupSource):
         self.confirm_deadline = AdaptiveDeadline(min(float(min_confirm), self.confirm_timeout), self.confirm_timeout,
                                                  deadline_spread, history, min(4, history))  # fmt: skip
         self._width = self.window  # the width of this peer's latest announcement
-        self._missed: dict[str, int] = {}  # expected peer -> the latest round it was absent from this peer's window
+        self.pace = PeerPace()  # expected peers that missed windows: waited for again after a streak in step
         self._behind = False  # the round being formed is ahead of this peer's own (it is catching up)
 
     @property
@@ -848,8 +849,8 @@ class SwarmMatchmaking(GroupSource):
             in_window = self._drop_penalized([e for e in entries if start <= e.time <= end], round_index, also)
             present = {e.peer for e in in_window}
             now = get_dht_time()
-            wanted = {p for p in expected
-                      if not self.penalized(p, round_index) and not self._missed_last(p, round_index)}  # fmt: skip
+            wanted = {p for p in expected if not self.penalized(p, round_index)
+                      and (not self.adaptive or self.pace.waited_for(p))}  # fmt: skip
             everyone = bool(wanted) and wanted <= present
             if now < end + self.slack and not everyone:
                 if time.monotonic() > deadline:
@@ -870,26 +871,20 @@ class SwarmMatchmaking(GroupSource):
             mine = self._announce(round_index)
             expected = set()
 
-    def _missed_last(self, peer: str, round_index: int) -> bool:
-        """With :attr:`adaptive`: whether ``peer`` was expected in one of the last ``cycle`` rounds before
-        ``round_index`` and absent from this peer's window or in its late tail (a peer behind the swarm: not
-        waited for again until it announces in step)."""
-        return self.adaptive and round_index - self.cycle <= self._missed.get(peer, -(10**9)) < round_index
-
     def _note_window(self, round_index: int, in_window: list[Announcement], start: float, expected: set[str]) -> None:
         """What the read window says for the adaptive deadlines: how late its peers in step announced after it
         opened (:func:`window_need`: a straggler's late tail left out, or every peer would learn to wait for it),
-        and which expected peers were absent or in that late tail (remembered for :meth:`_missed_last`: a peer
-        behind the others is not waited for again until it announces in step with them)."""
+        and which expected peers were absent or in that late tail (:attr:`pace`: a peer behind the others is not
+        waited for again until it has announced in step with them for a streak of windows)."""
         deadline = self.window_deadline
         need = window_need([e.time - start for e in in_window], deadline.spread, deadline.floor)
         deadline.observe(need)
         in_step = {e.peer for e in in_window if e.time - start <= need}
         for peer in expected:
             if peer in in_step:
-                self._missed.pop(peer, None)
+                self.pace.in_step(peer)
             else:
-                self._missed[peer] = round_index
+                self.pace.missed(peer)
 
     def _confirm(self, round_index, group_id, members, names, deadline, fast_mismatch: bool,
                  window_peers: list[str] = (), strike: bool = True) -> None:  # fmt: skip
