@@ -5,11 +5,11 @@ matchmaking mode of ``--deadlines`` (``adaptive``: per-round deadlines from rece
 ``peer.window`` / ``peer.confirm_timeout`` waits; docs/swarm.md):
 
 1. **baseline**: N equal peers. Their compute seconds per inner step (training loop less outer steps) set the
-   straggler's delay.
+   straggler's delay. Also N − 1 equal peers: the others without the straggler.
 2. **straggler**: the same with one peer ``--factor`` times slower (``NOLOCO_FAULTS`` sleeps ``(factor − 1) ×``
    the baseline's compute step before each of its inner steps). Reported: the other peers' median tokens/s
-   (training loop: start-up and the wait for peers left out) against the baseline's, their rounds joined, and
-   the straggler's.
+   (training loop: start-up and the wait for peers left out) against N equal peers' and against the N − 1
+   others alone, their rounds joined, and the straggler's.
 3. **restart** (adaptive only, unless ``--no-restart``): N equal peers with a checkpoint every round; one is
    SIGKILLed (its process group: peer, DHT process, p2pd) after its second round and restarted at once from its
    own checkpoint (``resume=``). Reported: seconds from the restart to its first outer round joined with the
@@ -166,9 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         base = swarm_run(work / f"{mode}-base", args.peers, args.steps, args.every, mode)
         step = statistics.median(r["compute_step_seconds"] for r in base.values())
         slow = swarm_run(work / f"{mode}-slow", args.peers, args.steps, args.every, mode, (args.factor - 1) * step)
+        # the others without it: N - 1 equal peers (an odd swarm draws a group of three, which costs the others too)
+        without = swarm_run(work / f"{mode}-without", args.peers - 1, args.steps, args.every, mode)
         others = [n for n in slow if n != "slow"]
         row = {"deadlines": mode, "compute_step_seconds": step, "sleep_per_step": (args.factor - 1) * step,
                "base_tokens_per_second": _median(base, "tokens_per_second", base),
+               "without_tokens_per_second": _median(without, "tokens_per_second", without),
                "others_tokens_per_second": _median(slow, "tokens_per_second", others),
                "base_rounds_joined": _median(base, "rounds_joined", base),
                "others_rounds_joined": _median(slow, "rounds_joined", others),
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                "straggler_tokens_per_second": slow["slow"]["tokens_per_second"],
                "base": base, "slow": slow}  # fmt: skip
         row["ratio"] = row["others_tokens_per_second"] / row["base_tokens_per_second"]
+        row["ratio_without"] = row["others_tokens_per_second"] / row["without_tokens_per_second"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("base", "slow")}), flush=True)
     restart = None if args.no_restart else restart_run(work / "restart", args.peers, 3 * args.steps, args.every,
@@ -201,13 +205,15 @@ def _report(args, rows: list[dict], restart: dict | None, command: str, machine:
         f"{args.factor - 1:g}× the baseline's compute step). Tokens/s: per peer over its training loop (start-up "
         "and the wait for peers left out), median over the peers.",
         "",
-        "| deadlines | compute s/step | tokens/s, no straggler | tokens/s of the others, with it | ratio | rounds "
-        "joined (others, median) | rounds joined, no straggler | straggler's rounds joined |",
-        "|---|---|---|---|---|---|---|---|",
+        "| deadlines | compute s/step | tokens/s, N equal peers | tokens/s, the N − 1 others alone | tokens/s of the "
+        "others, with it | ratio to N equal | ratio to the others alone | rounds joined (others, median) | rounds "
+        "joined, no straggler | straggler's rounds joined |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['deadlines']} | {r['compute_step_seconds']:.4f} | {r['base_tokens_per_second']:,.0f} | "
-                     f"{r['others_tokens_per_second']:,.0f} | {r['ratio']:.3f} | {r['others_rounds_joined']:g}/"
+                     f"{r['without_tokens_per_second']:,.0f} | {r['others_tokens_per_second']:,.0f} | "
+                     f"{r['ratio']:.3f} | {r['ratio_without']:.3f} | {r['others_rounds_joined']:g}/"
                      f"{r['rounds']} | {r['base_rounds_joined']:g}/{r['rounds']} | "
                      f"{r['straggler_rounds_joined']}/{r['rounds']} |")  # fmt: skip
     if restart is not None:
