@@ -158,7 +158,7 @@ def test_a_failing_worker_fails_the_launch_and_the_others_are_stopped():
     started = time.monotonic()
     result = launch(command, hosts=3, rate="8mbit", prefix=prefix, grace=1.0, out=out)
     assert result.returncode == 3 and result.exit_codes[1] == 3
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 100  # the others' `sleep 120` was cut (margin for a loaded machine)
     assert "[h1] bad config" in out.getvalue()
     assert _leftovers(prefix) == []
 

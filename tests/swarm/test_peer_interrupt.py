@@ -103,9 +103,8 @@ def test_ctrl_c_from_a_terminal_stops_the_peer_and_its_daemons_with_the_resume_l
     peer = swarm.peer("t", "steps=400", "outer.every=5", "checkpoint.every=1000", "peer.matchmaking_timeout=1")
     swarm.wait(lambda: len(_steps(swarm, "t")) > 3, 240, "the peer did not start training")
     os.killpg(peer.pid, signal.SIGINT)
-    sent = time.monotonic()
     assert swarm.finish("t", timeout=120) == 130, swarm.logs()
-    assert time.monotonic() - sent < 60
+    assert len(_steps(swarm, "t")) < 400  # stopped, not trained to its end (a step count: load stretches seconds)
     log = (swarm.run_dir / "t.log").read_text()
     match = RESUME_LINE.search(log)
     assert match, log
