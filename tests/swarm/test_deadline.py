@@ -170,7 +170,10 @@ def test_a_straggler_in_step_every_other_window_is_rarely_waited_for():
     pace, waited = PeerPace(), 0
     for window in range(40):
         waited += pace.waited_for("slow")
-        pace.missed("slow") if window % 2 == 0 else pace.in_step("slow")
+        if window % 2 == 0:
+            pace.missed("slow")
+        else:
+            pace.in_step("slow")
     assert pace.level("slow") == pace.max_level
     assert waited <= 3  # the first window, then while its level is still low
 
