@@ -123,8 +123,7 @@ class PeerPace:
         if isinstance(max_level, bool) or not isinstance(max_level, int) or max_level < 1:
             raise ValueError(f"max_level must be an integer >= 1, got {max_level!r}")
         self.max_level = max_level
-        self._level: dict[str, int] = {}  # peer -> misses not yet forgiven (absent: 0)
-        self._streak: dict[str, int] = {}  # peer -> windows in a row in step since its last miss
+        self._behind: dict[str, tuple[int, int]] = {}  # peer -> (misses not yet forgiven, windows in step since)
 
     @staticmethod
     def need(level: int) -> int:
@@ -133,28 +132,26 @@ class PeerPace:
 
     def missed(self, peer: str) -> None:
         """``peer`` was expected in a window and absent from it or late: one level up, its streak restarts."""
-        self._level[peer] = min(self.max_level, self._level.get(peer, 0) + 1)
-        self._streak[peer] = 0
+        self._behind[peer] = (min(self.max_level, self.level(peer) + 1), 0)
 
     def in_step(self, peer: str) -> None:
         """``peer`` announced in step with the others; a long enough streak forgives one level."""
-        level = self._level.get(peer, 0)
-        if level == 0:
+        if peer not in self._behind:
             return
-        streak = self._streak.get(peer, 0) + 1
+        level, streak = self._behind[peer]
+        streak += 1
         if streak >= 4 * self.need(level):
             level -= 1
         if level == 0:
-            self._level.pop(peer, None)
-            self._streak.pop(peer, None)
+            del self._behind[peer]
         else:
-            self._level[peer], self._streak[peer] = level, streak
+            self._behind[peer] = (level, streak)
 
     def waited_for(self, peer: str) -> bool:
         """Whether a window should wait for ``peer`` (a peer never seen behind: yes)."""
-        level = self._level.get(peer, 0)
-        return level == 0 or self._streak.get(peer, 0) >= self.need(level)
+        level, streak = self._behind.get(peer, (0, 0))
+        return streak >= self.need(level)
 
     def level(self, peer: str) -> int:
         """``peer``'s misses not yet forgiven (0: never behind, or forgiven)."""
-        return self._level.get(peer, 0)
+        return self._behind.get(peer, (0, 0))[0]
