@@ -112,8 +112,10 @@ def _replica_rank(rank: int, port: int, queue) -> None:
                 wrapped(torch.randn(16, 32, generator=gen)).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
-            results[path] = (parameters_to_vector(model.parameters()).detach(), replicas.hook_state.on_device,
-                             replicas.hook_state.counter.bytes_sent)  # fmt: skip
+            # a numpy copy is pickled by value: a tensor would travel as a shared-memory handle that the parent
+            # fetches from this process, which may have exited by then (FileNotFoundError at load 9)
+            results[path] = (parameters_to_vector(model.parameters()).detach().numpy().copy(),
+                             replicas.hook_state.on_device, replicas.hook_state.counter.bytes_sent)  # fmt: skip
             replicas.close()
         queue.put((rank, results))
     finally:
@@ -139,5 +141,5 @@ def test_a_worker_of_gpu_processes_reduces_its_gradients_on_the_ddp_group_itself
     assert all(p.exitcode == 0 for p in procs)
     for path, on_device in (("bytes", False), ("device", True)):
         (a, a_on, a_sent), (b, b_on, b_sent) = results[0][path], results[1][path]
-        assert a.equal(b) and a_on == b_on == on_device and a_sent > 0 and b_sent > 0
-    assert results[0]["device"][0].equal(results[0]["bytes"][0])
+        assert a.tobytes() == b.tobytes() and a_on == b_on == on_device and a_sent > 0 and b_sent > 0  # bit for bit
+    assert results[0]["device"][0].tobytes() == results[0]["bytes"][0].tobytes()
