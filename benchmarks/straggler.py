@@ -87,8 +87,10 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
 
     ``overrides``: ``train.py`` keys for every peer after the tiny model's (a larger model, the GPU)."""
     names = [f"p{i}" for i in range(peers)]
+    # log.flush_every=1: the first step after the restart is read from metrics.jsonl, which a CUDA worker writes
+    # every 10 steps by default (the restart's first step then read as its tenth)
     args = [*TINY, f"steps={steps}", f"outer.every={every}", f"eval.every={steps}", f"checkpoint.every={every}",
-            "peer.deadlines=adaptive", *overrides]  # fmt: skip
+            "peer.deadlines=adaptive", "log.flush_every=1", *overrides]  # fmt: skip
     victim = names[-1]
     with PeerSwarm(folder, args) as swarm:
         _start(swarm, names, args, {})
