@@ -64,7 +64,18 @@ def check_tensor(value, where: str, shape: tuple[int, ...], dtype: torch.dtype =
         raise StateError(f"{where}: shape {tuple(value.shape)}, expected {tuple(shape)}")
 
 
+def all_finite(value: torch.Tensor) -> bool:
+    """Whether ``value`` holds no NaN or Inf (true for a tensor that is not floating point).
+
+    One reduction, no temporary of the tensor's size: a NaN or an Inf makes the sum NaN or infinite, so a finite
+    sum settles it; only a sum that is not (one that overflowed, or a tensor that does hold one) is looked at
+    element by element."""
+    if not value.is_floating_point() or value.numel() == 0:
+        return True
+    return bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
+
+
 def check_finite(value: torch.Tensor, where: str) -> None:
     """``value`` holds no NaN or Inf."""
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+    if not all_finite(value):
         raise StateError(f"{where}: holds NaN or Inf")

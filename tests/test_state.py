@@ -76,3 +76,18 @@ def test_an_outer_algorithm_checks_its_state_and_loads_it_back():
         return all(torch.equal(again[k]["contribution"], state[k]["contribution"]) for k in ("feedback",))
 
     assert all(LocalFabric(2).run(worker))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_finds_a_nan_or_inf_anywhere_and_is_not_fooled_by_an_overflowing_sum(dtype):
+    from noloco.state import all_finite
+
+    big = torch.finfo(dtype).max
+    values = torch.full((1000,), big / 4, dtype=dtype)  # finite values whose sum overflows
+    assert all_finite(values) and all_finite(torch.tensor([big, -big, big], dtype=dtype))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in (0, 517, 999):
+            broken = values.clone()
+            broken[at] = bad
+            assert not all_finite(broken), (bad, at)
+    assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(5))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from noloco.quant.feedback import check_decay
-from noloco.state import StateError, check_keys, check_tensor, is_int
+from noloco.state import StateError, all_finite, check_keys, check_tensor, is_int
 
 
 class ReductionErrorFeedback:
@@ -118,6 +118,6 @@ class ReductionErrorFeedback:
             result = torch.as_tensor(result, dtype=torch.float32).reshape(-1).clone()
             if contribution.numel() != result.numel():
                 raise ValueError("error-feedback residuals have different lengths")
-            if not (torch.isfinite(contribution).all() and torch.isfinite(result).all()):
+            if not (all_finite(contribution) and all_finite(result)):
                 raise ValueError("error-feedback residuals hold NaN or Inf")
         self.contribution, self.result = contribution, result

@@ -141,10 +141,17 @@ class LLaMA(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # torch's own initializations are skipped (reset_parameters sets every value): the embedding gets an empty
+        # table, the rest is made on the meta device and then given empty storage where tensors go here (a caller's
+        # ``with torch.device(...)`` included). Not the embedding on meta: its init there imports torch._dynamo.
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        device = self.embed.weight.device
+        with torch.device("meta"):
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        for module in (self.blocks, self.norm, self.head):
+            module.to_empty(device=device)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
@@ -161,6 +168,7 @@ class LLaMA(nn.Module):
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if param.dim() < 2:
+                nn.init.ones_(param)  # the RMSNorm gains
                 continue
             std = residual_std if name.endswith(("out.weight", "down.weight")) else self.cfg.init_std
             nn.init.normal_(param, mean=0.0, std=std, generator=generator)

@@ -36,6 +36,7 @@ import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -48,6 +49,7 @@ import torch
 from safetensors import safe_open
 
 from noloco.comm import faults
+from noloco.state import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -455,17 +457,19 @@ def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
         raise CheckpointError(f"{meta_path}: holds step {meta['step']}, the checkpoint is of step {step}")
     if meta["rank"] != rank:
         raise CheckpointError(f"{meta_path}: holds worker {meta['rank']}, not worker {rank}")
-    sha = hashlib.sha256()
-    with open(blob_path, "rb") as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            sha.update(chunk)
-    if sha.hexdigest() != meta["sha256"]:
-        raise CheckpointError(f"{blob_path} does not match its checksum: the checkpoint is damaged")
+    # the checksum is computed beside the read (hashlib lets go of the GIL): a restart reads the file once in the
+    # time of the slower of the two; nothing read is used unless the checksum matches
+    checksum = _Checksum(blob_path)
     try:  # mapped, not read into memory: the state is on the host once (the tensors), not twice
         with safe_open(str(blob_path), framework="pt") as blob:
             tensors = {key: blob.get_tensor(key) for key in blob.keys()}
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        if checksum.result() != meta["sha256"]:
+            raise CheckpointError(f"{blob_path} does not match its checksum: the checkpoint is damaged") from None
         raise CheckpointError(f"{blob_path}: not a safetensors file ({str(exc).splitlines()[0][:200]})") from None
+    nonfinite = next((key for key, tensor in tensors.items() if not all_finite(tensor)), None)
+    if checksum.result() != meta["sha256"]:
+        raise CheckpointError(f"{blob_path} does not match its checksum: the checkpoint is damaged")
     used: set[str] = set()
     try:
         state = unflatten(meta["state"], tensors, used)
@@ -474,12 +478,42 @@ def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
     unused = sorted(set(tensors) - used)
     if unused:
         raise CheckpointError(f"{blob_path} holds tensors its JSON does not reference: {unused[:3]}")
-    for key, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"{blob_path}: tensor {key} holds NaN or Inf")
+    if nonfinite is not None:
+        raise CheckpointError(f"{blob_path}: tensor {nonfinite} holds NaN or Inf")
     if not isinstance(state, dict):
         raise CheckpointError(f"{meta_path}: the state is a {type(state).__name__}, not an object")
     return state
+
+
+class _Checksum:
+    """The SHA-256 of a file, computed by a thread of its own from the moment it is made (:meth:`result` waits)."""
+
+    def __init__(self, path: Path):
+        self.path, self.digest, self.error = path, None, None
+        self.thread = threading.Thread(target=self._run, name="noloco-checksum", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:  # hashed from a read-only mapping: no copy of the file's bytes (the page cache's are hashed)
+            sha = hashlib.sha256()
+            with open(self.path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size:
+                    with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                        view = memoryview(mapped)
+                        for start in range(0, size, _CHUNK_BYTES):
+                            sha.update(view[start : start + _CHUNK_BYTES])
+                        view.release()
+            self.digest = sha.hexdigest()
+        except (OSError, ValueError) as exc:
+            self.error = exc
+
+    def result(self) -> str:
+        """The file's hex digest; CheckpointError if it could not be read."""
+        self.thread.join()
+        if self.digest is None:
+            raise CheckpointError(f"{self.path}: cannot be read ({self.error})")
+        return self.digest
 
 
 def state_vocab_size(state: dict) -> int | None:

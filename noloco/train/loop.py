@@ -25,7 +25,7 @@ from noloco.data.sampler import BatchSampler, eval_batches
 from noloco.data.stream_end import StreamEnd
 from noloco.data.tokens import TokenizedCorpus
 from noloco.gossip.base import GroupSource
-from noloco.models.llama import LLaMA, model_config
+from noloco.models.llama import LLaMA, ModelConfig, model_config
 from noloco.optim import ALGORITHMS, Algorithm
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
@@ -80,6 +80,21 @@ def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
 
         return build_hf_model(cfg.model.hf_path, vocab_size, hf_weights=cfg.model.get("hf_weights", "auto"),
                               seq_len=cfg.data.seq_len, seed=int(cfg.run.seed), check_memory=check_memory)  # fmt: skip
+    return LLaMA(model_spec(cfg, vocab_size), seed=cfg.run.seed)
+
+
+def model_parameters(cfg: DictConfig, vocab_size: int) -> int:
+    """Parameters of the model ``cfg`` builds, checked as :func:`build_model` checks it; nothing is allocated (a
+    noloco model is counted from its config, a transformers one built on the meta device)."""
+    if cfg.model.get("source", "noloco") == "hf":
+        with torch.device("meta"):
+            return build_model(cfg, vocab_size).num_parameters()
+    return model_spec(cfg, vocab_size).num_parameters()
+
+
+def model_spec(cfg: DictConfig, vocab_size: int) -> ModelConfig:
+    """The :class:`ModelConfig` of a noloco model from ``cfg.model`` (ConfigError if out of range or too large for
+    the memory its workers share)."""
     overrides = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in MODEL_SOURCE_KEYS}
     if overrides.get("max_seq_len") is None:
         overrides["max_seq_len"] = max(1024, cfg.data.seq_len)
@@ -92,7 +107,7 @@ def build_model(cfg: DictConfig, vocab_size: int) -> LLaMA:
         if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**31):
             raise ConfigError(f"model.{key}={value!r} is not an integer in [1, 2^31)")
     check_model_memory(cfg, mcfg.num_parameters(), mcfg.buffer_numel(), copies=workers_per_process(cfg))
-    return LLaMA(mcfg, seed=cfg.run.seed)
+    return mcfg
 
 
 def workers_per_process(cfg: DictConfig) -> int:
@@ -167,6 +182,10 @@ class RunContext:
     stop_after: int | None = None  # testing hook: return after this step, as if killed
     stop: object | None = None  # Ctrl-C: the step every worker stops at (interrupt.LocalStop / StoreStop)
     watch: StallWatch | None = None  # run.stall_timeout: made by the first worker that reports (mark)
+    # what Run.check_resume read and built for a one-worker process: its checked state by rank, and the model built
+    # from run.seed (each taken once by build_worker instead of read or built again)
+    resumed_states: dict[int, dict] = field(default_factory=dict)
+    seed_models: list = field(default_factory=list)
 
     def should_stop(self, rank: int, step: int) -> bool:
         """Ctrl-C: True once worker ``rank`` finished the step every worker of the run stops (and saves) at."""
@@ -240,7 +259,11 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
     device = worker_device(str(cfg.device), local_index(backend.rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = build_model(cfg, ctx.corpus.vocab_size).to(device)
+    try:  # the model Run.check_resume built from run.seed (a resumed swarm peer), else a new one
+        model = ctx.seed_models.pop()
+    except IndexError:
+        model = build_model(cfg, ctx.corpus.vocab_size)
+    model = model.to(device)
     opt, schedule = build_inner_optimizer(cfg, model)
     algo = build_algorithm(cfg, model, opt, backend.peers(), skip_failed_rounds=backend.skip_failed_rounds)
     forward = backend.wrap(model, algo)
@@ -259,7 +282,11 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         precision=resolve_precision(str(cfg.precision), device),
     )
     if ctx.resume_from is not None:  # checked as a whole (Run.check_resume) before the run wrote anything
-        worker.load(checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step))
+        state = ctx.resumed_states.pop(worker.rank, None)
+        if state is None:
+            state = checkpoint.load_worker(ctx.resume_from, worker.rank, ctx.resume_step)
+        worker.load(state)
+        del state
     else:
         worker.start = backend.start(algo, model)
         advance_schedule(schedule, worker.start)  # the LR schedule continues where the live peers are

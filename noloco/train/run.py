@@ -12,6 +12,7 @@ the metrics, the :class:`Progress` bar, Ctrl-C armed around the workers (:meth:`
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ from noloco.data.stream import stream_summary
 from noloco.data.stream_end import describe
 from noloco.train import checkpoint
 from noloco.train.interrupt import INTERRUPT, Interrupted
-from noloco.train.loop import RunContext, WorkerResult, build_inner_optimizer, build_model
+from noloco.train.loop import RunContext, WorkerResult, build_inner_optimizer, build_model, model_parameters
 from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.plots import plot_runs
 from noloco.train.state import WorkerState
@@ -261,6 +262,10 @@ class Run:
         self.resume_step = int(resume_step) if resume_from else 0
         self.started = time.perf_counter()
         self.corpus, self.params = None, 0
+        # a one-worker process's resume (a swarm peer): the state and the seed's model check_resume read and built,
+        # handed to the worker (RunContext) instead of being read and built a second time
+        self.resumed_states: dict[int, dict] = {}
+        self.seed_models: list[torch.nn.Module] = []
 
     def load_corpus(self, shards: tuple[Iterable[int], int] | None = None):
         """The run's tokenized corpus (bundled, files, or a ``datasets`` source; cached) and the model's size.
@@ -271,8 +276,7 @@ class Run:
         self.corpus = load_corpus(cfg)
         if shards is not None and hasattr(self.corpus, "check_shards"):
             self.corpus.check_shards(*shards)
-        with torch.device("meta"):  # sizes from the config and the tokenizer checked before the run folder exists
-            self.params = build_model(cfg, self.corpus.vocab_size).num_parameters()
+        self.params = model_parameters(cfg, self.corpus.vocab_size)  # checked before the run folder exists
         return self.corpus
 
     def check_resume(self, ranks: Iterable[int]) -> None:
@@ -281,11 +285,14 @@ class Run:
         checked against the model, AdamW and algorithm this config builds (their state owners,
         :class:`~noloco.train.state.WorkerState`, on the meta device), the corpus's vocabulary and ``run.seed``'s
         initial weights; a run that stopped as its stream ran out stays stopped. CheckpointError if any fails.
-        Nothing happens for a fresh run."""
+        Nothing happens for a fresh run. Where ``ranks`` is one worker, its checked state and the model built from
+        ``run.seed`` for the check are kept for the worker (:meth:`context`), which then reads and builds neither."""
         if self.resume_from is None:
             return
+        ranks = list(ranks)
         stream_ends: dict[int, list[int]] = {}  # data.streaming: the steps each worker's shard ended at
-        checkpoint.load_run(self.resume_from, self.resume_step, ranks, _StateCheck(self, stream_ends))
+        check = _StateCheck(self, stream_ends, keep=len(ranks) == 1)
+        checkpoint.load_run(self.resume_from, self.resume_step, ranks, check)
         stream_end.check_resume(self.cfg, self.resume_from, self.resume_step, stream_ends)
 
     def create(self, folder: Path | None = None, writes: bool = True, announce: bool = True,
@@ -330,6 +337,7 @@ class Run:
         ctx = RunContext(cfg, self.corpus, self.folder, metrics, self.resume_from, self.resume_step, bar,
                          self.stop_after)  # fmt: skip
         ctx.stop = stop
+        ctx.resumed_states, ctx.seed_models = self.resumed_states, self.seed_models
         return ctx
 
     def train(self, ctx: RunContext, workers: Callable[[], object], arm: bool = True):
@@ -370,10 +378,23 @@ class Run:
 class _StateCheck:
     """:meth:`Run.check_resume`'s check of one worker's state (called by :func:`checkpoint.load_run`)."""
 
-    def __init__(self, run: Run, stream_ends: dict[int, list[int]]):
-        self.run, self.stream_ends = run, stream_ends
+    def __init__(self, run: Run, stream_ends: dict[int, list[int]], keep: bool = False):
+        self.run, self.stream_ends, self.keep = run, stream_ends, keep
         self.layouts: dict[int | None, WorkerState] = {}
         self.seed_digests: dict[int | None, str] = {}
+        self.seed = None  # keep: the worker's own model, built by a thread beside the checkpoint's read and checksum
+        if keep:
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="noloco-seed")
+            self.seed = pool.submit(self._build_seed, run.corpus.vocab_size)
+            pool.shutdown(wait=False)
+
+    def _build_seed(self, vocab: int) -> tuple[torch.nn.Module, WorkerState, str]:
+        """The model ``run.seed`` gives (the corpus's vocabulary), the state layout it checks, and φ₀'s digest."""
+        cfg = self.run.cfg
+        model = build_model(cfg, vocab)
+        opt, schedule = build_inner_optimizer(cfg, model)
+        layout = WorkerState.for_check(model, opt, schedule, outer=cfg.outer.algo != "ddp")
+        return model, layout, checkpoint.digest(parameters_to_vector(model.parameters()))
 
     def __call__(self, state: dict, rank: int) -> None:
         cfg, folder = self.run.cfg, self.run.resume_from
@@ -386,6 +407,9 @@ class _StateCheck:
         if vocab is not None and vocab != corpus_vocab:
             raise checkpoint.CheckpointError(f"resume={folder}: its models have a vocabulary of {vocab}, this run's "
                                              f"data {corpus_vocab} (were data.* overrides given?)")  # fmt: skip
+        seed_model = None
+        if self.seed is not None and vocab == corpus_vocab:
+            seed_model, self.layouts[vocab], self.seed_digests[vocab] = self.seed.result()
         if vocab not in self.layouts:
             with torch.device("meta"):  # shapes only: nothing allocated
                 model = build_model(cfg, vocab or cfg.data.vocab_size)
@@ -403,6 +427,8 @@ class _StateCheck:
             if self.seed_digests[vocab] != reference["sha256"]:
                 raise checkpoint.CheckpointError(f"{where}: its initial weights are not those of run.seed="
                                                  f"{cfg.run.seed} (was run.seed or the model changed?)")  # fmt: skip
+        if self.keep:  # checked: the worker loads this state (and trains this model, where it was built: RunContext)
+            self.run.resumed_states[rank], self.run.seed_models[:] = state, [] if seed_model is None else [seed_model]
 
 
 @dataclass

@@ -193,3 +193,45 @@ def test_resume_from_each_kind_of_checkpoint_is_exact(tiny_config, tmp_path, ove
     a = json.loads((tmp_path / "full" / "summary.json").read_text())
     b = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert a["final_eval_loss_per_worker"] == b["final_eval_loss_per_worker"]
+
+
+def test_a_one_worker_resume_reads_its_checkpoint_and_builds_its_model_once(tiny_config, tmp_path, monkeypatch):
+    """A resumed swarm peer (one worker per process): the state Run.check_resume read and checked, and the model it
+    built from run.seed for the check, are the worker's; the worker is the one a second read would have built."""
+    import shutil
+
+    from noloco.comm.local import LocalFabric
+    from noloco.train import loop
+    from noloco.train.backends.local import LocalBackend
+    from noloco.train.loop import RunContext, build_worker
+    from noloco.train.run import Run
+
+    _run(tiny_config, "outer.algo=noloco", "checkpoint.every=1", "run.name=cut", stop_after=4)
+    src = checkpoint.step_dir(tmp_path / "cut", 4)
+    folder = tmp_path / "peer" / "checkpoints" / src.name  # a peer's folder holds its own worker only
+    folder.mkdir(parents=True)
+    for name in ("worker_0.json", "worker_0.safetensors", checkpoint.COMPLETE):
+        shutil.copy(src / name, folder / name)
+    cfg = tiny_config("workers=2", "threads=1", "steps=6", "outer.every=3", "outer.algo=noloco")
+    reads, builds = [], []
+    load_worker, build_model = checkpoint.load_worker, loop.build_model
+    monkeypatch.setattr(checkpoint, "load_worker", lambda *a: reads.append(a) or load_worker(*a))
+    monkeypatch.setattr(loop, "build_model", lambda *a: builds.append(a) or build_model(*a))
+
+    run = Run(cfg, tmp_path / "peer", folder, 4, quiet=True)
+    run.load_corpus()
+    run.check_resume([0])
+    assert len(reads) == 1 and list(run.resumed_states) == [0] and len(run.seed_models) == 1
+    seed_model = run.seed_models[0]
+    backend = LocalBackend(LocalFabric(1).transports[0])  # this worker alone: no start agreement to wait for
+    kept = RunContext(cfg, run.corpus, tmp_path / "peer", None, folder, 4)
+    kept.resumed_states, kept.seed_models = run.resumed_states, run.seed_models
+    reads.clear(), builds.clear()
+    worker = build_worker(kept, backend)
+    assert reads == [] and builds == [] and worker.model is seed_model  # neither read nor built again
+    assert not run.resumed_states and not run.seed_models  # taken once: a second worker reads and builds its own
+    again = build_worker(RunContext(cfg, run.corpus, tmp_path / "peer", None, folder, 4), backend)
+    assert len(reads) == 1 and len(builds) == 1
+    ta, tb = {}, {}
+    assert checkpoint.flatten(worker.state(4, 0.0), ta) == checkpoint.flatten(again.state(4, 0.0), tb)
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
