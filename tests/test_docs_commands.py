@@ -22,7 +22,7 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
   services/volumes/images named on the line exist, and for ``up`` the entrypoint of each service run on the
   host with ``NOLOCO_DRY_RUN=1`` and the service's resolved environment;
 * ``bash scripts/setup.sh``: ``bash -n`` and the packages it installs importable;
-* ``python -m pytest``: ``--collect-only``, except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
+* ``python -m pytest``: ``--collect-only`` (``-n 0``), except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
 * ``python -m noloco.sim consensus|time``: as written with tiny sizes appended (:data:`SIM_TINY`);
 * long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model;
   ``python -m benchmarks.throttled``, ``benchmarks.overlap_fleet`` (a dozen fleet runs each) and
@@ -853,14 +853,17 @@ def _glob(word: str, cwd: Path) -> list[str]:
 
 
 def pytest_command(docs: Docs, cmd, part, step) -> str:
-    """The fuzz line at ``NOLOCO_FUZZ_SCALE=0.01`` (its report written); other pytest lines ``--collect-only``."""
+    """The fuzz line at ``NOLOCO_FUZZ_SCALE=0.01`` (its report written); other pytest lines ``--collect-only`` (in
+    one process: ``-n 0``)."""
     argv = [sys.executable, *part.argv[1:]]
     env = {**step.env, **part.env}
     if "NOLOCO_FUZZ_SCALE" in part.env:
         env["NOLOCO_FUZZ_SCALE"] = "0.01"
         argv = [*argv, "-p", "no:cacheprovider"]
-    else:
+    else:  # collected once, in this process: "-n N" kept as "-n 0" (pytest-xdist still checks its options; its N
+        # workers would each collect the whole suite again)
         argv = [*argv, "--collect-only", "-p", "no:cacheprovider"]
+        argv = ["0" if i and argv[i - 1] == "-n" else word for i, word in enumerate(argv)]
     argv = [match for word in argv for match in _glob(word, step.cwd)]
     rc, out = docs.run(argv, step.cwd, env, cmd.id)
     check(rc, out, shlex.join(argv))

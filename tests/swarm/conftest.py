@@ -7,6 +7,7 @@ groups (the peer, its forked DHT process and its p2pd daemon), whatever the test
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -96,6 +97,39 @@ class Swarm:
     @staticmethod
     def stats(path: Path) -> dict:
         return json.loads(path.read_text()) if path.exists() else {}
+
+    # the hostile-peer tests' honest side (test_hostile*.py): a pair of honest peers, the attacker's stats, the checks
+
+    def pair(self, steps: int, every: int, *extra: str) -> tuple[str, ...]:
+        """Start honest peers a and b (b bootstrapped from a); both wait for each other before training."""
+        common = (f"steps={steps}", f"outer.every={every}", *extra)
+        self.peer("a", *common, "peer.worker=0", "peer.wait_for_peers=1")
+        join = f'peer.initial_peers=["{self.maddrs("a")[0]}"]'
+        self.peer("b", *common, join, "peer.worker=1", "peer.wait_for_peers=1")
+        return common + (join,)
+
+    def wait_ready(self, stats_path: Path, timeout: float = 90) -> None:
+        self.wait(lambda: self.stats(stats_path).get("ready") or self.stats(stats_path).get("done"), timeout,
+                  "the attacker did not start")  # fmt: skip
+
+    def outcome(self, names: tuple[str, ...], stats_path: Path, timeout: float) -> tuple[dict, dict, dict]:
+        """Wait for ``names`` to exit 0; the attacker's stats and the summaries of honest peers a and b."""
+        for name in names:
+            assert self.finish(name, timeout=timeout) == 0, self.logs()
+        return self.stats(stats_path), self.summary("a"), self.summary("b")
+
+    def train_seconds(self, name: str) -> float:
+        """Seconds of the peer's training loop (metrics' wall clock at its last step)."""
+        lines = (self.peer_dir(name) / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["wall"]
+
+    @staticmethod
+    def check_trained(s: dict, min_joined: int) -> None:
+        """An honest peer's summary: finite, its held-out loss fell, and it joined at least ``min_joined`` rounds."""
+        first_loss = s["eval_history"][0][1]
+        assert s["slow_weights_finite"] and math.isfinite(s["final_eval_loss"])
+        assert s["final_eval_loss"] < first_loss - 0.5, s["eval_history"]
+        assert s["rounds_joined"] >= min_joined, s["round_outcomes"]
 
     def group_rss_mb(self, name: str) -> float:
         """Resident memory (MB) of peer ``name``'s process group now: the peer, its DHT process and its p2pd."""

@@ -1,4 +1,5 @@
-"""Hostile swarm peers for the tests of issue #14 (``tests/swarm/test_hostile.py``), run as their own process.
+"""Hostile swarm peers for the tests of issue #14 (``tests/swarm/test_hostile.py``, ``test_hostile_rounds.py``),
+run as their own process.
 
 ``python tests/swarm/hostile.py <attack> --target <maddrs.json> --run-id <id> --out <stats.json> ...``
 
