@@ -464,12 +464,10 @@ def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
         with safe_open(str(blob_path), framework="pt") as blob:
             tensors = {key: blob.get_tensor(key) for key in blob.keys()}
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        if checksum.result() != meta["sha256"]:
-            raise CheckpointError(f"{blob_path} does not match its checksum: the checkpoint is damaged") from None
+        checksum.verify(meta["sha256"])  # a damaged file says so first
         raise CheckpointError(f"{blob_path}: not a safetensors file ({str(exc).splitlines()[0][:200]})") from None
     nonfinite = next((key for key, tensor in tensors.items() if not all_finite(tensor)), None)
-    if checksum.result() != meta["sha256"]:
-        raise CheckpointError(f"{blob_path} does not match its checksum: the checkpoint is damaged")
+    checksum.verify(meta["sha256"])
     used: set[str] = set()
     try:
         state = unflatten(meta["state"], tensors, used)
@@ -486,7 +484,7 @@ def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
 
 
 class _Checksum:
-    """The SHA-256 of a file, computed by a thread of its own from the moment it is made (:meth:`result` waits)."""
+    """The SHA-256 of a file, computed by a thread of its own from the moment it is made (:meth:`verify` waits)."""
 
     def __init__(self, path: Path):
         self.path, self.digest, self.error = path, None, None
@@ -508,12 +506,13 @@ class _Checksum:
         except (OSError, ValueError) as exc:
             self.error = exc
 
-    def result(self) -> str:
-        """The file's hex digest; CheckpointError if it could not be read."""
+    def verify(self, expected: str) -> None:
+        """Wait for the digest; CheckpointError unless the file could be read and its digest is ``expected``."""
         self.thread.join()
         if self.digest is None:
             raise CheckpointError(f"{self.path}: cannot be read ({self.error})")
-        return self.digest
+        if self.digest != expected:
+            raise CheckpointError(f"{self.path} does not match its checksum: the checkpoint is damaged")
 
 
 def state_vocab_size(state: dict) -> int | None:

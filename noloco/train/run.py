@@ -283,8 +283,9 @@ class Run:
         """The one check of a resumed run, all or nothing, before anything of the run is written: every one of
         ``ranks`` (the workers the backend places) has its state in the checkpoint, loaded one at a time and
         checked against the model, AdamW and algorithm this config builds (their state owners,
-        :class:`~noloco.train.state.WorkerState`, on the meta device), the corpus's vocabulary and ``run.seed``'s
-        initial weights; a run that stopped as its stream ran out stays stopped. CheckpointError if any fails.
+        :class:`~noloco.train.state.WorkerState`, on the meta device or, where it is kept, the seed's own model),
+        the corpus's vocabulary and ``run.seed``'s initial weights; a run that stopped as its stream ran out stays
+        stopped. CheckpointError if any fails.
         Nothing happens for a fresh run. Where ``ranks`` is one worker, its checked state and the model built from
         ``run.seed`` for the check are kept for the worker (:meth:`context`), which then reads and builds neither."""
         if self.resume_from is None:
