@@ -22,7 +22,8 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
   services/volumes/images named on the line exist, and for ``up`` the entrypoint of each service run on the
   host with ``NOLOCO_DRY_RUN=1`` and the service's resolved environment;
 * ``bash scripts/setup.sh``: ``bash -n`` and the packages it installs importable;
-* ``python -m pytest``: ``--collect-only`` (``-n 0``), except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
+* ``python -m pytest``: ``--collect-only`` (``-n 0``; the whole suite's line on one small file, since the suite
+  collects itself), except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
 * ``python -m noloco.sim consensus|time``: as written with tiny sizes appended (:data:`SIM_TINY`);
 * long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model;
   ``python -m benchmarks.throttled``, ``benchmarks.overlap_fleet`` (a dozen fleet runs each) and
@@ -864,6 +865,10 @@ def pytest_command(docs: Docs, cmd, part, step) -> str:
         # workers would each collect the whole suite again)
         argv = [*argv, "--collect-only", "-p", "no:cacheprovider"]
         argv = ["0" if i and argv[i - 1] == "-n" else word for i, word in enumerate(argv)]
+        if not any(word.startswith("tests") for word in argv):
+            # the whole suite: this very run collected it already, so its options are checked on one small file
+            # (collecting every test module again cost 25-35 CPU-seconds, on the suite's busiest worker)
+            argv.append("tests/test_layers.py")
     argv = [match for word in argv for match in _glob(word, step.cwd)]
     rc, out = docs.run(argv, step.cwd, env, cmd.id)
     check(rc, out, shlex.join(argv))
