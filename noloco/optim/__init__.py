@@ -18,6 +18,7 @@ from noloco.optim.algorithms import (
     OuterRoundInfo,
     OuterState,
     PeriodicAveraging,
+    slow_term_settings,
 )
 from noloco.optim.base import OuterRule
 from noloco.optim.diloco import AveragingRule, DiLoCoRule
@@ -38,4 +39,5 @@ __all__ = [
     "OuterRule",
     "OuterState",
     "PeriodicAveraging",
+    "slow_term_settings",
 ]

@@ -253,6 +253,45 @@ def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: Below 4 bits per value NoLoCo splits its exchange by default (``outer.slow_every`` and ``comm.slow_codec`` null;
+#: docs/design.md §3.2): Δ through the codec every round, φ − φ_0 through :data:`SPLIT_SLOW_CODEC` one round in
+#: :data:`SPLIT_EVERY`, the frontier's measured points. A fused θ − φ_0 below 4 bits loses the progress itself (top-k
+#: of it trained worse than the unigram baseline on the CPU frontier's budget: 5.28 against 5.24; split: 4.41).
+SPLIT_EVERY = 8
+SPLIT_SLOW_CODEC = "int4"
+
+
+def below_four_bits(codec: str | Codec) -> bool:
+    """Whether ``codec`` sends fewer than 4 bits per value (int3, int2, sign, top-k, ...): measured on its message
+    for 2^16 values, headers and scales included (int4 with its group scales is 4.19)."""
+    codec = get_codec(codec)
+    numel = 1 << 16
+    return not codec.exact and codec.nbytes(numel) * 8 < 4 * numel
+
+
+def slow_term_settings(codec: str | Codec, slow_codec: str | Codec | None, slow_every: int | None):
+    """NoLoCo's slow-weight term for the given keys, null ones resolved: ``(slow_codec, slow_every)``.
+
+    ``slow_every`` null: 1 (the fused exchange), or :data:`SPLIT_EVERY` for a codec below 4 bits;
+    ``slow_codec`` null: the codec itself, or :data:`SPLIT_SLOW_CODEC` for a codec below 4 bits (φ − φ_0 is dense
+    and grows over training: a 2-bit grid or a top-k of it drops the partners' difference the pull needs).
+    Explicit values are kept as they are."""
+    low = below_four_bits(codec)
+    every = (SPLIT_EVERY if low else 1) if slow_every is None else slow_every
+    return (SPLIT_SLOW_CODEC if low else codec) if slow_codec is None else slow_codec, every
+
+
+def _resolved_every(settings: Mapping):
+    """``slow_every`` of ``settings``, null resolved by the codec given with it (unknown codecs: as 1)."""
+    every = settings.get("slow_every", 1)
+    if every is None:
+        try:
+            every = slow_term_settings(settings.get("codec", "int4"), None, None)[1]
+        except ValueError:  # an unknown codec: the reduction settings' check names it
+            every = 1
+    return every
+
+
 def _setting_problem(keyword: str, value, settings: Mapping) -> str | None:
     """What is wrong with one setting of an algorithm (``settings``: the others given with it), or None."""
     if keyword in ("timeout", "group_timeout") and not (value is None and keyword == "group_timeout"):
@@ -268,13 +307,18 @@ def _setting_problem(keyword: str, value, settings: Mapping) -> str | None:
         if _count(every) and every % value:
             return f"={value} does not divide outer.every={every}"
     if keyword == "slow_every":
-        if not (_count(value) and value >= 1):
+        if not (value is None or (_count(value) and value >= 1)):
             return f"must be an integer >= 1, got {value!r}"
         # eager moves φ before the partners' share lands, so a round without the slow term would pull φ back
         # toward the φ it sent (its only stand-in for the partners' φ); delayed and provisional leave φ alone
-        if value > 1 and settings.get("overlap") == "eager":
+        if _resolved_every(settings) > 1 and settings.get("overlap") == "eager":
+            if value is None:
+                return (
+                    f"null is {SPLIT_EVERY} for comm.codec={settings.get('codec')} (below 4 bits), which does "
+                    "not run with outer.overlap=eager: set outer.slow_every=1 or use provisional or delayed"
+                )
             return "> 1 does not run with outer.overlap=eager (use provisional or delayed)"
-    if keyword == "slow_stagger" and (not isinstance(value, bool) or (value and settings.get("slow_every", 1) == 1)):
+    if keyword == "slow_stagger" and (not isinstance(value, bool) or (value and _resolved_every(settings) == 1)):
         return f"={value!r} must be true or false, and true needs outer.slow_every > 1"
     if keyword == "momentum" and value is not None and not (_number(value) and 0 <= value < 1):
         return f"must be in [0, 1), got {value!r}"
@@ -486,9 +530,11 @@ class OuterAlgorithm(Algorithm):
     was sent, waiting for it there if it has not arrived: a smaller τ hides less of the exchange and delays
     its means less.
 
-    ``slow_every`` (k, default 1; NoLoCo): the slow-weight term φ − φ_0 crosses the link in one cycle of rounds of
+    ``slow_every`` (k; NoLoCo): the slow-weight term φ − φ_0 crosses the link in one cycle of rounds of
     every k (:meth:`slow_round`); in the others the round reduces Δ alone and the rule applies no pull. With k > 1
-    the exchange is never fused, so Δ alone can take a sparse or low-bit ``codec``. ``slow_stagger`` (k > 1 only):
+    the exchange is never fused, so Δ alone can take a sparse or low-bit ``codec``. None (the default) and a None
+    ``slow_codec`` are chosen by the codec (:func:`slow_term_settings`): k = 1 and the same codec (fused) at 4 bits
+    and above, k = 8 and int4 for the slow term below. ``slow_stagger`` (k > 1 only):
     instead, every round sends slice (r ÷ fragments) mod k of the term (:mod:`noloco.optim.stagger`) and pulls on
     that slice alone, so every round's message is the same size and every parameter is still pulled once per k.
 
@@ -533,10 +579,13 @@ class OuterAlgorithm(Algorithm):
         fragments: int = 1,
         offload: bool = False,
         overlap_steps: int | None = None,
-        slow_every: int = 1,
+        slow_every: int | None = None,
         error_feedback_decay: float = 1.0,
         slow_stagger: bool = False,
     ):
+        if rule.needs_slow_mean:  # null slow_codec and slow_every: by the codec (slow_term_settings)
+            slow_codec, slow_every = slow_term_settings(codec, slow_codec, slow_every)
+        slow_every = 1 if slow_every is None else slow_every
         self.check_settings({"every": every, "fragments": fragments, "slow_every": slow_every, "overlap": overlap,
                              "slow_stagger": slow_stagger, "group_timeout": group_timeout,
                              "max_norm_ratio": max_norm_ratio})  # fmt: skip

@@ -33,6 +33,7 @@ from noloco.data.corpus import prepare_corpus
 from noloco.data.sampler import eval_batches
 from noloco.data.stream import stream_summary
 from noloco.data.stream_end import describe
+from noloco.optim import slow_term_settings
 from noloco.train import checkpoint
 from noloco.train.interrupt import INTERRUPT, Interrupted
 from noloco.train.loop import RunContext, WorkerResult, build_inner_optimizer, build_model, model_parameters
@@ -470,6 +471,13 @@ class RunSummary:
         return {**out, **self.extra}
 
 
+def _slow_codec(cfg: DictConfig) -> str:
+    """The codec NoLoCo's slow-weight term ran with (``comm.slow_codec`` null: chosen by ``comm.codec``)."""
+    if cfg.outer.algo != "noloco":
+        return cfg.comm.slow_codec or cfg.comm.codec
+    return str(slow_term_settings(cfg.comm.codec, cfg.comm.slow_codec, cfg.outer.slow_every)[0])
+
+
 def summarize(
     cfg: DictConfig,
     run_dir: Path,
@@ -495,7 +503,7 @@ def summarize(
     return RunSummary(
         algo=cfg.outer.algo,
         codec=cfg.comm.codec,
-        slow_codec=cfg.comm.slow_codec or cfg.comm.codec,
+        slow_codec=_slow_codec(cfg),
         backend=cfg.backend,
         workers=len(results),
         steps=steps_done,

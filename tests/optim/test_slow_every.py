@@ -120,6 +120,23 @@ def test_diloco_ignores_the_slow_term_and_sends_delta_at_its_codec():
         assert len(set(per_round)) == 1 and per_round[0] > 0
 
 
+def test_slow_every_and_slow_codec_default_by_the_codec():
+    """Null (None) keys: the fused exchange at 4 bits and above; below, Δ alone through the codec every round and
+    φ − φ_0 at int4 one round in 8. Explicit values are kept; DiLoCo has no slow term to split."""
+    transport = LocalFabric(1).transports[0]
+    start = torch.randn(N, dtype=torch.float64)
+    for codec, every, slow, fused in (("int4", 1, "int4", True), ("fp32", 1, "fp32", True),
+                                      ("int2", 8, "int4", False), ("topk:64/4096+int2", 8, "int4", False)):  # fmt: skip
+        algo = _build(transport, start, codec=codec)[1]
+        assert (algo.slow_every, algo.slow_codec.name, algo._fused_exchange()) == (every, slow, fused), codec
+    algo = _build(transport, start, codec="int2", slow_every=1)[1]
+    assert (algo.slow_every, algo.slow_codec.name, algo._fused_exchange()) == (1, "int4", False)
+    algo = _build(transport, start, codec="int2", slow_codec="int3", slow_every=4)[1]
+    assert (algo.slow_every, algo.slow_codec.name) == (4, "int3")
+    algo = _build(transport, start, cls=DiLoCo, codec="int2")[1]
+    assert (algo.slow_every, algo.slow_codec.name) == (1, "int2")
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_a_bad_slow_every_is_refused(bad):
     transport = LocalFabric(1).transports[0]

@@ -25,12 +25,26 @@ ROOT = Path(__file__).resolve().parents[2]
         ("outer.slow_every=2 outer.overlap=eager", "outer.slow_every > 1 does not run with outer.overlap=eager"),
         ("outer.slow_stagger=true", "outer.slow_stagger=True must be true or false, and true needs outer.slow_every"),
         ("outer.slow_every=4 outer.slow_stagger=2", "outer.slow_stagger=2 must be true or false"),
+        ("comm.codec=topk:64/4096+int2 outer.overlap=eager", "outer.slow_every null is 8 for comm.codec=topk"),
         ("model.preset=huge", "model.preset='huge'"),
     ],
 )
 def test_bad_config_fails_with_clear_message(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config(override.split())
+
+
+def test_a_codec_below_4_bits_alone_gives_the_split_exchange():
+    """One key picks a frontier point: below 4 bits, Δ through the codec and φ − φ₀ at int4 one round in 8 (a fused
+    θ − φ₀ at top-k trained worse than the unigram baseline); explicit keys win; eager runs with slow_every=1."""
+    from noloco.train.run import _slow_codec
+
+    for codec, slow in (("topk:64/4096+int2", "int4"), ("int2", "int4"), ("int4", "int4"), ("int8", "int8")):
+        assert _slow_codec(load_config([f"comm.codec={codec}"])) == slow
+    assert _slow_codec(load_config(["comm.codec=int2", "comm.slow_codec=int8"])) == "int8"
+    assert _slow_codec(load_config(["comm.codec=int2", "outer.algo=diloco"])) == "int2"
+    load_config(["comm.codec=int2", "outer.slow_stagger=true"])  # null slow_every is 8 here
+    load_config(["comm.codec=topk:64/4096+int2", "outer.overlap=eager", "outer.slow_every=1"])
 
 
 def test_missing_data_path_fails(tmp_path):
