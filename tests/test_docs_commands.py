@@ -25,7 +25,8 @@ with a message to add one, so a new docs command cannot go unchecked. In short:
 * ``python -m pytest``: ``--collect-only`` (``-n 0``; the whole suite's line on one small file, since the suite
   collects itself), except the fuzz line, which runs at ``NOLOCO_FUZZ_SCALE=0.01``;
 * ``python -m noloco.sim consensus|time``: as written with tiny sizes appended (:data:`SIM_TINY`);
-* long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model;
+* long benchmarks: ``python -m benchmarks.compare`` runs for real on the tiny model, ``benchmarks.slow_term`` for
+  real at 20 steps;
   ``python -m benchmarks.throttled``, ``benchmarks.overlap_fleet`` (a dozen fleet runs each) and
   ``benchmarks.frontier`` and ``benchmarks.quality`` (dozens of runs) run with ``--dry-run``: every run's config
   is loaded, none is run;
@@ -585,6 +586,18 @@ def compare(docs: Docs, cmd, part, step) -> str:
     check(rc, out, shown(argv))
     report = docs.ws / "runs" / "benchmarks" / "compare" / "compare.md"
     assert report.is_file(), f"no {report}:\n{tail(out)}"
+    return shown(argv)
+
+
+def slow_term(docs: Docs, cmd, part, step) -> str:
+    """``benchmarks.slow_term`` for real, shortened: 20 steps (4 rounds), its slow weights kept every 2 rounds."""
+    argv = part.argv if "--" in part.argv else [*part.argv, "--"]
+    argv = [*argv, "steps=20"]
+    rc, out = docs.python(argv, step.cwd, {**step.env, **part.env}, cmd.id)
+    check(rc, out, shown(argv))
+    name = argv[argv.index("--name") + 1] if "--name" in argv[: argv.index("--")] else "slow-term"
+    report = docs.ws / "runs" / "benchmarks" / "slow_term" / f"{name}.md"
+    assert report.is_file() and "coset3, oracle grid" in report.read_text(), f"no {report}:\n{tail(out)}"
     return shown(argv)
 
 
@@ -1317,6 +1330,7 @@ TABLE = [
     Rule(r"^python -m benchmarks\.compare( |$)", compare, "for real, tiny overrides after --"),
     Rule(r"^python -m benchmarks\.(throttled|overlap_fleet) ", throttled, "--dry-run: configs loaded, none run"),
     Rule(r"^python -m benchmarks\.frontier ", frontier, "--dry-run: configs loaded, none run"),
+    Rule(r"^python -m benchmarks\.slow_term( |$)", slow_term, "for real, 20 steps"),
     Rule(r"^python -m benchmarks\.quality( |$)", quality, "--dry-run: the first wave's configs loaded, none run"),
     Rule(
         r"^python -m noloco\.corpus (fetch|build|pack|unpack) ",
