@@ -25,14 +25,13 @@ if not torch.cuda.is_available():
 # 1-7 about 265 s and 8-10 about 200 s quiet, so that no one file is the suite's tail), docs 573, interrupt 500,
 # swarm training 381, streaming 234, overlap fragments 133, triton 88, device 87, peer interrupt 87, lone peer 78,
 # files 68, torch backend 64, torchdist 48, fleet on host 40; overlap train about 200 at load 8-12. The straggler's
-# one test (8 peers, 55-65 s, its last half-minute mostly one slow peer sleeping) was the suite's tail with one core
-# idle; it starts mid-suite, after the in-process kernel files, not beside the swarm-training file (started next to
-# it, that file's four-peer test lost its rounds once).
+# one test (8 peers, 55-65 s, its last half-minute mostly one slow peer sleeping) stays last, where it has the cores
+# to itself: started first, beside the swarm-training file, that file's four-peer test lost its rounds (one run);
+# started mid-suite, its own fast peers were late to most rounds (one run of two).
 LONGEST_FIRST = [
     "swarm/test_hostile.py", "swarm/test_hostile_rounds.py", "test_docs_commands.py", "train/test_interrupt.py",
     "swarm/test_swarm_training.py", "train/test_overlap_train.py", "train/test_streaming.py",
-    "swarm/test_overlap_fragments.py", "quant/test_triton_kernels.py", "swarm/test_straggler.py",
-    "collectives/test_device.py",
+    "swarm/test_overlap_fragments.py", "quant/test_triton_kernels.py", "collectives/test_device.py",
     "swarm/test_peer_interrupt.py", "swarm/test_lone_peer.py", "reliability/test_files.py",
     "reliability/test_torch_backend.py", "comm/test_torchdist.py", "docker/test_fleet_on_host.py",
 ]  # fmt: skip
