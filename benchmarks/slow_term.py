@@ -119,6 +119,7 @@ def initial_weights(folder: Path) -> torch.Tensor:
 def progress_by_step(folder: Path) -> dict[int, dict[int, torch.Tensor]]:
     """φ − φ₀ of every worker at every kept checkpoint step: ``{step: {rank: tensor}}``."""
     reference = initial_weights(folder)
+    digest = checkpoint.digest(reference)
     out: dict[int, dict[int, torch.Tensor]] = {}
     for step_dir in sorted((folder / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1])):
         step = int(step_dir.name.split("_")[1])
@@ -126,7 +127,7 @@ def progress_by_step(folder: Path) -> dict[int, dict[int, torch.Tensor]]:
         for rank in checkpoint.worker_ranks(step_dir):
             state = checkpoint.load_worker(step_dir, rank, step)["algorithm"]
             stored = state["reference"]
-            if isinstance(stored, dict) and stored.get("sha256") != checkpoint.digest(reference):
+            if isinstance(stored, dict) and stored.get("sha256") != digest:
                 raise SystemExit(f"error: φ₀ built from {folder}/config.yaml is not the run's (digest differs)")
             slow = reference if isinstance(state["slow"], dict) else state["slow"].float()  # φ = φ₀ is stored so
             out[step][rank] = slow - (reference if isinstance(stored, dict) else stored.float())

@@ -880,7 +880,7 @@ def pytest_command(docs: Docs, cmd, part, step) -> str:
         argv = ["0" if i and argv[i - 1] == "-n" else word for i, word in enumerate(argv)]
         if not any(word.startswith("tests") for word in argv):
             # the whole suite: this very run collected it already, so its options are checked on one small file
-            # (collecting every test module again cost 25-35 CPU-seconds, on the suite's busiest worker)
+            # (collecting every test module again cost 7 s on a quiet machine, up to 35 CPU-seconds in a loaded suite)
             argv.append("tests/test_layers.py")
     argv = [match for word in argv for match in _glob(word, step.cwd)]
     rc, out = docs.run(argv, step.cwd, env, cmd.id)
