@@ -100,12 +100,19 @@ class Swarm:
 
     # the hostile-peer tests' honest side (test_hostile*.py): a pair of honest peers, the attacker's stats, the checks
 
-    def pair(self, steps: int, every: int, *extra: str) -> tuple[str, ...]:
-        """Start honest peers a and b (b bootstrapped from a); both wait for each other before training."""
+    def pair(self, steps: int, every: int, *extra: str, attacker: bool = False) -> tuple[str, ...]:
+        """Start honest peers a and b (b bootstrapped from a); both wait for each other before training, and with
+        ``attacker`` also for a third live peer (up to 120 s): the attacker started next, which lists itself live.
+        An attack that must meet both honest peers in its first rounds needs this on a loaded machine, where the
+        attacker's start (imports, its DHT node) can take longer than the honest peers' first rounds."""
         common = (f"steps={steps}", f"outer.every={every}", *extra)
-        self.peer("a", *common, "peer.worker=0", "peer.wait_for_peers=1")
+        if attacker:
+            common += ("peer.wait_for_peers=2", "peer.join_timeout=120")
+        else:
+            common += ("peer.wait_for_peers=1",)
+        self.peer("a", *common, "peer.worker=0")
         join = f'peer.initial_peers=["{self.maddrs("a")[0]}"]'
-        self.peer("b", *common, join, "peer.worker=1", "peer.wait_for_peers=1")
+        self.peer("b", *common, join, "peer.worker=1")
         return common + (join,)
 
     def wait_ready(self, stats_path: Path, timeout: float = 90) -> None:

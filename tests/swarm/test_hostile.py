@@ -98,7 +98,7 @@ def test_a_key_holder_claiming_to_be_ahead_is_not_followed(swarm):
 def test_a_key_holder_that_never_confirms_is_left_out_of_the_draws(swarm):
     """Attack 4: ready (and listed live) in every round, never confirming; with 2 honest peers it is in every group."""
     steps, every = 200, 10
-    swarm.pair(steps, every)
+    swarm.pair(steps, every, attacker=True)
     stats_path = swarm.attacker("silent", "silent", "a", "--seconds", "120", "--count", "100", "--pause", "0.2",
                                 "--every", str(every), key=swarm.key)  # fmt: skip
     stats, a, b = swarm.outcome(("a", "b"), stats_path, 200)
@@ -142,7 +142,7 @@ def test_a_key_holder_that_confirms_and_then_sends_no_data_is_left_out_of_the_dr
     honest peers ``comm.recv_timeout`` (6 s here).
     """
     steps, every = 200, 10
-    swarm.pair(steps, every, "comm.recv_timeout=6")
+    swarm.pair(steps, every, "comm.recv_timeout=6", attacker=True)
     stats_path = swarm.attacker("mute", "mute", "a", "--seconds", "150", "--count", "100", "--hold", "6.5",
                                 "--every", str(every), key=swarm.key)  # fmt: skip
     stats, a, b = swarm.outcome(("a", "b"), stats_path, 300)
