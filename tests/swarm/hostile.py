@@ -633,8 +633,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=3.0)
     parser.add_argument("--identities", type=int, default=8, help="sybils: identities of the one key holder")
     parser.add_argument("--mode", choices=["nan", "long", "partial"], default="nan", help="bad-data: what it sends")
-    parser.add_argument("--from-round", type=int, default=0,
-                        help="bad-data: the first swarm round it joins the draws of (listed live before)")
+    parser.add_argument("--from-round", type=int, default=0, help="bad-data: the first round it is drawn in")
     parser.add_argument("--codec", default="int4", help="bad-data: the honest peers' comm.codec")
     parser.add_argument("--hold", type=float, default=10.0, help="mute: seconds a confirmed group is held open")
     parser.add_argument("--no-trailer", action="store_true", help="dht-junk: plain junk values (for a tree before #14)")
