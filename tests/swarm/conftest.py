@@ -100,19 +100,22 @@ class Swarm:
 
     # the hostile-peer tests' honest side (test_hostile*.py): a pair of honest peers, the attacker's stats, the checks
 
-    def pair(self, steps: int, every: int, *extra: str, attacker: bool = False) -> tuple[str, ...]:
+    def pair(self, steps: int, every: int, *extra: str, attacker: bool = False, pace: float = 0.0) -> tuple[str, ...]:
         """Start honest peers a and b (b bootstrapped from a); both wait for each other before training, and with
         ``attacker`` also for a third live peer (up to 120 s): the attacker started next, which lists itself live.
         An attack that must meet both honest peers in its first rounds needs this on a loaded machine, where the
-        attacker's start (imports, its DHT node) can take longer than the honest peers' first rounds."""
+        attacker's start (imports, its DHT node) can take longer than the honest peers' first rounds. ``pace``:
+        seconds each honest peer sleeps before every inner step (``NOLOCO_FAULTS``), so that a run lasts at least
+        ``steps × pace`` however fast the machine: an attacker whose every group costs it seconds gets its rounds."""
         common = (f"steps={steps}", f"outer.every={every}", *extra)
         if attacker:
             common += ("peer.wait_for_peers=2", "peer.join_timeout=120")
         else:
             common += ("peer.wait_for_peers=1",)
-        self.peer("a", *common, "peer.worker=0")
+        env = {"NOLOCO_FAULTS": ",".join(f"inner.step@{s}=sleep:{pace}" for s in range(1, steps + 1))} if pace else None
+        self.peer("a", *common, "peer.worker=0", env=env)
         join = f'peer.initial_peers=["{self.maddrs("a")[0]}"]'
-        self.peer("b", *common, join, "peer.worker=1")
+        self.peer("b", *common, join, "peer.worker=1", env=env)
         return common + (join,)
 
     def wait_ready(self, stats_path: Path, timeout: float = 90) -> None:

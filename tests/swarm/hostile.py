@@ -15,8 +15,9 @@ did to ``--out`` (JSON, rewritten as it goes; ``"ready": true`` once the attack 
   second identity one round past ``--steps``, and serves that state at those steps.
 - ``silent`` (key holder): announces itself ready in every round the honest peers announce in, and
   lists itself live, but never confirms a group.
-- ``mute`` (key holder): lists itself live, announces and confirms like an honest peer, then sends no
-  data in the exchange and holds its group open for ``--hold`` seconds (its partners wait for it).
+- ``mute`` (key holder): lists itself live, announces and confirms like an honest peer (in the draws from swarm
+  round ``--from-round``), then sends no data in the exchange and holds its group open for ``--hold`` seconds
+  (its partners wait for it).
 - ``bad-time`` (key holder): like ``silent``, but every announcement carries a NaN, infinite, negative or
   absurd time (MAC'd and signed), and its registry entry an infinite one.
 - ``bad-data`` (key holder): confirms like an honest peer (in the draws from swarm round ``--from-round``), then
@@ -415,6 +416,9 @@ def mute(args, stats: Stats) -> None:
         while time.monotonic() < deadline and stats.get("groups", 0) < args.count:
             round_index = front()
             registry.publish(round_index * args.every, round_index)  # listed live: the honest peers expect it
+            if round_index < args.from_round:  # listed, not yet in the draws: the honest peers first meet in step
+                time.sleep(0.2)
+                continue
             group = mm.form(round_index, 8)
             if group is None:
                 stats.bump("no_group")
@@ -633,7 +637,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=3.0)
     parser.add_argument("--identities", type=int, default=8, help="sybils: identities of the one key holder")
     parser.add_argument("--mode", choices=["nan", "long", "partial"], default="nan", help="bad-data: what it sends")
-    parser.add_argument("--from-round", type=int, default=0, help="bad-data: the first round it is drawn in")
+    parser.add_argument("--from-round", type=int, default=0, help="mute, bad-data: the first round it is drawn in")
     parser.add_argument("--codec", default="int4", help="bad-data: the honest peers' comm.codec")
     parser.add_argument("--hold", type=float, default=10.0, help="mute: seconds a confirmed group is held open")
     parser.add_argument("--no-trailer", action="store_true", help="dht-junk: plain junk values (for a tree before #14)")

@@ -139,12 +139,17 @@ def test_a_key_holder_that_confirms_and_then_sends_no_data_is_left_out_of_the_dr
     """Attack 6: ready, listed live and confirming every round, then silent in the exchange (its group held open).
 
     With 2 honest peers and the mute one, all three are drawn into one group; each failed round costs the
-    honest peers ``comm.recv_timeout`` (6 s here).
+    honest peers ``comm.recv_timeout`` (6 s here). The mute one joins the draws from round 2, when the honest
+    peers' first rounds have put them in step (at round 0 one of them may be more than a window late, leaving it
+    a pair). Each of its groups takes it 6.5 s, in which the honest peers go on (at least 0.05 s a step here, or a
+    quiet machine runs all 20 rounds in 15 s), so it meets them only a few times, not always twice in a row: the
+    penalty follows the first strike here
+    (``peer.strikes_before_penalty=1``; strikes counted in a row are tested in test_defences.py).
     """
     steps, every = 200, 10
-    swarm.pair(steps, every, "comm.recv_timeout=6", attacker=True)
+    swarm.pair(steps, every, "comm.recv_timeout=6", "peer.strikes_before_penalty=1", attacker=True, pace=0.05)
     stats_path = swarm.attacker("mute", "mute", "a", "--seconds", "150", "--count", "100", "--hold", "6.5",
-                                "--every", str(every), key=swarm.key)  # fmt: skip
+                                "--every", str(every), "--from-round", "2", key=swarm.key)  # fmt: skip
     stats, a, b = swarm.outcome(("a", "b"), stats_path, 300)
     print(
         f"attack 6: attacker {stats}; a {a['round_outcomes']}; a rejected {a['rejected_messages']}; "
@@ -154,17 +159,17 @@ def test_a_key_holder_that_confirms_and_then_sends_no_data_is_left_out_of_the_dr
     # it was confirmed into a group, and its partners did send it their data (the attacker's own count of its
     # groups can lag the peers' strikes: it saves its stats between rounds and is stopped when they finish)
     assert stats.get("groups", 0) >= 1 and stats.get("data_received", 0) >= 1, stats
-    # a peer strikes the mute one for each round it waited in vain and, after two strikes in a row, leaves it
-    # out; how many of those rounds each honest peer saw depends on timing (a peer that missed a draw sees
-    # fewer), so the strikes are counted over both peers. Left out is seen from both sides: a peer counts
-    # the draws it left the mute one out of, and the attacker the rounds it was ready and got no group
-    # (without the penalty, all three are always one group)
+    # a peer strikes the mute one for each round it waited in vain and leaves it out; how many of those rounds
+    # each honest peer saw depends on timing (a peer that missed a draw sees fewer), so the strikes are counted
+    # over both peers: at least one group of all three. Left out is seen from both sides: a peer counts the
+    # draws it left the mute one out of, and the attacker the rounds it was ready and got no group (without the
+    # penalty, all three are always one group)
     rejected = [s["rejected_messages"] for s in (a, b)]
-    assert sum(r.get("no_data", 0) for r in rejected) >= 3, rejected
+    assert sum(r.get("no_data", 0) for r in rejected) >= 2, rejected
     assert max(r.get("penalized", 0) for r in rejected) >= 1 or stats.get("no_group", 0) >= 1, (rejected, stats)
     for s in (a, b):
         # without the penalty every round with the mute peer fails (all three are one group); with it: its
-        # first two rounds, one per expired penalty (4, then 8 rounds), and a round where views differed
+        # first round, one per expired penalty (4, then 8 rounds), and rounds where views differed
         swarm.check_trained(s, min_joined=s["rounds"] - 6)
 
 

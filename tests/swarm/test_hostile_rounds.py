@@ -63,9 +63,10 @@ def test_a_key_holder_sending_bad_data_is_struck_and_the_others_average_without_
     The retry needs a group of all three. The attacker is ready at once in every round, so an honest peer more
     than a window behind the other leaves it a pair with the one on time; on a loaded machine one peer's first
     steps ran 4x slower than the other's and both of the attacker's offences were such pairs (penalised, it
-    never met both). So it joins the draws from round 2, after the honest peers' first rounds put them in step."""
+    never met both). So it joins the draws from round 2, after the honest peers' first rounds put them in step, and
+    the honest peers take at least 0.05 s a step (10 s for the run), time for the attacker's few groups."""
     steps, every = 200, 10
-    swarm.pair(steps, every, "comm.recv_timeout=6", attacker=True)
+    swarm.pair(steps, every, "comm.recv_timeout=6", attacker=True, pace=0.05)
     stats_path = swarm.attacker("bad-data", "bad-data", "a", "--seconds", "150", "--count", "100", "--mode", mode,
                                 "--every", str(every), "--from-round", "2", key=swarm.key)  # fmt: skip
     stats, a, b = swarm.outcome(("a", "b"), stats_path, 300)
