@@ -27,12 +27,12 @@ if not torch.cuda.is_available():
 # files 68, torch backend 64, torchdist 48, fleet on host 40; overlap train about 200 at load 8-12. The straggler's
 # one test (8 peers, 55-65 s, its last half-minute mostly one slow peer sleeping) stays last, where it has the cores
 # to itself: started first, beside the swarm-training file, that file's four-peer test lost its rounds (one run);
-# started mid-suite, its own fast peers were late to most rounds (one run of two). pytest-xdist hands each worker
-# two files to start with, the first to worker 0, the second to worker 1, then the third and fourth: so the two
-# hostile files, whose peers spend much of their time waiting on timeouts, go to one worker one after the other,
-# beside the CPU-bound docs commands, instead of to both workers at once (25-40% idle for their first ~200 s).
+# started mid-suite, its own fast peers were late to most rounds (one run of two). The two hostile files start
+# together, one per worker (pytest-xdist hands worker 0 the first file, worker 1 the second); with the docs
+# commands second instead, worker 0 running both hostile files beside them, the suite was no faster (15:33 and
+# 16:02, against 15:48 in this order).
 LONGEST_FIRST = [
-    "swarm/test_hostile.py", "test_docs_commands.py", "swarm/test_hostile_rounds.py", "train/test_interrupt.py",
+    "swarm/test_hostile.py", "swarm/test_hostile_rounds.py", "test_docs_commands.py", "train/test_interrupt.py",
     "swarm/test_swarm_training.py", "train/test_overlap_train.py", "train/test_streaming.py",
     "swarm/test_overlap_fragments.py", "quant/test_triton_kernels.py", "collectives/test_device.py",
     "swarm/test_peer_interrupt.py", "swarm/test_lone_peer.py", "reliability/test_files.py",

@@ -64,6 +64,12 @@ class Swarm:
         self.procs: dict[str, subprocess.Popen] = {}
         self.started: list[subprocess.Popen] = []  # every process, also those a restart replaced in procs
 
+    @staticmethod
+    def paced(steps: int, seconds: float) -> dict[str, str]:
+        """A peer's environment that makes it sleep ``seconds`` before each of its ``steps`` inner steps
+        (``NOLOCO_FAULTS``): a floor under its pace, so that how fast a loaded machine runs each peer matters less."""
+        return {"NOLOCO_FAULTS": ",".join(f"inner.step@{s}=sleep:{seconds}" for s in range(1, steps + 1))}
+
     def peer(self, name: str, *overrides: str, key: str | None = KEY, env: dict | None = None) -> subprocess.Popen:
         extra = env or {}
         env = {k: v for k, v in os.environ.items() if k != "NOLOCO_RUN_KEY"}
@@ -112,7 +118,7 @@ class Swarm:
             common += ("peer.wait_for_peers=2", "peer.join_timeout=120")
         else:
             common += ("peer.wait_for_peers=1",)
-        env = {"NOLOCO_FAULTS": ",".join(f"inner.step@{s}=sleep:{pace}" for s in range(1, steps + 1))} if pace else None
+        env = self.paced(steps, pace) if pace else None
         self.peer("a", *common, "peer.worker=0", env=env)
         join = f'peer.initial_peers=["{self.maddrs("a")[0]}"]'
         self.peer("b", *common, join, "peer.worker=1", env=env)
