@@ -143,8 +143,8 @@ def test_a_key_holder_that_confirms_and_then_sends_no_data_is_left_out_of_the_dr
     peers' first rounds have put them in step (at round 0 one of them may be more than a window late, leaving it
     a pair). Each of its groups takes it 6.5 s, in which the honest peers go on (at least 0.05 s a step here, or a
     quiet machine runs all 20 rounds in 15 s), so it meets them only a few times, not always twice in a row: the
-    penalty follows the first strike here
-    (``peer.strikes_before_penalty=1``; strikes counted in a row are tested in test_defences.py).
+    penalty follows the first strike here (``peer.strikes_before_penalty=1``; strikes counted in a row are tested
+    in test_defences.py).
     """
     steps, every = 200, 10
     swarm.pair(steps, every, "comm.recv_timeout=6", "peer.strikes_before_penalty=1", attacker=True, pace=0.05)

@@ -15,11 +15,6 @@ STEPS, EVERY = 40, 5
 PEERS = 8
 
 
-def slow_steps(steps: int, seconds: float) -> str:
-    """A ``NOLOCO_FAULTS`` value that sleeps ``seconds`` before every inner step: a peer that many times slower."""
-    return ",".join(f"inner.step@{s}=sleep:{seconds}" for s in range(1, steps + 1))
-
-
 def test_eight_peers_form_their_rounds_beside_a_straggler(swarm):
     common = (f"steps={STEPS}", f"outer.every={EVERY}", "checkpoint.every=0", "checkpoint.final=false",
               "eval.every=40", "eval.batches=1", "log.plot=false",
@@ -30,7 +25,7 @@ def test_eight_peers_form_their_rounds_beside_a_straggler(swarm):
         swarm.peer(str(rank), *common, join, f"peer.worker={rank}")
     # every step of the straggler starts 0.4 s late: 5 steps a round take 2 s more than the others' (~0.1-0.5 s
     # here, busy cores), and every round it is due in it is late
-    swarm.peer("slow", *common, join, f"peer.worker={PEERS - 1}", env={"NOLOCO_FAULTS": slow_steps(STEPS, 0.4)})
+    swarm.peer("slow", *common, join, f"peer.worker={PEERS - 1}", env=swarm.paced(STEPS, 0.4))
     names = [*map(str, range(PEERS - 1)), "slow"]
     for name in names:
         assert swarm.finish(name, timeout=600) == 0, swarm.logs()
