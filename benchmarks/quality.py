@@ -12,7 +12,9 @@ The plan, one ``train.py`` process per run (``--parallel N`` at once, as :mod:`b
 1. the sweep (seed ``--seeds[0]``, codec ``--sweep-codecs``, int4 by default; :data:`GRID`): DiLoCo at outer
    momentum μ ∈ {0.1, 0.3, 0.5, 0.9} and, at μ 0.3, outer lr 1.0; NoLoCo at μ ∈ {0, 0.1, 0.3, 0.5} and, at μ 0.1,
    γ 0.5 (β stays 0.7: two messages a round) and groups of 4. (``--grid quick``, the tiny preset's: μ 0.3 and 0.9
-   for DiLoCo, 0.1 and 0.5 for NoLoCo.) DDP has no outer key to sweep: its seeds start with the sweep;
+   for DiLoCo, 0.1 and 0.5 for NoLoCo; ``--grid narrow``, the 125m preset's: around the small preset's bests,
+   DiLoCo μ 0.1 and 0.3, NoLoCo μ 0.1 in pairs and in groups of 4.) DDP has no outer key to sweep: its seeds start
+   with the sweep;
 2. the best of each (algorithm, codec) by final held-out loss, for every codec of ``--codecs`` (int4 by default;
    ``--codecs fp32 int4`` adds exact messages: a codec not swept takes the knobs of the swept one's best), over
    every seed of ``--seeds`` (0 1 2);
@@ -82,13 +84,21 @@ QUICK: dict[str, list[tuple[str, ...]]] = {
     "diloco": [("outer.momentum=0.3",), ("outer.momentum=0.9",)],
     "noloco": [("outer.momentum=0.1",), ("outer.momentum=0.5",)],
 }
+#: the sweep narrowed around the ``small`` preset's measured bests (docs/results/quality.md: DiLoCo μ 0.3, then 0.1;
+#: NoLoCo μ 0.1 with groups of 4, then pairs): ``--grid narrow``, the 125m preset's default, where a run costs minutes
+NARROW: dict[str, list[tuple[str, ...]]] = {
+    "ddp": [()],
+    "diloco": [("outer.momentum=0.1",), ("outer.momentum=0.3",)],
+    "noloco": [("outer.momentum=0.1",), ("outer.momentum=0.1", "outer.group_size=4")],
+}
+GRIDS = {"full": GRID, "quick": QUICK, "narrow": NARROW}
 LIBRARY = Path("runs/library")
 _GPU = ["device=auto", "data.source=files", f"data.path={LIBRARY / 'text'}", f"data.cache_dir={LIBRARY / 'cache'}",
         "data.vocab_size=8192", "data.seq_len=256", "data.batch_size=12", "workers=4", "steps=1000",
         "outer.every=10", "inner.warmup=50", "eval.every=50", "eval.batches=8"]  # fmt: skip
 PRESETS: dict[str, dict] = {
     "small": {"budget": ["model.preset=small", *_GPU], "paper": (50, 100), "grid": "full"},
-    "125m": {"budget": ["model.preset=125m", *_GPU], "paper": (50, 100), "grid": "full"},
+    "125m": {"budget": ["model.preset=125m", *_GPU], "paper": (50, 100), "grid": "narrow"},
     "tiny": {"budget": ["device=cpu", "data.source=shakespeare", "model.dim=64", "model.n_layers=2",
                         "model.n_heads=2", "data.vocab_size=512", "data.seq_len=32", "data.batch_size=4",
                         "eval.batches=4", "workers=2", "steps=40", "outer.every=5", "inner.warmup=5", "eval.every=5"],
@@ -481,9 +491,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=list(PRESETS), default="small")
     parser.add_argument(
         "--grid",
-        choices=("full", "quick"),
+        choices=tuple(GRIDS),
         default=None,
-        help="the sweep: full (GRID) or quick (QUICK); default: the preset's",
+        help="the sweep: full (GRID), quick (QUICK) or narrow (NARROW); default: the preset's",
     )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--codecs", nargs="+", default=["int4"], help="codecs of the best-of-each runs (fp32 int4: "
@@ -561,7 +571,7 @@ def main() -> int:
     try:
         if not args.dry_run:
             check_data(budget)
-        grid = QUICK if (args.grid or PRESETS[args.preset]["grid"]) == "quick" else GRID
+        grid = GRIDS[args.grid or PRESETS[args.preset]["grid"]]
         fixed = fixed_knobs(args.methods, args.sweep_codecs, grid)
         plan = {
             "sweep": sweep_plan(args.methods, args.sweep_codecs, args.seeds[0], budget, grid),

@@ -73,3 +73,15 @@ def test_equal_budget_and_target_readings_interpolate_between_evaluations():
     assert quality.at(curve[1:], 1, 50.0) is None  # before its first evaluation
     assert quality.to_target(curve, 4.5) == pytest.approx((15, 150.0, 7.5))
     assert quality.to_target(curve, 3.0) is None
+
+
+def test_the_125m_preset_sweeps_the_narrow_grid_and_a_grid_can_be_named():
+    plan = _quality("--preset", "125m", "--methods", "diloco", "noloco", "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    sweep = [line.split()[1] for line in plan.stdout.splitlines() if line.startswith("sweep ")]
+    assert sorted(name.rsplit("-", 2)[0] for name in sweep) == ["diloco-int4-momentum0.1", "diloco-int4-momentum0.3",
+                                                          "noloco-int4-momentum0.1",
+                                                          "noloco-int4-momentum0.1-group_size4"]  # fmt: skip
+    quick = _quality("--preset", "125m", "--methods", "diloco", "--grid", "quick", "--dry-run")
+    assert sorted(line.split()[1].rsplit("-", 2)[0] for line in quick.stdout.splitlines()
+                  if line.startswith("sweep ")) == ["diloco-int4-momentum0.3", "diloco-int4-momentum0.9"]  # fmt: skip
