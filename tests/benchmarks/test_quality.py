@@ -76,12 +76,15 @@ def test_equal_budget_and_target_readings_interpolate_between_evaluations():
 
 
 def test_the_125m_preset_sweeps_the_narrow_grid_and_a_grid_can_be_named():
-    plan = _quality("--preset", "125m", "--methods", "diloco", "noloco", "--dry-run")
+    # the library corpus need not be there to print a plan: the runs read the shakespeare corpus instead
+    plan = _quality("--preset", "125m", "--methods", "diloco", "noloco", "--dry-run", "--", "data.source=shakespeare")
     assert plan.returncode == 0, plan.stderr
     sweep = [line.split()[1] for line in plan.stdout.splitlines() if line.startswith("sweep ")]
     assert sorted(name.rsplit("-", 2)[0] for name in sweep) == ["diloco-int4-momentum0.1", "diloco-int4-momentum0.3",
                                                           "noloco-int4-momentum0.1",
                                                           "noloco-int4-momentum0.1-group_size4"]  # fmt: skip
-    quick = _quality("--preset", "125m", "--methods", "diloco", "--grid", "quick", "--dry-run")
+    quick = _quality(
+        "--preset", "125m", "--methods", "diloco", "--grid", "quick", "--dry-run", "--", "data.source=shakespeare"
+    )
     assert sorted(line.split()[1].rsplit("-", 2)[0] for line in quick.stdout.splitlines()
                   if line.startswith("sweep ")) == ["diloco-int4-momentum0.3", "diloco-int4-momentum0.9"]  # fmt: skip
