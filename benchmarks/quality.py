@@ -14,8 +14,7 @@ The plan, one ``train.py`` process per run (``--parallel N`` at once, as :mod:`b
    γ 0.5 (β stays 0.7: two messages a round) and groups of 4. (``--grid quick``, the tiny preset's: μ 0.3 and 0.9
    for DiLoCo, 0.1 and 0.5 for NoLoCo; ``--grid narrow``, the 125m preset's: around the small preset's bests,
    DiLoCo μ 0.1 and 0.3, NoLoCo μ 0.1 in pairs and in groups of 4; ``--grid small-best``: no sweep, each at the
-   small preset's best.) DDP has no outer key to sweep: its seeds start
-   with the sweep;
+   small preset's best.) DDP has no outer key to sweep: its seeds start with the sweep;
 2. the best of each (algorithm, codec) by final held-out loss, for every codec of ``--codecs`` (int4 by default;
    ``--codecs fp32 int4`` adds exact messages: a codec not swept takes the knobs of the swept one's best), over
    every seed of ``--seeds`` (0 1 2);
