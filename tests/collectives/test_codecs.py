@@ -47,7 +47,9 @@ def test_fp32_names_give_the_exact_codec_and_unknown_names_fail():
 
 def test_quant_decode_rejects_wrong_size_spec_padding_and_values():
     codec = get_codec("int8")
-    payload = codec.encode(torch.randn(300))
+    values = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    values[299] = values.abs().max() + 1  # the largest of its group: code 255, never a zero that passes as padding
+    payload = codec.encode(values)
     assert len(payload) == codec.nbytes(300) == 304 + 16 + 16  # codes, bf16 scales, zero points; 16-byte aligned
     with pytest.raises(PayloadMismatch, match="non-zero alignment padding"):
         codec.decode(payload, 299)  # same length, but code 299 sits where 299 values have padding
