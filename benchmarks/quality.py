@@ -14,7 +14,7 @@ The plan, one ``train.py`` process per run (``--parallel N`` at once, as :mod:`b
    γ 0.5 (β stays 0.7: two messages a round) and groups of 4. (``--grid quick``, the tiny preset's: μ 0.3 and 0.9
    for DiLoCo, 0.1 and 0.5 for NoLoCo; ``--grid narrow``, the 125m preset's: around the small preset's bests,
    DiLoCo μ 0.1 and 0.3, NoLoCo μ 0.1 in pairs and in groups of 4; ``--grid small-best``: no sweep, each at the
-   small preset's best.) DDP has no outer key to sweep: its seeds start with the sweep;
+   small preset's best; ``--grid defaults``: each μ default, DiLoCo 0.9 and NoLoCo 0.5, beside its best, 0.3 and 0.1.) DDP has no outer key to sweep: its seeds start with the sweep;
 2. the best of each (algorithm, codec) by final held-out loss, for every codec of ``--codecs`` (int4 by default;
    ``--codecs fp32 int4`` adds exact messages: a codec not swept takes the knobs of the swept one's best), over
    every seed of ``--seeds`` (0 1 2);
@@ -98,7 +98,14 @@ SMALL_BEST: dict[str, list[tuple[str, ...]]] = {
     "diloco": [("outer.momentum=0.3",)],
     "noloco": [("outer.momentum=0.1", "outer.group_size=4")],
 }
-GRIDS = {"full": GRID, "quick": QUICK, "narrow": NARROW, "small-best": SMALL_BEST}
+#: the defaults against the measured bests (``--grid defaults``): each method's μ default (NoLoCo 0.5, DiLoCo 0.9)
+#: beside the small preset's best μ, everything else at its default (NoLoCo in pairs): the evidence for the defaults
+DEFAULTS: dict[str, list[tuple[str, ...]]] = {
+    "ddp": [()],
+    "diloco": [("outer.momentum=0.3",), ("outer.momentum=0.9",)],
+    "noloco": [("outer.momentum=0.1",), ("outer.momentum=0.5",)],
+}
+GRIDS = {"full": GRID, "quick": QUICK, "narrow": NARROW, "small-best": SMALL_BEST, "defaults": DEFAULTS}
 LIBRARY = Path("runs/library")
 _GPU = ["device=auto", "data.source=files", f"data.path={LIBRARY / 'text'}", f"data.cache_dir={LIBRARY / 'cache'}",
         "data.vocab_size=8192", "data.seq_len=256", "data.batch_size=12", "workers=4", "steps=1000",
@@ -501,7 +508,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=tuple(GRIDS),
         default=None,
         help="the sweep: full (GRID), quick (QUICK), narrow (NARROW) or none, each method at the small "
-        "preset's best (small-best: SMALL_BEST); default: the preset's",
+        "preset's best (small-best: SMALL_BEST), each μ default beside its best (defaults: DEFAULTS); default: "
+        "the preset's",
     )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--codecs", nargs="+", default=["int4"], help="codecs of the best-of-each runs (fp32 int4: "

@@ -88,3 +88,7 @@ def test_the_125m_preset_sweeps_the_narrow_grid_and_a_grid_can_be_named():
     )
     assert sorted(line.split()[1].rsplit("-", 2)[0] for line in quick.stdout.splitlines()
                   if line.startswith("sweep ")) == ["diloco-int4-momentum0.3", "diloco-int4-momentum0.9"]  # fmt: skip
+    defaults = _quality("--preset", "125m", "--grid", "defaults", "--dry-run", "--", "data.source=shakespeare")
+    assert sorted(line.split()[1].rsplit("-", 2)[0] for line in defaults.stdout.splitlines()
+                  if line.startswith("sweep ")) == ["diloco-int4-momentum0.3", "diloco-int4-momentum0.9",
+                                                    "noloco-int4-momentum0.1", "noloco-int4-momentum0.5"]  # fmt: skip
