@@ -14,13 +14,14 @@ The plan, one ``train.py`` process per run (``--parallel N`` at once, as :mod:`b
    γ 0.5 (β stays 0.7: two messages a round) and groups of 4. (``--grid quick``, the tiny preset's: μ 0.3 and 0.9
    for DiLoCo, 0.1 and 0.5 for NoLoCo; ``--grid narrow``, the 125m preset's: around the small preset's bests,
    DiLoCo μ 0.1 and 0.3, NoLoCo μ 0.1 in pairs and in groups of 4; ``--grid small-best``: no sweep, each at the
-   small preset's best; ``--grid defaults``: each μ default, DiLoCo 0.9 and NoLoCo 0.5, beside its best, 0.3 and 0.1.) DDP has no outer key to sweep: its seeds start with the sweep;
+   small preset's best; ``--grid defaults``: each paper's μ, DiLoCo 0.9 and NoLoCo 0.5, beside the best, 0.3 and
+   0.1.) DDP has no outer key to sweep: its seeds start with the sweep;
 2. the best of each (algorithm, codec) by final held-out loss, for every codec of ``--codecs`` (int4 by default;
    ``--codecs fp32 int4`` adds exact messages: a codec not swept takes the knobs of the swept one's best), over
    every seed of ``--seeds`` (0 1 2);
-3. the papers' comparison at their settings (each algorithm's defaults, fp32): NoLoCo at H = 50, DiLoCo at H = 100
-   and at H = 50 (``--paper-every``; NoLoCo arXiv 2506.10911, DiLoCo arXiv 2311.08105), seeds ``--paper-seeds``
-   (default: the first seed).
+3. the papers' comparison at their settings (fp32, each paper's outer momentum: NoLoCo 0.5, DiLoCo 0.9): NoLoCo at
+   H = 50, DiLoCo at H = 100 and at H = 50 (``--paper-every``; NoLoCo arXiv 2506.10911, DiLoCo arXiv 2311.08105),
+   seeds ``--paper-seeds`` (default: the first seed).
 
 The first wave is DDP's seeds, the sweep and the papers' runs; the second, the other bests' seeds.
 
@@ -66,6 +67,7 @@ if not __package__:  # `python benchmarks/quality.py`: rerun as `python -m bench
 
 from benchmarks import common
 from benchmarks.frontier import launch
+from noloco.optim.algorithms import DiLoCo, NoLoCo
 from noloco.train.config import ConfigError, load_config
 from noloco.train.run import usable_cores
 
@@ -98,8 +100,8 @@ SMALL_BEST: dict[str, list[tuple[str, ...]]] = {
     "diloco": [("outer.momentum=0.3",)],
     "noloco": [("outer.momentum=0.1", "outer.group_size=4")],
 }
-#: the defaults against the measured bests (``--grid defaults``): each method's μ default (NoLoCo 0.5, DiLoCo 0.9)
-#: beside the small preset's best μ, everything else at its default (NoLoCo in pairs): the evidence for the defaults
+#: the evidence for the μ defaults (``--grid defaults``): each paper's μ (NoLoCo 0.5, DiLoCo 0.9; the defaults until
+#: 2026-12-05) beside the measured best (0.1, 0.3; the defaults since), everything else at its default (NoLoCo in pairs)
 DEFAULTS: dict[str, list[tuple[str, ...]]] = {
     "ddp": [()],
     "diloco": [("outer.momentum=0.3",), ("outer.momentum=0.9",)],
@@ -194,10 +196,11 @@ def seed_plan(best: dict[str, tuple[str, ...]], methods: list[str], codecs: list
 
 
 def paper_plan(every: tuple[int, int], seeds: list[int], budget: list[str]) -> list[Run]:
-    """Stage 3: the papers' settings (each algorithm's defaults, fp32): NoLoCo at H = every[0], DiLoCo at
-    H = every[1] and at H = every[0]."""
-    configs = [("noloco/fp32", every[0]), ("diloco/fp32", every[1]), ("diloco/fp32", every[0])]
-    return [make_run("paper", method, (f"outer.every={h}",), seed, budget) for method, h in configs for seed in seeds]
+    """Stage 3: the papers' settings (fp32, each paper's outer momentum, the other keys at their defaults): NoLoCo at
+    H = every[0], DiLoCo at H = every[1] and at H = every[0]."""
+    configs = [("noloco/fp32", every[0], NoLoCo), ("diloco/fp32", every[1], DiLoCo), ("diloco/fp32", every[0], DiLoCo)]
+    return [make_run("paper", method, (f"outer.every={h}", f"outer.momentum={cls.PAPER_MOMENTUM}"), seed, budget)
+            for method, h, cls in configs for seed in seeds]  # fmt: skip
 
 
 # --- measuring ------------------------------------------------------------------------------------------------------
@@ -479,7 +482,7 @@ def report(results: dict[str, dict], plan: dict[str, list[Run]], best: dict[str,
                   *equal_table(bests, axis, budgets, unit, scale)]  # fmt: skip
     lines += [
         "",
-        "## The papers' comparison: their settings (each algorithm's defaults, fp32)",
+        "## The papers' comparison: their settings (fp32, each paper's outer momentum)",
         "",
         *best_table(paper, target),
     ]
@@ -508,7 +511,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=tuple(GRIDS),
         default=None,
         help="the sweep: full (GRID), quick (QUICK), narrow (NARROW) or none, each method at the small "
-        "preset's best (small-best: SMALL_BEST), each μ default beside its best (defaults: DEFAULTS); default: "
+        "preset's best (small-best: SMALL_BEST), each paper's μ beside the best (defaults: DEFAULTS); default: "
         "the preset's",
     )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))

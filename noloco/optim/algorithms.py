@@ -1010,7 +1010,10 @@ class NoLoCo(OuterAlgorithm):
     """
 
     name = "noloco"
-    DEFAULT_MOMENTUM: ClassVar[float] = 0.5  # μ where ``momentum`` is None (outer.momentum: null)
+    #: μ where ``momentum`` is None (outer.momentum: null): the best measured on every budget so far (docs/design.md
+    #: §3.1); the paper's μ, which was the default until 2026-12-05, is PAPER_MOMENTUM
+    DEFAULT_MOMENTUM: ClassVar[float] = 0.1
+    PAPER_MOMENTUM: ClassVar[float] = 0.5  # arXiv 2506.10911
     SETTINGS: ClassVar[dict[str, str]] = {
         **OuterAlgorithm.SETTINGS,
         "outer.slow_every": "slow_every",
@@ -1048,7 +1051,9 @@ class DiLoCo(OuterAlgorithm):
     """DiLoCo: global average of pseudo-gradients, outer SGD with Nesterov momentum."""
 
     name = "diloco"
-    DEFAULT_MOMENTUM: ClassVar[float] = 0.9  # μ where ``momentum`` is None (outer.momentum: null)
+    #: μ where ``momentum`` is None: the best measured (docs/design.md §3.1); the paper's is PAPER_MOMENTUM
+    DEFAULT_MOMENTUM: ClassVar[float] = 0.3
+    PAPER_MOMENTUM: ClassVar[float] = 0.9  # arXiv 2311.08105
     SETTINGS: ClassVar[dict[str, str]] = {
         **OuterAlgorithm.SETTINGS,
         "outer.lr": "lr",

@@ -53,8 +53,8 @@ def test_missing_data_path_fails(tmp_path):
 
 
 def test_algorithm_dependent_defaults():
-    assert load_config(["outer.algo=diloco"]).outer.momentum == 0.9
-    assert load_config([]).outer.momentum == 0.5
+    assert load_config(["outer.algo=diloco"]).outer.momentum == 0.3
+    assert load_config([]).outer.momentum == 0.1
     assert load_config(["outer.every=7"]).eval.every == 7
 
 
