@@ -74,8 +74,9 @@ def test_fp32_baselines_use_the_ring_and_quantized_exchanges_the_two_phase_reduc
 
 
 def test_method_labels_name_the_outer_momentum_only_when_it_is_not_the_algorithms_default():
-    assert throttled.method_label("diloco", "fp32", 0.9) == "diloco/fp32"
-    assert throttled.method_label("diloco", "fp32", 0.5) == "diloco/fp32/outer.momentum=0.5"
-    assert throttled.method_label("noloco", "int4", 0.5) == "noloco/int4"
+    assert throttled.method_label("diloco", "fp32", 0.3) == "diloco/fp32"
+    assert throttled.method_label("diloco", "fp32", 0.9) == "diloco/fp32/outer.momentum=0.9"  # its paper's
+    assert throttled.method_label("noloco", "int4", 0.1) == "noloco/int4"
+    assert throttled.method_label("noloco", "int4", 0.5) == "noloco/int4/outer.momentum=0.5"
     assert throttled.method_label("ddp", "fp32", 0.5) == "ddp/fp32"
     assert throttled.method_label("noloco", "int4", None) == "noloco/int4"
