@@ -388,8 +388,11 @@ def flood(args, stats: Stats) -> None:
                 payload = endpoint.request(target, STATE_SERVICE, b"", 20, 1 << 30)
                 stats.bump("states")
                 stats.bump("state_bytes", len(payload))
-            except Exception as exc:  # noqa: BLE001 - refused: throttled
-                stats.bump("refused")
+            except Exception as exc:  # noqa: BLE001 - refused: throttled; or the target has exited (trained out)
+                gone = "Connect failed" in str(exc) or "failed to dial" in str(exc)
+                stats.bump("unreachable" if gone else "refused")
+                if "throttled" in str(exc):
+                    stats.bump("throttled")
                 stats["last_error"] = str(exc)[:200]
             stats.save()
             time.sleep(args.pause)

@@ -127,10 +127,16 @@ def test_a_key_holder_flooding_state_downloads_gets_two_per_interval(swarm):
         f"a rejected {a['rejected_messages']}; rounds joined a={a['rounds_joined']}/{a['rounds']}; "
         f"400 steps trained in a={swarm.train_seconds('a')} s b={swarm.train_seconds('b')} s"
     )
-    assert stats["requests"] >= 50, stats
+    # requests that reached a: on a quiet machine a trains out in 8 s, and the last ones find it gone (one run: 32
+    # of 400 failed to dial)
+    reached = stats["requests"] - stats.get("unreachable", 0)
+    assert reached >= 50, stats
     # one full state per requester per 30 s (peer.state_burst=1): the first request once a had one, then none
     assert stats.get("states", 0) <= 1 and a["states_served"] <= 1, (stats, a["states_served"])
-    assert a["rejected_messages"].get("state_throttled", 0) >= stats["requests"] - 2, a["rejected_messages"]
+    # every later request that reached a was refused as throttled, as the attacker saw it; a's own count is the
+    # ones before it wrote its summary, which on a quiet machine comes while the flood still runs (396 of 399)
+    assert stats.get("throttled", 0) >= reached - 2, stats
+    assert a["rejected_messages"].get("state_throttled", 0) >= 50, (a["rejected_messages"], stats)
     for s in (a, b):
         swarm.check_trained(s, min_joined=s["rounds"] // 2)
 
