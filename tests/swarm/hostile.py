@@ -389,11 +389,11 @@ def flood(args, stats: Stats) -> None:
                 stats.bump("states")
                 stats.bump("state_bytes", len(payload))
             except Exception as exc:  # noqa: BLE001 - refused: throttled; or the target has exited (trained out)
-                gone = "Connect failed" in str(exc) or "failed to dial" in str(exc)
-                stats.bump("unreachable" if gone else "refused")
-                if "throttled" in str(exc):
+                error = str(exc)
+                stats.bump("unreachable" if "Connect failed" in error or "failed to dial" in error else "refused")
+                if "throttled" in error:
                     stats.bump("throttled")
-                stats["last_error"] = str(exc)[:200]
+                stats["last_error"] = error[:200]
             stats.save()
             time.sleep(args.pause)
     finally:

@@ -172,7 +172,7 @@ def test_a_lag_that_shrinks_does_not_lower_the_promise(interrupt):
     long_lag = stop._lag()
     far.delay = 0.0
     # a quiet link: once the slow round trips have aged out, the lag is short. Steps of 10 ms here, so that round
-    # trips of a few ms (a loaded machine's loopback) make a short lag too: with 2 ms steps, 1 ms trips at load 15
+    # trips of a few ms (a loaded machine's loopback) make a short lag too: with 2 ms steps, trips over 1 ms at load 15
     # kept the lag above 2 for 7,000 steps
     while stop._lag() > 2:
         step += 1
