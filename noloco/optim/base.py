@@ -63,13 +63,3 @@ def _lazy_buffer(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tenso
 def _part(tensor: torch.Tensor, part: slice | None) -> torch.Tensor:
     """``tensor[part]`` as a view (in-place updates reach ``tensor``); the tensor itself for None."""
     return tensor if part is None else tensor[part]
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether ``x`` holds no NaN/Inf: one reduction pass (its min and max: NaN propagates, ±Inf is an extreme),
-    no temporary of ``x``'s size. (The max-magnitude norm does the same, 11× slower on a CPU: 11.6 against
-    1.0 ms for 3.7M fp32 values on one core.)"""
-    if not x.numel():
-        return True
-    low, high = torch.aminmax(x)
-    return bool(torch.isfinite(low) & torch.isfinite(high))

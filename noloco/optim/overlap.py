@@ -46,8 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from noloco.optim.base import all_finite
-from noloco.state import StateError, check_keys, check_tensor, is_int
+from noloco.state import StateError, all_finite, check_keys, check_tensor, is_int
 
 #: the rules ``overlap=`` (``outer.overlap``) names; ``True`` means :data:`DEFAULT_RULE`
 OVERLAP_RULES = ("provisional", "eager", "delayed")
