@@ -16,7 +16,9 @@ of the parameters (``noloco.collectives.get_codec(codec).nbytes(parameters)``). 
   linkmodel's :class:`~noloco.fleet.linkmodel.TokenBucket` of each member; a group waits only on its members.
 * ``swarm-gN``: NoLoCo groups formed by matchmaking among the peers that are ready (the hivemind swarm): the
   first n peers to be ready form a group, plus the matchmaking cost: a fixed part (measured on loopback), two
-  DHT lookups of ⌈log₂ N⌉ hops at the median round trip, and one round trip within the group to confirm.
+  DHT lookups of ⌈log₂ N⌉ hops at the median round trip, one round trip within the group to confirm, and the
+  reads of the round's announcements: every peer reads all N of them several times a window from the few DHT
+  nodes that hold the round's key, so those nodes upload N² records a round (:func:`window_read_seconds`).
 
 DiLoCo (arXiv 2311.08105) runs ``ring`` or ``tree`` once per outer round; DDP runs ``ring`` every inner step
 (``ddp-ring``: H all-reduces of the fp32 gradients per round). :func:`sync_times` gives one exchange started by
@@ -46,6 +48,13 @@ METHODS = ("ddp-ring", "diloco-ring", "diloco-tree", "noloco-g2", "noloco-g4", "
 #: matchmaking's fixed part: the median matchmaking time of 4 swarm peers on loopback, noloco int4/fp32
 #: (docs/results/swarm.md: 0.095 and 0.118 s; 0.33 s at 8 peers on a loaded 2-core machine)
 MATCHMAKING_S = 0.1
+#: bytes of one peer's readiness announcement as a DHT read returns it: its msgpack value (time, name, window,
+#: the run key's MAC and the Ed25519 signature in hex) 242 B, its subkey (the peer id) 54 B, expiry and framing
+RECORD_BYTES = 310
+#: reads of a round's announcements per peer and round: (peer.min_window + peer.slack) / poll = (1 + 1) / 0.25 s
+WINDOW_READS = 8
+#: DHT nodes that hold a key (hivemind's ``num_replicas``), so serve every read of the round's announcements
+DHT_REPLICAS = 5
 
 
 @dataclass
@@ -68,6 +77,9 @@ class WanConfig:
     overhead: float = DEFAULT_OVERHEAD
     matchmaking: float = MATCHMAKING_S
     dht_lookups: int = 2
+    record_bytes: int = RECORD_BYTES
+    window_reads: int = WINDOW_READS
+    dht_replicas: int = DHT_REPLICAS
     chunks: int = 16  # pipelining of the tree
     rounds: int = 10
     seed: int = 0
@@ -82,14 +94,14 @@ class WanConfig:
         for name in ("bandwidth", "rtt", "compute", "straggler_factor", "overhead"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("bandwidth_sigma", "rtt_sigma", "matchmaking"):
+        for name in ("bandwidth_sigma", "rtt_sigma", "matchmaking", "record_bytes", "window_reads"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.straggler_fraction <= 1:
             raise ValueError(f"straggler-fraction must be in [0, 1], got {self.straggler_fraction}")
-        for name in ("parameters", "every", "chunks", "rounds"):
+        for name in ("parameters", "every", "chunks", "rounds", "dht_replicas"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for n in self.workers:
             for method in self.methods:
                 size = group_size(method)
@@ -243,11 +255,29 @@ def group_exchange(peers: Peers, members: list[int], nbytes: float, start: float
 
 def matchmaking_seconds(peers: Peers, members: list[int], cfg: WanConfig) -> float:
     """A swarm group's matchmaking: the fixed part, ``dht_lookups`` DHT lookups of ⌈log₂ N⌉ hops (Kademlia's
-    bound) at the median round trip, and one round trip within the group (the confirmation)."""
+    bound) at the median round trip, one round trip within the group (the confirmation), and the reads of the
+    round's announcements (:func:`window_read_seconds`)."""
     n = len(peers)
     lat = peers.latency[members]
     confirm = 2 * float(lat.max() + np.sort(lat)[-2]) if len(members) > 1 else 0.0
-    return cfg.matchmaking + cfg.dht_lookups * math.ceil(math.log2(max(n, 2))) * cfg.rtt + confirm
+    lookups = cfg.dht_lookups * math.ceil(math.log2(max(n, 2))) * cfg.rtt
+    return cfg.matchmaking + lookups + confirm + window_read_seconds(peers, members, cfg)
+
+
+def window_read_seconds(peers: Peers, members: list[int], cfg: WanConfig) -> float:
+    """Seconds a round's reads of the readiness announcements add to a swarm group's matchmaking.
+
+    The swarm keeps a round's announcements under one DHT key, one subkey per peer; each peer reads the whole
+    key ``window_reads`` times while its window gathers (``record_bytes`` per announcement, N of them). A member
+    downloads its reads at its own rate; the ``dht_replicas`` nodes holding the key upload every peer's reads,
+    N² records × reads a round, at the median rate. The reads run side by side, so the slower of the two bounds
+    the group: the holders' upload once N passes the replicas, O(N²) bytes. A lower bound: a read that visits
+    several holders, or the registry reads, cost more."""
+    n = len(peers)
+    bits = cfg.window_reads * n * cfg.record_bytes * cfg.overhead * 8  # one peer's reads of the round
+    reader = bits / float(peers.rate[members].min())
+    holders = n * bits / (min(cfg.dht_replicas, n) * float(np.median(peers.rate)))
+    return max(reader, holders)
 
 
 def allreduce(method: str, peers: Peers, nbytes: float, ready: np.ndarray, cfg: WanConfig) -> np.ndarray:
@@ -512,6 +542,12 @@ def add_arguments(parser: argparse.ArgumentParser, ints) -> None:
     parser.add_argument("--compute", type=float, default=d.compute, help="compute seconds per outer round (1.6)")
     parser.add_argument("--every", type=int, default=d.every, help="inner steps H per outer round (50)")
     parser.add_argument("--matchmaking", type=float, default=d.matchmaking, help="matchmaking's fixed seconds (0.1)")
+    parser.add_argument("--record-bytes", type=int, default=d.record_bytes, help=f"bytes of one readiness "
+                        f"announcement as read ({RECORD_BYTES}; 0: reads cost nothing)")  # fmt: skip
+    parser.add_argument("--window-reads", type=int, default=d.window_reads, help=f"reads of a round's "
+                        f"announcements per peer ({WINDOW_READS})")  # fmt: skip
+    parser.add_argument("--dht-replicas", type=int, default=d.dht_replicas, help=f"DHT nodes that hold the "
+                        f"round's key and serve its reads ({DHT_REPLICAS})")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=d.rounds, help="rounds simulated for idle fractions (10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/sim"), help="report folder (runs/sim)")
@@ -527,7 +563,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         bandwidth_sigma=args.bandwidth_sigma, rtt=parse_duration(args.rtt), rtt_sigma=args.rtt_sigma,
                         straggler_fraction=args.stragglers, straggler_factor=args.straggler_factor,
                         parameters=args.parameters, codec=args.codec, compute=args.compute, every=args.every,
-                        matchmaking=args.matchmaking, rounds=args.rounds, seed=args.seed)  # fmt: skip
+                        matchmaking=args.matchmaking, record_bytes=args.record_bytes, window_reads=args.window_reads,
+                        dht_replicas=args.dht_replicas, rounds=args.rounds, seed=args.seed)  # fmt: skip
         cfg.check()
     except ValueError as exc:
         parser.error(str(exc).splitlines()[0])

@@ -19,6 +19,7 @@ from noloco.sim.wan import (
     sync_times,
     tree_allreduce,
     uniform_peers,
+    window_read_seconds,
 )
 
 MB = 1e6
@@ -104,6 +105,27 @@ def test_a_straggler_holds_back_the_all_reduce_and_scheduled_pairs_but_not_the_s
     assert scheduled["round_s_normal"] > 2.0  # its delay spreads through the pairs
     assert swarm["round_s_normal"] < 1.0 + matchmaking_seconds(peers, [0, 1], cfg) + 0.5
     assert swarm["idle_fraction"] < ring["idle_fraction"]
+
+
+def test_window_reads_grow_with_the_square_of_n_at_the_key_holders():
+    cfg = WanConfig(record_bytes=300, window_reads=8, dht_replicas=5, overhead=1.0)
+    small, large = uniform_peers(64, 100e6), uniform_peers(1024, 100e6)
+    # 1,024 peers: each reads 8 × 1,024 × 300 B a round; 5 holders upload all 1,024 peers' reads
+    one_peer_bits = 8 * 1024 * 300 * 8
+    assert window_read_seconds(large, [0, 1], cfg) == pytest.approx(1024 * one_peer_bits / (5 * 100e6))
+    assert window_read_seconds(large, [0, 1], cfg) == pytest.approx(256 * window_read_seconds(small, [0, 1], cfg))
+    # below the replicas the reader's own download bounds it: 3 peers, 3 holders, one read each
+    few = uniform_peers(3, 1e6)
+    assert window_read_seconds(few, [0, 1], cfg) == pytest.approx(8 * 3 * 300 * 8 / 1e6)
+    free = WanConfig(record_bytes=0)
+    assert window_read_seconds(large, [0, 1], free) == 0.0
+    assert matchmaking_seconds(large, [0, 1], cfg) > matchmaking_seconds(large, [0, 1], free) + 30
+
+
+def test_window_read_keys_are_checked():
+    for bad in (dict(record_bytes=-1), dict(window_reads=-1), dict(dht_replicas=0)):
+        with pytest.raises(ValueError, match="record-bytes|window-reads|dht-replicas"):
+            WanConfig(**bad).check()
 
 
 def test_calibration_reads_the_fleet_reports_and_fits_one_point_per_report():
