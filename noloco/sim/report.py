@@ -163,8 +163,9 @@ def time_tables(data: dict) -> list[str]:
              f"{cfg['ddp_codec']}, {data['ddp_payload_bytes'] / 1e6:.1f} MB per step, H = {cfg['every']}); compute "
              f"{cfg['compute']} s per round; matchmaking {cfg['matchmaking']} s + {cfg['dht_lookups']} DHT lookups × "
              "⌈log₂ N⌉ hops × median RTT + 1 RTT to confirm + the reads of the round's announcements "
-             f"({cfg.get('window_reads', 0)} reads × N × {cfg.get('record_bytes', 0)} B per peer, served by "
-             f"{cfg.get('dht_replicas', 0)} DHT nodes: N² records a round) (swarm only).", "",
+             f"({cfg.get('window_reads', 0)} reads × N/B × {cfg.get('record_bytes', 0)} B per peer over "
+             f"B = {cfg.get('buckets', 1)} DHT key(s), each served by {cfg.get('dht_replicas', 0)} DHT nodes: "
+             "(N/B)² records a round) (swarm only).", "",
              "sync = one round's exchange with every peer ready at once (mean over peers [max]); round and idle: "
              f"{cfg['rounds']} rounds of compute and exchange, each peer on its own clock.", "",
              "| N | method | sync (s) | round (s) | round, normal peers (s) | idle fraction |",

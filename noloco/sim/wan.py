@@ -80,6 +80,7 @@ class WanConfig:
     record_bytes: int = RECORD_BYTES
     window_reads: int = WINDOW_READS
     dht_replicas: int = DHT_REPLICAS
+    buckets: int = 1  # peer.buckets: DHT keys a round's announcements are spread over
     chunks: int = 16  # pipelining of the tree
     rounds: int = 10
     seed: int = 0
@@ -99,7 +100,7 @@ class WanConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.straggler_fraction <= 1:
             raise ValueError(f"straggler-fraction must be in [0, 1], got {self.straggler_fraction}")
-        for name in ("parameters", "every", "chunks", "rounds", "dht_replicas"):
+        for name in ("parameters", "every", "chunks", "rounds", "dht_replicas", "buckets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for n in self.workers:
@@ -272,11 +273,12 @@ def window_read_seconds(peers: Peers, members: list[int], cfg: WanConfig) -> flo
     downloads its reads at its own rate; the ``dht_replicas`` nodes holding the key upload every peer's reads,
     N² records × reads a round, at the median rate. The reads run side by side, so the slower of the two bounds
     the group: the holders' upload once N passes the replicas, O(N²) bytes. A lower bound: a read that visits
-    several holders, or the registry reads, cost more."""
-    n = len(peers)
+    several holders, or the registry reads, cost more. With ``buckets`` = B keys (``peer.buckets``) a peer reads
+    its key's N/B announcements and each key's holders serve (N/B)² records."""
+    n = math.ceil(len(peers) / cfg.buckets)
     bits = cfg.window_reads * n * cfg.record_bytes * cfg.overhead * 8  # one peer's reads of the round
     reader = bits / float(peers.rate[members].min())
-    holders = n * bits / (min(cfg.dht_replicas, n) * float(np.median(peers.rate)))
+    holders = n * bits / (min(cfg.dht_replicas, max(n, 1)) * float(np.median(peers.rate)))
     return max(reader, holders)
 
 
@@ -548,6 +550,8 @@ def add_arguments(parser: argparse.ArgumentParser, ints) -> None:
                         f"announcements per peer ({WINDOW_READS})")  # fmt: skip
     parser.add_argument("--dht-replicas", type=int, default=d.dht_replicas, help=f"DHT nodes that hold the "
                         f"round's key and serve its reads ({DHT_REPLICAS})")  # fmt: skip
+    parser.add_argument("--buckets", type=int, default=d.buckets, help="DHT keys a round's announcements are "
+                        "spread over, peer.buckets (1)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=d.rounds, help="rounds simulated for idle fractions (10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/sim"), help="report folder (runs/sim)")
@@ -564,7 +568,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         straggler_fraction=args.stragglers, straggler_factor=args.straggler_factor,
                         parameters=args.parameters, codec=args.codec, compute=args.compute, every=args.every,
                         matchmaking=args.matchmaking, record_bytes=args.record_bytes, window_reads=args.window_reads,
-                        dht_replicas=args.dht_replicas, rounds=args.rounds, seed=args.seed)  # fmt: skip
+                        dht_replicas=args.dht_replicas, buckets=args.buckets, rounds=args.rounds,
+                        seed=args.seed)  # fmt: skip
         cfg.check()
     except ValueError as exc:
         parser.error(str(exc).splitlines()[0])

@@ -52,6 +52,15 @@ docs/swarm.md):
    struck it a round apart let it back in together and their draws stay alike. Strikes and exclusions
    are counted (``no_confirm``, ``no_data``, ``penalized``).
 
+7. *Buckets* (``buckets`` = B > 1, for swarms of hundreds of peers): a round's announcements are spread over B
+   keys, ``<run>/ready/<r>/<b>``; a peer's key in round ``r`` is :func:`bucket_of` (a hash of run, round and
+   peer id modulo B, so it changes every round and nobody picks it), and it reads, expects and draws within its
+   key only. With one key every peer reads all N announcements at every poll and the DHT nodes holding the key
+   serve N² records a round; with B keys, (N/B)² each. An entry under a key that is not its peer's bucket is
+   dropped (the DHT records' signatures cover the key already; this costs nothing). A peer that expects peers
+   (``expected``) but none in its bucket skips the round at once (``alone in its bucket``); one that expects
+   nobody (a registry not yet read) skips it if nobody else announced in its bucket by the end of its window.
+
 6. *Rounds and their cycle*: a swarm round is one outer exchange of the algorithm (every ``outer.every /
    outer.fragments`` inner steps). With ``cycle = outer.fragments`` > 1 round ``r`` exchanges fragment
    ``(r + 1) mod cycle``, so a peer that catches up with the swarm skips whole cycles only: its swarm round
@@ -98,6 +107,14 @@ def get_dht_time() -> float:
 
 def _digest(*parts: object, size: int = 16) -> str:
     return hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=size).hexdigest()
+
+
+def bucket_of(run_id: str, round_index: int, peer: str, buckets: int) -> int:
+    """The readiness key (0 … ``buckets`` − 1) of ``peer`` in swarm round ``round_index``: a hash of the three, so
+    every peer computes every other peer's, it changes every round, and no peer chooses it."""
+    if buckets <= 1:
+        return 0
+    return int(_digest("bucket", run_id, int(round_index), peer, size=8), 16) % int(buckets)
 
 
 @dataclass(frozen=True)
@@ -423,6 +440,8 @@ class SwarmMatchmaking(GroupSource):
         min_window, min_confirm: the adaptive deadlines' lower bounds (seconds).
         deadline_spread: an adaptive deadline is the median of recent rounds plus this many robust spreads.
         deadline_rounds: recent rounds an adaptive deadline is estimated from.
+        buckets: readiness keys a round's announcements are spread over (:func:`bucket_of`; 1: one key for the
+            whole swarm); groups form within a key. For swarms of hundreds of peers: about N/32.
     """
 
     def __init__(
@@ -451,9 +470,14 @@ class SwarmMatchmaking(GroupSource):
         min_confirm: float = 2.0,
         deadline_spread: float = 4.0,
         deadline_rounds: int = 16,
+        buckets: int = 1,
     ):
         if group_size is not None and group_size < 2:
             raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise ValueError(f"buckets must be an integer >= 1, got {buckets!r}")
+        if buckets > 1 and group_size is None:
+            raise ValueError("buckets > 1 needs groups (group_size); one group of every ready peer needs one key")
         if penalty_rounds < 0 or strikes_before_penalty < 1 or max_penalty_rounds < 1:
             raise ValueError("penalty_rounds must be >= 0, strikes_before_penalty and max_penalty_rounds >= 1")
         if isinstance(cycle, bool) or not isinstance(cycle, int) or cycle < 1:
@@ -469,6 +493,7 @@ class SwarmMatchmaking(GroupSource):
         self.next_round = 0
         self.matching: int | None = None  # the swarm round form() is in now (None: none)
         self.cycle = cycle
+        self.buckets = buckets
         self.counter: ByteCounter = endpoint.counter
         self.rounds: list[RoundRecord] = []
         self._by_own: dict[int, RoundRecord] = {}  # this peer's own round index -> its record (record_of)
@@ -602,8 +627,16 @@ class SwarmMatchmaking(GroupSource):
         value = {"t": now, "name": self.name, **({"w": width} if self.adaptive else {}),
                  **sign_record(self.endpoint, text)}  # fmt: skip
         expiry = now + self.ready_ttl
-        self.dht.store(f"{self.run_id}/ready/{round_index}", value, expiry, subkey=self.peer_id)
+        self.dht.store(self._ready_key(round_index), value, expiry, subkey=self.peer_id)
         return now
+
+    def _bucket(self, round_index: int, peer: str | None = None) -> int:
+        return bucket_of(self.run_id, round_index, self.peer_id if peer is None else peer, self.buckets)
+
+    def _ready_key(self, round_index: int) -> str:
+        """The DHT key of this peer's announcements in ``round_index``: one per round, or its bucket's."""
+        key = f"{self.run_id}/ready/{round_index}"
+        return key if self.buckets == 1 else f"{key}/{self._bucket(round_index)}"
 
     def _ready(self, round_index: int) -> list[Announcement]:
         def text(peer: str, value) -> bytes:
@@ -614,9 +647,12 @@ class SwarmMatchmaking(GroupSource):
             return (record_time_error(value["t"], get_dht_time(), self.ready_ttl) or name_error(value["name"])
                     or ("w" in value and width_error(value["w"])) or None)  # fmt: skip
 
-        found = self.dht.get(f"{self.run_id}/ready/{round_index}", latest=True)
+        found = self.dht.get(self._ready_key(round_index), latest=True)
         entries = signed_entries(found, text, self.endpoint, self._bad_entries, "DHT announcement", check,
                                  functools.partial(self._strike_record, round_index))  # fmt: skip
+        if self.buckets > 1:  # an entry of a peer of another bucket (the DHT layer's signature covers the key, too)
+            mine = self._bucket(round_index)
+            entries = [(peer, value) for peer, value in entries if self._bucket(round_index, peer) == mine]
         self.endpoint.note_peers(peer for peer, _ in entries)
         return [Announcement(peer, float(value["t"]), str(value["name"]),
                              float(value["w"]) if "w" in value else None) for peer, value in entries]  # fmt: skip
@@ -695,6 +731,13 @@ class SwarmMatchmaking(GroupSource):
                 record.outcome = "no live peers"
                 return None
         expected = self.expected(round_index) if self.expected is not None else set()
+        if self.buckets > 1:  # only the peers of this peer's bucket announce where it reads
+            bucket = self._bucket(round_index)
+            mates = {p for p in expected if self._bucket(round_index, p) == bucket}
+            if expected and not mates:  # peers in step are listed, none drew this key: nobody to wait for
+                record.outcome = "alone in its bucket"
+                return None
+            expected = mates
         mine = self._announce(round_index)
         record.window_width = self._width
         claimed: frozenset[str] = frozenset()
@@ -841,6 +884,7 @@ class SwarmMatchmaking(GroupSource):
         :class:`_Late` when this peer is alone in its window and an earlier window of the round already drew
         two or more other peers (the round formed without it: it skips it and joins the next one).
         """
+        mates_expected = bool(expected)  # with buckets: peers expected in this peer's bucket (before a re-announce)
         while True:
             entries = [e for e in self._ready(round_index) if e.peer != self.peer_id]
             entries.append(Announcement(self.peer_id, mine, self.name, self._width))
@@ -863,6 +907,9 @@ class SwarmMatchmaking(GroupSource):
                 return in_window, start, mine
             if self.adaptive and formed_before([e.time for e in entries], cut, start):
                 raise _Late(f"round {round_index} formed without this peer")
+            if self.buckets > 1 and len(entries) == 1 and not mates_expected:  # nobody else drew this key this round
+                record.outcome = "alone in its bucket"
+                return None
             # Alone in the window: move this peer's announcement to now and wait for the next window of
             # the round (nobody else was in the old window, so no other peer's draw changes).
             if time.monotonic() + self.slack > deadline:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 #: peer.<key> -> the least integer it may be
 INTEGER_LEAST = {
     "max_unauth_per_peer": 1, "max_unauth_streams": 1, "state_burst": 1, "state_concurrency": 1,
-    "strikes_before_penalty": 1, "penalty_rounds": 0, "max_penalty_rounds": 1,
+    "strikes_before_penalty": 1, "penalty_rounds": 0, "max_penalty_rounds": 1, "buckets": 1,
 }  # fmt: skip
 #: peer.<key> holding seconds, each > 0
 SECONDS = ("header_timeout", "state_interval", "window", "confirm_timeout", "min_window", "min_confirm")

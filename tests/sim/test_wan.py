@@ -117,14 +117,17 @@ def test_window_reads_grow_with_the_square_of_n_at_the_key_holders():
     # below the replicas the reader's own download bounds it: 3 peers, 3 holders, one read each
     few = uniform_peers(3, 1e6)
     assert window_read_seconds(few, [0, 1], cfg) == pytest.approx(8 * 3 * 300 * 8 / 1e6)
+    # B keys (peer.buckets): each peer reads N/B announcements, each key's holders serve (N/B)² of them
+    spread = WanConfig(record_bytes=300, window_reads=8, dht_replicas=5, overhead=1.0, buckets=16)
+    assert window_read_seconds(large, [0, 1], spread) == pytest.approx(window_read_seconds(small, [0, 1], cfg))
     free = WanConfig(record_bytes=0)
     assert window_read_seconds(large, [0, 1], free) == 0.0
     assert matchmaking_seconds(large, [0, 1], cfg) > matchmaking_seconds(large, [0, 1], free) + 30
 
 
 def test_window_read_keys_are_checked():
-    for bad in (dict(record_bytes=-1), dict(window_reads=-1), dict(dht_replicas=0)):
-        with pytest.raises(ValueError, match="record-bytes|window-reads|dht-replicas"):
+    for bad in (dict(record_bytes=-1), dict(window_reads=-1), dict(dht_replicas=0), dict(buckets=0)):
+        with pytest.raises(ValueError, match="record-bytes|window-reads|dht-replicas|buckets"):
             WanConfig(**bad).check()
 
 

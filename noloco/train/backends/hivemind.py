@@ -124,7 +124,7 @@ class HivemindBackend(Backend):
             retry_wait=float(cfg.comm.recv_timeout) + float(cfg.peer.confirm_timeout),
             adaptive=cfg.peer.deadlines == "adaptive", min_window=cfg.peer.min_window,
             min_confirm=cfg.peer.min_confirm, deadline_spread=cfg.peer.deadline_spread,
-            deadline_rounds=cfg.peer.deadline_rounds,
+            deadline_rounds=cfg.peer.deadline_rounds, buckets=int(cfg.peer.buckets),
         )  # fmt: skip
         self.registry.on_invalid = self.matchmaking.strike_record  # a bad registry entry strikes its signer
         self.state = StateServer(interval=cfg.peer.state_interval, concurrency=cfg.peer.state_concurrency,
@@ -427,6 +427,8 @@ def _checked(cfg: DictConfig):
     cfg.peer.run_key = None  # the key is never written to config.yaml, checkpoints or logs
     if cfg.outer.algo not in ("noloco", "diloco"):
         raise ConfigError(f"backend=hivemind runs outer.algo=noloco or diloco, not {cfg.outer.algo!r}")
+    if cfg.peer.buckets > 1 and cfg.outer.algo == "diloco":
+        raise ConfigError("peer.buckets > 1 needs outer.algo=noloco: DiLoCo averages every ready peer, under one key")
     return cfg, key
 
 
