@@ -18,7 +18,9 @@ of the parameters (``noloco.collectives.get_codec(codec).nbytes(parameters)``). 
   first n peers to be ready form a group, plus the matchmaking cost: a fixed part (measured on loopback), two
   DHT lookups of ⌈log₂ N⌉ hops at the median round trip, one round trip within the group to confirm, and the
   reads of the round's announcements: every peer reads all N of them several times a window from the few DHT
-  nodes that hold the round's key, so those nodes upload N² records a round (:func:`window_read_seconds`).
+  nodes that hold the round's key, so those nodes upload N² records a round (:func:`window_read_seconds`);
+  ``buckets`` (``peer.buckets``) divides the reads among B keys. Groups still form among the first ready peers
+  of the whole swarm: with tens of peers per key, drawing within a key changes who waits little.
 
 DiLoCo (arXiv 2311.08105) runs ``ring`` or ``tree`` once per outer round; DDP runs ``ring`` every inner step
 (``ddp-ring``: H all-reduces of the fp32 gradients per round). :func:`sync_times` gives one exchange started by
