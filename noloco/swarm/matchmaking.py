@@ -393,6 +393,21 @@ class RoundRecord:
     window_width: float = 0.0  # seconds of the window this peer's (first) announcement of the round asked for
 
 
+def _check_options(group_size: int | None, buckets: int, cycle: int, penalty_rounds: int, strikes_before_penalty: int,
+                   max_penalty_rounds: int) -> None:  # fmt: skip
+    """ValueError (one line) for a :class:`SwarmMatchmaking` option out of range."""
+    if group_size is not None and group_size < 2:
+        raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+        raise ValueError(f"buckets must be an integer >= 1, got {buckets!r}")
+    if buckets > 1 and group_size is None:
+        raise ValueError("buckets > 1 needs groups (group_size); one group of every ready peer needs one key")
+    if penalty_rounds < 0 or strikes_before_penalty < 1 or max_penalty_rounds < 1:
+        raise ValueError("penalty_rounds must be >= 0, strikes_before_penalty and max_penalty_rounds >= 1")
+    if isinstance(cycle, bool) or not isinstance(cycle, int) or cycle < 1:
+        raise ValueError(f"cycle must be an integer >= 1, got {cycle!r}")
+
+
 class SwarmMatchmaking(GroupSource):
     """A :class:`~noloco.gossip.base.GroupSource` for an open swarm (see the module docstring).
 
@@ -472,16 +487,7 @@ class SwarmMatchmaking(GroupSource):
         deadline_rounds: int = 16,
         buckets: int = 1,
     ):
-        if group_size is not None and group_size < 2:
-            raise ValueError(f"group_size must be >= 2 or None, got {group_size}")
-        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
-            raise ValueError(f"buckets must be an integer >= 1, got {buckets!r}")
-        if buckets > 1 and group_size is None:
-            raise ValueError("buckets > 1 needs groups (group_size); one group of every ready peer needs one key")
-        if penalty_rounds < 0 or strikes_before_penalty < 1 or max_penalty_rounds < 1:
-            raise ValueError("penalty_rounds must be >= 0, strikes_before_penalty and max_penalty_rounds >= 1")
-        if isinstance(cycle, bool) or not isinstance(cycle, int) or cycle < 1:
-            raise ValueError(f"cycle must be an integer >= 1, got {cycle!r}")
+        _check_options(group_size, buckets, cycle, penalty_rounds, strikes_before_penalty, max_penalty_rounds)
         self.dht, self.endpoint, self.name = dht, endpoint, name
         self.key: RunKey = endpoint.key
         self.run_id, self.peer_id = endpoint.run_id, endpoint.peer_id
