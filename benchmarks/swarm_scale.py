@@ -19,7 +19,7 @@ sleeps ``S`` seconds (its compute time, emulated), so N peers beyond the cores d
 the model, and so the exchange, stay the same.
 
 Usage: ``python -m benchmarks.swarm_scale --peers 8 16 [--steps 60] [--every 10] [--reps 5] [--sleep-step S]
-[--out DIR]``;
+[--out DIR] [-- KEY=VALUE ...]`` (the keys: ``train.py`` overrides for every peer, such as ``peer.buckets=4``);
 writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default ``runs/benchmarks/swarm_scale/``; ``--name`` renames
 them); the peers' run folders go under ``runs/benchmarks/swarm_scale/``.
 """
@@ -60,7 +60,8 @@ def _raise_fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float, sleep_step: float = 0.0) -> dict:
+def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float, sleep_step: float = 0.0,
+                overrides: list[str] | None = None) -> dict:  # fmt: skip
     """N peers training ``steps`` steps with a round every ``every``: medians over peers of their rounds.
 
     ``sleep_step`` > 0: the peers' compute is a sleep of that many seconds per step (one sequence of 8 tokens
@@ -68,7 +69,7 @@ def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float
     names = [f"p{i}" for i in range(peers)]
     args = [*TINY, f"steps={steps}", f"outer.every={every}", f"eval.every={steps}", "checkpoint.every=0",
             f"peer.wait_for_peers={peers - 1}", "peer.live_timeout=60",
-            *(SLEEP_DATA if sleep_step > 0 else [])]  # fmt: skip
+            *(SLEEP_DATA if sleep_step > 0 else []), *(overrides or [])]  # fmt: skip
     env = {"NOLOCO_FAULTS": slow_steps(steps, sleep_step)} if sleep_step > 0 else None
     started = time.monotonic()
     with PeerSwarm(folder, args) as swarm:
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                              "seconds (same model and exchange; the cores stay free); 0: real compute")  # fmt: skip
     common.add_out(parser, "swarm_scale")
     parser.add_argument("--name", default="swarm_scale", help="report file names (swarm_scale)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="train.py keys for every peer, after '--' (-- peer.buckets=4)")  # fmt: skip
     args = parser.parse_args(argv)
     if min(args.peers) < 2 or args.steps < 2 * args.every or args.every < 1 or args.reps < 1 or args.sleep_step < 0:
         parser.error("need --peers >= 2, --every >= 1, --steps >= 2 x --every, --reps >= 1, --sleep-step >= 0")
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="swarm_scale-", dir=common.out_dir(common.RUNS / "swarm_scale")))
     rows = []
     for n in args.peers:
-        row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout, args.sleep_step)
+        row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout, args.sleep_step, args.overrides)
         row["gloo_seconds"] = gloo_point(n, row["params"], args.reps)["seconds"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "per_peer"}), flush=True)
@@ -219,6 +222,7 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
             if args.sleep_step
             else ""
         )
+        + (f"Every peer also ran `{' '.join(args.overrides)}`. " if args.overrides else "")
         + f"gloo: N processes all-reduce the same number of fp32 values, median of {args.reps} (slowest process).",
         "",
         "| N | swarm sync (s) | matchmaking (s) | exchange (s) | loop s / round | rounds formed (median, worst) | "
