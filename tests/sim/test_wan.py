@@ -122,7 +122,8 @@ def test_window_reads_grow_with_the_square_of_n_at_the_key_holders():
     assert window_read_seconds(large, [0, 1], spread) == pytest.approx(window_read_seconds(small, [0, 1], cfg))
     free = WanConfig(record_bytes=0)
     assert window_read_seconds(large, [0, 1], free) == 0.0
-    assert matchmaking_seconds(large, [0, 1], cfg) > matchmaking_seconds(large, [0, 1], free) + 30
+    added = matchmaking_seconds(large, [0, 1], cfg) - matchmaking_seconds(large, [0, 1], free)
+    assert added == pytest.approx(window_read_seconds(large, [0, 1], cfg))  # the model's matchmaking includes it
 
 
 def test_window_read_keys_are_checked():
