@@ -52,6 +52,14 @@ docs/swarm.md):
    struck it a round apart let it back in together and their draws stay alike. Strikes and exclusions
    are counted (``no_confirm``, ``no_data``, ``penalized``).
 
+6. *Rounds and their cycle*: a swarm round is one outer exchange of the algorithm (every ``outer.every /
+   outer.fragments`` inner steps). With ``cycle = outer.fragments`` > 1 round ``r`` exchanges fragment
+   ``(r + 1) mod cycle``, so a peer that catches up with the swarm skips whole cycles only: its swarm round
+   stays congruent to its own round modulo ``cycle`` and every member of a group exchanges the same fragment.
+   A peer is in one round at a time: :meth:`SwarmMatchmaking.form` skips a round (``busy``) while a group of
+   an earlier round is still open (the overlapped exchange never does that: it sends round ``r + 1`` only
+   after round ``r``'s exchange has landed and its group was released).
+
 7. *Buckets* (``buckets`` = B > 1, for swarms of hundreds of peers): a round's announcements are spread over B
    keys, ``<run>/ready/<r>/<b>``; a peer's key in round ``r`` is :func:`bucket_of` (a hash of run, round and
    peer id modulo B, so it changes every round and nobody picks it), and it reads, expects and draws within its
@@ -60,14 +68,6 @@ docs/swarm.md):
    dropped (the DHT records' signatures cover the key already; this costs nothing). A peer that expects peers
    (``expected``) but none in its bucket skips the round at once (``alone in its bucket``); one that expects
    nobody (a registry not yet read) skips it if nobody else announced in its bucket by the end of its window.
-
-6. *Rounds and their cycle*: a swarm round is one outer exchange of the algorithm (every ``outer.every /
-   outer.fragments`` inner steps). With ``cycle = outer.fragments`` > 1 round ``r`` exchanges fragment
-   ``(r + 1) mod cycle``, so a peer that catches up with the swarm skips whole cycles only: its swarm round
-   stays congruent to its own round modulo ``cycle`` and every member of a group exchanges the same fragment.
-   A peer is in one round at a time: :meth:`SwarmMatchmaking.form` skips a round (``busy``) while a group of
-   an earlier round is still open (the overlapped exchange never does that: it sends round ``r + 1`` only
-   after round ``r``'s exchange has landed and its group was released).
 
 :class:`PeerRegistry` is the list of live peers (name, inner step) that late joiners read to find a
 peer to download the current slow weights from. :func:`implausible_rounds` drops entries listing a
