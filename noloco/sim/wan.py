@@ -280,7 +280,7 @@ def window_read_seconds(peers: Peers, members: list[int], cfg: WanConfig) -> flo
     n = math.ceil(len(peers) / cfg.buckets)
     bits = cfg.window_reads * n * cfg.record_bytes * cfg.overhead * 8  # one peer's reads of the round
     reader = bits / float(peers.rate[members].min())
-    holders = n * bits / (min(cfg.dht_replicas, max(n, 1)) * float(np.median(peers.rate)))
+    holders = n * bits / (min(cfg.dht_replicas, n) * float(np.median(peers.rate)))
     return max(reader, holders)
 
 

@@ -65,7 +65,8 @@ docs/swarm.md):
    peer id modulo B, so it changes every round and nobody picks it), and it reads, expects and draws within its
    key only. With one key every peer reads all N announcements at every poll and the DHT nodes holding the key
    serve N² records a round; with B keys, (N/B)² each. An entry under a key that is not its peer's bucket is
-   dropped (the DHT records' signatures cover the key already; this costs nothing). A peer that expects peers
+   dropped: the DHT records' signatures keep others from putting a peer's record there, so only the peer itself
+   can, announcing in several keys to be drawn more than once. A peer that expects peers
    (``expected``) but none in its bucket skips the round at once (``alone in its bucket``); one that expects
    nobody (a registry not yet read) skips it if nobody else announced in its bucket by the end of its window.
 
@@ -656,7 +657,7 @@ class SwarmMatchmaking(GroupSource):
         found = self.dht.get(self._ready_key(round_index), latest=True)
         entries = signed_entries(found, text, self.endpoint, self._bad_entries, "DHT announcement", check,
                                  functools.partial(self._strike_record, round_index))  # fmt: skip
-        if self.buckets > 1:  # an entry of a peer of another bucket (the DHT layer's signature covers the key, too)
+        if self.buckets > 1:  # a peer announcing outside its own bucket (only it can sign there) is not drawn
             mine = self._bucket(round_index)
             entries = [(peer, value) for peer, value in entries if self._bucket(round_index, peer) == mine]
         self.endpoint.note_peers(peer for peer, _ in entries)
