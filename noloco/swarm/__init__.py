@@ -22,7 +22,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name loads on first use
-    from noloco.swarm.dht import RunRecordValidator, start_dht, start_peer_dht
+    from noloco.swarm.dht import PeerDHTStart, RunRecordValidator, start_dht, start_peer_dht
     from noloco.swarm.endpoint import RunKey, SwarmEndpoint, SwarmTransport, run_key_from
     from noloco.swarm.identity import PeerIdentity
     from noloco.swarm.matchmaking import (
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name l
 
 #: public name -> the module of this package that defines it
 _WHERE = {
-    "RunRecordValidator": "dht", "start_dht": "dht", "start_peer_dht": "dht",
+    "PeerDHTStart": "dht", "RunRecordValidator": "dht", "start_dht": "dht", "start_peer_dht": "dht",
     "RunKey": "endpoint", "SwarmEndpoint": "endpoint", "SwarmTransport": "endpoint", "run_key_from": "endpoint",
     "PeerIdentity": "identity",
     "PeerRegistry": "matchmaking", "SwarmMatchmaking": "matchmaking", "announcement_ttl": "matchmaking",
@@ -59,6 +59,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "STATE_SERVICE",
+    "PeerDHTStart",
     "PeerIdentity",
     "PeerRegistry",
     "RunKey",

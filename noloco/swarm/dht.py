@@ -3,7 +3,8 @@
 A peer of the hivemind backend finds the others through hivemind's Kademlia DHT, whose daemon
 process owns the libp2p daemon (p2pd) that :class:`~noloco.swarm.endpoint.SwarmEndpoint` also uses.
 :func:`start_dht` makes sure a SIGKILLed peer leaves no daemons behind; :func:`start_peer_dht`
-retries a start that a busy bootstrap peer made fail.
+retries a start that a busy bootstrap peer made fail, and :class:`PeerDHTStart` is that start in two halves (the
+process forked now, waited for later).
 
 :class:`RunRecordValidator` makes the run's DHT records verifiable twice over, appended by the DHT itself
 (hivemind's ``RecordValidatorBase.sign_value``) to every record a peer stores: an HMAC under the run
@@ -108,34 +109,72 @@ def start_dht(poll: float = 1.0, **kwargs):
     return _DHT(**kwargs)
 
 
+class PeerDHTStart:
+    """:func:`start_peer_dht` in two halves: the DHT process (and its p2pd) is forked when this is made and starts
+    while the caller does other work (a resumed peer checks its checkpoint); :meth:`result` waits for it, retrying
+    a start that failed, and :meth:`cancel` stops it where the caller no longer needs it.
+
+    The fork happens in the calling thread, before the caller starts threads of its own work."""
+
+    def __init__(self, initial_peers: list[str] | None, host_maddrs: list[str],
+                 announce_maddrs: list[str] | None = None, startup_timeout: float = 120.0, attempts: int = 3,
+                 identity: PeerIdentity | None = None, **kwargs):  # fmt: skip
+        self.initial_peers, self.attempts, self.identity = list(initial_peers or []) or None, attempts, identity
+        self.options = dict(host_maddrs=list(host_maddrs), start=True, await_ready=False,
+                            startup_timeout=startup_timeout, **kwargs)  # fmt: skip
+        if announce_maddrs:
+            self.options["announce_maddrs"] = list(announce_maddrs)
+        self._files = contextlib.ExitStack()  # the identity's key file exists until the daemon has started
+        if identity is not None:  # hivemind's check that an identity is free reads RSA keys only: ours is new anyway
+            path = self._files.enter_context(identity.identity_file())
+            self.options.update(identity_path=path, check_if_identity_free=False)
+        self._dht = start_dht(initial_peers=self.initial_peers, **self.options)
+
+    def result(self):
+        """The started DHT; hivemind's ``P2PDaemonError`` when every attempt failed."""
+        from hivemind.p2p import P2PDaemonError
+
+        try:
+            for attempt in range(self.attempts):
+                try:
+                    self._dht.wait_until_ready()
+                except P2PDaemonError:
+                    if attempt == self.attempts - 1:
+                        raise
+                    time.sleep(2.0)
+                    self._dht = start_dht(initial_peers=self.initial_peers, **self.options)
+                    continue
+                dht, self._dht = self._dht, None
+                if self.identity is not None and dht.peer_id.to_base58() != self.identity.peer_id:
+                    dht.shutdown()
+                    raise RuntimeError("the DHT's daemon did not take this peer's identity")
+                return dht
+        finally:
+            self._files.close()
+
+    def cancel(self) -> None:
+        """Stop the DHT process (after its start, so that its p2pd goes with it) where :meth:`result` was not taken."""
+        dht, self._dht = self._dht, None
+        try:
+            if dht is not None:
+                with contextlib.suppress(Exception):  # a start that failed has nothing left to stop
+                    dht.wait_until_ready()
+                    dht.shutdown()
+        finally:
+            self._files.close()
+
+
 def start_peer_dht(initial_peers: list[str] | None, host_maddrs: list[str], announce_maddrs: list[str] | None = None,
                    startup_timeout: float = 120.0, attempts: int = 3, identity: PeerIdentity | None = None,
                    **kwargs):  # fmt: skip
     """:func:`start_dht` for a swarm peer; p2pd sometimes fails to reach a busy bootstrap peer, so retry.
 
     ``identity``: the peer's :class:`~noloco.swarm.identity.PeerIdentity`; its daemon then runs under that
-    libp2p id (the key file exists only until the daemon has started).
+    libp2p id (the key file exists only until the daemon has started). :class:`PeerDHTStart` is the same start
+    in two halves.
     """
-    from hivemind.p2p import P2PDaemonError
-
-    options = dict(host_maddrs=list(host_maddrs), start=True, startup_timeout=startup_timeout, **kwargs)
-    if announce_maddrs:
-        options["announce_maddrs"] = list(announce_maddrs)
-    with identity.identity_file() if identity is not None else contextlib.nullcontext() as path:
-        if path is not None:  # hivemind's check that an identity is free reads RSA keys only: ours is new anyway
-            options.update(identity_path=path, check_if_identity_free=False)
-        for attempt in range(attempts):
-            try:
-                dht = start_dht(initial_peers=list(initial_peers or []) or None, **options)
-            except P2PDaemonError:
-                if attempt == attempts - 1:
-                    raise
-                time.sleep(2.0)
-                continue
-            if identity is not None and dht.peer_id.to_base58() != identity.peer_id:
-                dht.shutdown()
-                raise RuntimeError("the DHT's daemon did not take this peer's identity")
-            return dht
+    return PeerDHTStart(initial_peers, host_maddrs, announce_maddrs, startup_timeout, attempts, identity,
+                        **kwargs).result()  # fmt: skip
 
 
 _TRAILER = b"NLV2"

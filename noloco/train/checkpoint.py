@@ -3,7 +3,7 @@
 Files::
 
     runs/<run>/checkpoints/step_000120/worker_0.safetensors   # every stored tensor of the worker's state
-    runs/<run>/checkpoints/step_000120/worker_0.json          # the rest, with the tensors' SHA-256
+    runs/<run>/checkpoints/step_000120/worker_0.json          # the rest, with the tensors' checksum
     runs/<run>/checkpoints/step_000120/config.yaml
     runs/<run>/checkpoints/step_000120/COMPLETE               # written once every worker has saved
     runs/<run>/checkpoints/latest -> step_000120               # symlink (a bare name beside it), replaced atomically
@@ -13,9 +13,10 @@ model, AdamW state, LR schedule, algorithm state, byte counters, wall-clock offs
 stream's position), a nested structure of dicts, lists, tensors and plain values; this module knows
 nothing of what is in it and checks no entry (each owner's ``check_state`` does). Tensors go to
 safetensors under their path in the structure (``inner_opt/state/3/exp_avg``); the structure itself,
-with each tensor replaced by a reference, goes to JSON together with the SHA-256 of the
-safetensors file. What can be rebuilt exactly is stored by its owner as a marker, ``{REBUILT: ...}``
-(``noloco.train.state``): φ₀, φ = φ₀ and θ = φ.
+with each tensor replaced by a reference, goes to JSON together with the checksum of the
+safetensors file (:class:`PartHash`: the SHA-256 of its 64 MiB parts' SHA-256s, so that a reader hashes the
+parts on every core at once; formats 1 and 2 stored the file's plain SHA-256). What can be rebuilt exactly
+is stored by its owner as a marker, ``{REBUILT: ...}`` (``noloco.train.state``): φ₀, φ = φ₀ and θ = φ.
 
 Every file is written to a temporary name (``.<name>.<pid>.<random>.tmp``), fsynced and renamed, so
 a crash mid-write leaves the previous checkpoint intact and ``latest`` pointing at it. Loading is
@@ -32,6 +33,7 @@ this process's temporary files and its unfinished step folder, and leaves the la
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import hashlib
 import json
@@ -54,8 +56,13 @@ from noloco.state import all_finite
 logger = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
-FORMAT = "noloco-checkpoint-2"  # 2: rebuildable entries (φ₀, θ = φ) may be stored as markers
-FORMATS = ("noloco-checkpoint-1", FORMAT)
+# 2: rebuildable entries (φ₀, θ = φ) may be stored as markers; 3: the checksum is a SHA-256 of the SHA-256s of
+# the file's parts of ``sha256_part_bytes`` each, so that a resume hashes the parts on every core at once
+FORMAT = "noloco-checkpoint-3"
+FORMATS = ("noloco-checkpoint-1", "noloco-checkpoint-2", FORMAT)
+#: the safetensors file is hashed in parts of this many bytes (format 3; a checkpoint says which it used)
+PART_BYTES = 64 << 20
+_PART_BOUNDS = (1 << 20, 1 << 30)  # a part size read from a checkpoint outside these is refused
 STEP_NAME = re.compile(r"step_(\d{6,})")
 # markers of what was not stored: {"__rebuilt__": "slow"} (model weights θ = φ), {"__rebuilt__": "reference"}
 # (slow weights φ = φ₀), {"__rebuilt__": "seed", "sha256": ...} (φ₀: the initial weights of run.seed)
@@ -214,7 +221,8 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor], sha) -> Iterable[bytes 
     multiple of 8 bytes, then every tensor's data in the header's order), written with no more than one
     64 MiB chunk of the state on the host at a time. Building the file with safetensors' ``save`` would copy
     the whole state to the host and then again into one ``bytes``: twice a 1.3B worker's 37.7 GB
-    (docs/design.md §8). The safetensors library reads the file back (:func:`load_worker`)."""
+    (docs/design.md §8). The safetensors library reads the file back (:func:`load_worker`). ``sha``: anything
+    with ``update`` (:class:`PartHash`)."""
     header: dict[str, dict] = {}
     offset = 0
     for key, tensor in tensors.items():
@@ -255,6 +263,56 @@ def _disk_full(run_dir: Path, step: int, what: str, need: int) -> DiskFull:
                     f"{free / 1e6:,.1f} MB are free; step {step}'s checkpoint is incomplete, {intact}")  # fmt: skip
 
 
+class PartHash:
+    """The checksum of format 3, fed a byte stream in chunks of any size: the SHA-256 of the concatenated
+    SHA-256 digests of the stream's consecutive parts of ``part_bytes`` (the last one shorter). The parts are
+    independent, so a reader hashes them in parallel (:class:`_Checksum`)."""
+
+    def __init__(self, part_bytes: int = PART_BYTES):
+        self.part_bytes, self.filled, self.part, self.digests = part_bytes, 0, hashlib.sha256(), []
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.part_bytes - self.filled)
+            self.part.update(view[:take])
+            self.filled += take
+            view = view[take:]
+            if self.filled == self.part_bytes:
+                self.digests.append(self.part.digest())
+                self.part, self.filled = hashlib.sha256(), 0
+
+    def hexdigest(self) -> str:
+        tail = [self.part.digest()] if self.filled or not self.digests else []
+        return hashlib.sha256(b"".join(self.digests + tail)).hexdigest()
+
+
+def file_checksum(path: Path, part_bytes: int | None = PART_BYTES, threads: int | None = None) -> str:
+    """The checksum a checkpoint stores for the file at ``path``: format 3's part hash (:class:`PartHash`, the parts
+    hashed by ``threads`` threads, default every usable core) or, with ``part_bytes=None``, the plain SHA-256 of
+    formats 1 and 2. Hashed from a read-only mapping: no copy of the file's bytes (the page cache's are hashed)."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if not size:
+            return (hashlib.sha256() if part_bytes is None else PartHash(part_bytes)).hexdigest()
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                if part_bytes is None:
+                    sha = hashlib.sha256()
+                    for start in range(0, size, _CHUNK_BYTES):
+                        sha.update(view[start : start + _CHUNK_BYTES])
+                    return sha.hexdigest()
+                starts = range(0, size, part_bytes)
+                workers = max(1, min(len(starts), threads or len(os.sched_getaffinity(0))))
+                with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="noloco-hash") as pool:
+                    # hashlib lets go of the GIL for large buffers: the parts are hashed on as many cores at once
+                    digests = list(pool.map(lambda a: hashlib.sha256(view[a : a + part_bytes]).digest(), starts))
+                return hashlib.sha256(b"".join(digests)).hexdigest()
+            finally:
+                view.release()
+
+
 def save_worker(run_dir: Path, step: int, rank: int, state: dict) -> Path:
     """Write one worker's state for ``step``; returns the JSON file's path. :class:`DiskFull` (a
     :class:`CheckpointError`) if the disk fills up: the files being written are removed, the previous
@@ -264,12 +322,13 @@ def save_worker(run_dir: Path, step: int, rank: int, state: dict) -> Path:
         _WRITES.folders.add(folder)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = flatten(state, tensors)
-    sha = hashlib.sha256()
+    sha = PartHash(PART_BYTES)
     blob = folder / f"worker_{rank}.safetensors"
     try:
         atomic_write(blob, safetensors_chunks(tensors, sha))
         faults.fire("checkpoint.mid", step, rank)
-        meta = {"format": FORMAT, "step": step, "rank": rank, "sha256": sha.hexdigest(), "state": skeleton}
+        meta = {"format": FORMAT, "step": step, "rank": rank, "sha256": sha.hexdigest(),
+                "sha256_part_bytes": sha.part_bytes, "state": skeleton}  # fmt: skip
         path = folder / f"worker_{rank}.json"
         text = json.dumps(meta).encode()
         atomic_write(path, text)
@@ -457,9 +516,15 @@ def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
         raise CheckpointError(f"{meta_path}: holds step {meta['step']}, the checkpoint is of step {step}")
     if meta["rank"] != rank:
         raise CheckpointError(f"{meta_path}: holds worker {meta['rank']}, not worker {rank}")
+    part_bytes = None  # formats 1 and 2: the plain SHA-256 of the file
+    if meta["format"] == FORMAT:
+        part_bytes = meta.get("sha256_part_bytes")
+        if not _is_int(part_bytes) or not _PART_BOUNDS[0] <= part_bytes <= _PART_BOUNDS[1]:
+            raise CheckpointError(f"{meta_path}: missing or malformed 'sha256_part_bytes' (an integer in "
+                                  f"[{_PART_BOUNDS[0]}, {_PART_BOUNDS[1]}])")  # fmt: skip
     # the checksum is computed beside the read (hashlib lets go of the GIL): a restart reads the file once in the
     # time of the slower of the two; nothing read is used unless the checksum matches
-    checksum = _Checksum(blob_path)
+    checksum = _Checksum(blob_path, part_bytes)
     try:  # mapped, not read into memory: the state is on the host once (the tensors), not twice
         with safe_open(str(blob_path), framework="pt") as blob:
             tensors = {key: blob.get_tensor(key) for key in blob.keys()}
@@ -484,25 +549,17 @@ def load_worker(folder: Path, rank: int, step: int | None = None) -> dict:
 
 
 class _Checksum:
-    """The SHA-256 of a file, computed by a thread of its own from the moment it is made (:meth:`verify` waits)."""
+    """A file's checksum (:func:`file_checksum`), computed from the moment this is made by a thread of its own
+    (:meth:`verify` waits)."""
 
-    def __init__(self, path: Path):
-        self.path, self.digest, self.error = path, None, None
+    def __init__(self, path: Path, part_bytes: int | None):
+        self.path, self.part_bytes, self.digest, self.error = path, part_bytes, None, None
         self.thread = threading.Thread(target=self._run, name="noloco-checksum", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        try:  # hashed from a read-only mapping: no copy of the file's bytes (the page cache's are hashed)
-            sha = hashlib.sha256()
-            with open(self.path, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                if size:
-                    with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                        view = memoryview(mapped)
-                        for start in range(0, size, _CHUNK_BYTES):
-                            sha.update(view[start : start + _CHUNK_BYTES])
-                        view.release()
-            self.digest = sha.hexdigest()
+        try:
+            self.digest = file_checksum(self.path, self.part_bytes)
         except (OSError, ValueError) as exc:
             self.error = exc
 

@@ -102,6 +102,30 @@ def worker_device(name: str, index: int) -> torch.device:
     return torch.device(name)
 
 
+def warm_device(name: str) -> threading.Thread:
+    """Start CUDA for device ``name`` in a thread of its own, returned started; join it before the worker's first
+    use. A restarted swarm peer does this beside its checkpoint check, so that its worker finds the GPU's context
+    and a cuBLAS handle made (about a second on an H100) instead of making them before its first step. Where the
+    worker's GPU is not known yet (``cuda``/``auto`` with several GPUs: a peer's index comes from its id) only the
+    driver starts. Nothing on a CPU; a failure here is left to show, with its message, where the worker starts."""
+
+    def run() -> None:
+        if name == "cpu" or not torch.cuda.is_available():
+            return
+        with contextlib.suppress(Exception):
+            count = torch.cuda.device_count()
+            index = int(name[5:]) if name.startswith("cuda:") and name[5:].isdigit() else (0 if count == 1 else None)
+            if index is None or index >= count:
+                torch.cuda.init()
+                return
+            square = torch.ones(64, 64, device=torch.device("cuda", index), dtype=torch.bfloat16)
+            (square @ square).sum().item()  # the context, the allocator and this thread's cuBLAS handle (pooled)
+
+    thread = threading.Thread(target=run, name="noloco-warm-device", daemon=True)
+    thread.start()
+    return thread
+
+
 #: held while a compiled module of this process runs forward or backward (see :class:`CompiledForward`)
 COMPILE_LOCK = threading.Lock()
 

@@ -57,7 +57,10 @@ def test_the_streamed_file_is_safetensors_with_every_dtype_and_shape(tmp_path, m
     back = checkpoint.load_worker(blob.parent, 0)
     for key, value in state.items():
         assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
-    assert json.loads(meta_path.read_text())["sha256"] == hashlib.sha256(blob.read_bytes()).hexdigest()
+    meta = json.loads(meta_path.read_text())
+    assert meta["format"] == checkpoint.FORMAT and meta["sha256_part_bytes"] == checkpoint.PART_BYTES
+    # one part (the file is smaller than a part): the SHA-256 of the file's SHA-256
+    assert meta["sha256"] == hashlib.sha256(hashlib.sha256(blob.read_bytes()).digest()).hexdigest()
     wide = torch.randn(40, 9)[:, ::2]  # not contiguous: hashed in C order, 4 values at a time
     assert checkpoint.digest(wide) == hashlib.sha256(wide.contiguous().numpy().tobytes()).hexdigest()
 
@@ -94,6 +97,67 @@ def test_damaged_checkpoint_is_refused(tmp_path):
     data[len(data) // 2] ^= 0x40
     blob.write_bytes(bytes(data))
     with pytest.raises(checkpoint.CheckpointError, match="checksum"):
+        checkpoint.load_worker(blob.parent, 0)
+
+
+def _parts_state() -> dict:  # 3.5 MiB of tensors whose sizes do not line up with 1 MiB parts
+    gen = torch.Generator().manual_seed(3)
+    return {"a": torch.randn(300_001, generator=gen), "b": torch.randn(7, 77_777, generator=gen).bfloat16(),
+            "c": torch.arange(123_457, dtype=torch.int64)}  # fmt: skip
+
+
+def test_the_part_hash_is_the_hash_of_the_parts_in_any_chunking_on_any_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "PART_BYTES", 1 << 20)
+    meta_path = checkpoint.save_worker(tmp_path, 1, 0, _parts_state())
+    blob = meta_path.with_suffix(".safetensors")
+    data = blob.read_bytes()
+    parts = [hashlib.sha256(data[a : a + (1 << 20)]).digest() for a in range(0, len(data), 1 << 20)]
+    assert len(parts) == 4
+    expected = hashlib.sha256(b"".join(parts)).hexdigest()
+    assert json.loads(meta_path.read_text())["sha256"] == expected
+    for threads in (1, 3, 8):
+        assert checkpoint.file_checksum(blob, 1 << 20, threads) == expected
+    fed = checkpoint.PartHash(1 << 20)
+    for start in range(0, len(data), 333_333):  # chunks that straddle the parts
+        fed.update(data[start : start + 333_333])
+    assert fed.hexdigest() == expected
+    whole = checkpoint.PartHash(len(data))  # a part size the file fills exactly: no empty tail part
+    whole.update(data)
+    assert whole.hexdigest() == hashlib.sha256(hashlib.sha256(data).digest()).hexdigest()
+    assert checkpoint.file_checksum(blob, None) == hashlib.sha256(data).hexdigest()
+    back = checkpoint.load_worker(blob.parent, 0)
+    assert all(torch.equal(back[k], v) for k, v in _parts_state().items())
+
+
+def test_a_damaged_part_or_a_lying_part_size_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "PART_BYTES", 1 << 20)
+    meta_path = checkpoint.save_worker(tmp_path, 1, 0, _parts_state())
+    blob = meta_path.with_suffix(".safetensors")
+    good, meta = blob.read_bytes(), json.loads(meta_path.read_text())
+    damaged = bytearray(good)
+    damaged[(1 << 20) * 2 + 5] ^= 0x01  # in the third part
+    blob.write_bytes(bytes(damaged))
+    with pytest.raises(checkpoint.CheckpointError, match="does not match its checksum"):
+        checkpoint.load_worker(blob.parent, 0)
+    blob.write_bytes(good)
+    for lie, match in ((2 << 20, "does not match its checksum"), (1, "sha256_part_bytes"), (1 << 31, "sha256_part"),
+                       ("1048576", "sha256_part_bytes"), (None, "sha256_part_bytes")):  # fmt: skip
+        meta_path.write_text(json.dumps({**meta, "sha256_part_bytes": lie}))
+        with pytest.raises(checkpoint.CheckpointError, match=match):
+            checkpoint.load_worker(blob.parent, 0)
+
+
+def test_a_format_2_checkpoint_still_loads_by_its_plain_sha256(tmp_path):
+    meta_path = checkpoint.save_worker(tmp_path, 1, 0, _parts_state())
+    blob = meta_path.with_suffix(".safetensors")
+    meta = json.loads(meta_path.read_text())
+    del meta["sha256_part_bytes"]
+    meta.update(format="noloco-checkpoint-2", sha256=hashlib.sha256(blob.read_bytes()).hexdigest())
+    meta_path.write_text(json.dumps(meta))
+    assert torch.equal(checkpoint.load_worker(blob.parent, 0)["c"], _parts_state()["c"])
+    meta["sha256"] = checkpoint.file_checksum(blob)  # format 3's checksum under format 2's name: refused
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match="does not match its checksum"):
         checkpoint.load_worker(blob.parent, 0)
 
 

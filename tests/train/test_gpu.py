@@ -200,3 +200,21 @@ def test_overlapped_exchange_on_cuda_matches_the_cpu_and_torch_processes(tiny_co
     assert torch_run["final_eval_loss_per_worker"] == pytest.approx(local["final_eval_loss_per_worker"], abs=1e-5)
     # int4 codes can flip at a rounding boundary between cuBLAS and the CPU; 16 steps stay within 1e-2 nats
     assert local["final_eval_loss"] == pytest.approx(cpu["final_eval_loss"], abs=1e-2)
+
+
+def test_warm_device_starts_cuda_in_its_thread_for_the_worker_to_find():
+    """A restarted swarm peer wakes its GPU beside its checkpoint check (``device.warm_device``): in a fresh
+    process, the thread leaves CUDA initialized, a context on the GPU, and a bf16 matmul of the main thread runs."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch; from noloco.train.device import warm_device\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "warm_device('cuda:0').join()\n"
+        "assert torch.cuda.is_initialized() and torch.cuda.memory_reserved(0) > 0\n"
+        "x = torch.ones(8, 8, device='cuda:0', dtype=torch.bfloat16); print(float((x @ x).sum()))\n"
+        "warm_device('cpu').join()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "512.0", out.stderr

@@ -79,7 +79,7 @@ def _rewrite(folder: Path, rank: int, edit_tensors=None, edit_meta=None) -> None
         tensors = load_file(blob_path)
         edit_tensors(tensors)
         save_file(tensors, blob_path)
-    meta["sha256"] = hashlib.sha256(blob_path.read_bytes()).hexdigest()
+    meta["sha256"] = checkpoint.file_checksum(blob_path, meta["sha256_part_bytes"])
     if edit_meta is not None:
         edit_meta(meta)
     meta_path.write_text(json.dumps(meta))
@@ -425,6 +425,7 @@ def test_old_format_checkpoints_still_load(tmp_path):
     checkpoint.save_worker(tmp_path, 3, 0, state)
     meta_path = checkpoint.step_dir(tmp_path, 3) / "worker_0.json"
     meta = json.loads(meta_path.read_text())
-    meta["format"] = "noloco-checkpoint-1"
+    meta["format"] = "noloco-checkpoint-1"  # and its checksum: the plain SHA-256 of the file
+    meta["sha256"] = hashlib.sha256(meta_path.with_suffix(".safetensors").read_bytes()).hexdigest()
     meta_path.write_text(json.dumps(meta))
     assert torch.equal(checkpoint.load_worker(meta_path.parent, 0, 3)["model"]["w"], torch.ones(2))

@@ -63,6 +63,7 @@ from noloco.gossip.base import Group, GroupSource
 from noloco.optim import OuterAlgorithm, OuterState
 from noloco.swarm import (
     STATE_SERVICE,
+    PeerDHTStart,
     PeerIdentity,
     PeerRegistry,
     RunRecordValidator,
@@ -75,12 +76,12 @@ from noloco.swarm import (
     implausible_rounds,
     implausible_steps,
     run_key_from,
-    start_peer_dht,
     step_bound,
 )
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
 from noloco.train.config import ConfigError
+from noloco.train.device import warm_device
 from noloco.train.interrupt import INTERRUPT, Interrupted
 from noloco.train.loop import WorkerResult, train_worker
 from noloco.train.run import Progress, Run, finish
@@ -306,11 +307,20 @@ def launch(
             print(line, flush=True)
 
     cfg, key = _checked(cfg)
-    run = Run(cfg, run_dir, resume_from, resume_step, quiet=quiet)
-    corpus = run.load_corpus()
-    run.check_resume(_resume_ranks(run.resume_from))  # a peer's folder holds its own worker, whatever its rank
-    _announce(cfg, corpus, run.params, say)
-    dht, validator, identity = _start_dht(cfg, key, say)
+    # the DHT node and p2pd start while this process reads its data and checks its checkpoint (one forked process;
+    # forked here, before the check's threads), and the GPU wakes beside both
+    starting, validator, identity = _begin_dht(cfg, key)
+    warming = warm_device(str(cfg.device))
+    try:
+        run = Run(cfg, run_dir, resume_from, resume_step, quiet=quiet)
+        corpus = run.load_corpus()
+        run.check_resume(_resume_ranks(run.resume_from))  # a peer's folder holds its own worker, whatever its rank
+        _announce(cfg, corpus, run.params, say)
+    except BaseException:
+        starting.cancel()
+        raise
+    dht = _dht_ready(cfg, starting, say)
+    warming.join()
     endpoint = None
     try:
         endpoint = SwarmEndpoint.from_dht(dht, cfg.peer.run_id, key, **_endpoint_options(cfg), identity=identity)
@@ -359,20 +369,27 @@ def _resume_ranks(folder: Path | None) -> list[int]:
     return ranks
 
 
-def _start_dht(cfg: DictConfig, key, say):
-    """This peer's DHT node and p2p daemon (the run's record validator on it) and its identity: ``(dht,
-    validator, identity)``; ConfigError when the daemon cannot start or no initial peer answers."""
+def _begin_dht(cfg: DictConfig, key) -> tuple[PeerDHTStart, RunRecordValidator, PeerIdentity]:
+    """This peer's DHT node and p2p daemon (the run's record validator on it), forked now and waited for by
+    :func:`_dht_ready`, with its validator and identity."""
     peer = cfg.peer
     identity = PeerIdentity.generate()  # this peer's libp2p id; it signs the DHT records under that id
     validator = RunRecordValidator.create(key, peer.run_id, record_ttl_bound(cfg), identity)
+    starting = PeerDHTStart(list(peer.initial_peers), list(peer.host_maddrs), list(peer.announce_maddrs),
+                            startup_timeout=cfg.comm.startup_timeout, record_validators=[validator],
+                            identity=identity)  # fmt: skip
+    return starting, validator, identity
+
+
+def _dht_ready(cfg: DictConfig, starting: PeerDHTStart, say):
+    """The started DHT of :func:`_begin_dht`; ConfigError when the daemon cannot start or no initial peer answers."""
+    peer = cfg.peer
     say("noloco peer: starting its DHT node and p2p daemon (" + (f"joining through {len(peer.initial_peers)} "
         "initial peer(s)" if peer.initial_peers else "a new swarm: no peer.initial_peers") + ")")  # fmt: skip
     from hivemind.p2p import P2PDaemonError
 
     try:
-        dht = start_peer_dht(list(peer.initial_peers), list(peer.host_maddrs), list(peer.announce_maddrs),
-                             startup_timeout=cfg.comm.startup_timeout, record_validators=[validator],
-                             identity=identity)  # fmt: skip
+        return starting.result()
     except P2PDaemonError as exc:  # a bootstrap peer that has exited, an address nobody listens on
         where = (
             f"none of peer.initial_peers={list(peer.initial_peers)} answered"
@@ -381,7 +398,6 @@ def _start_dht(cfg: DictConfig, key, say):
         )
         reason = (str(exc).strip().splitlines() or ["P2PDaemonError"])[0][:200]
         raise ConfigError(f"noloco peer: {where} (is the bootstrap peer still running?): {reason}") from None
-    return dht, validator, identity
 
 
 def _endpoint_options(cfg: DictConfig) -> dict:
