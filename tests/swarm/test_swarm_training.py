@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 
 import pytest
@@ -131,6 +132,17 @@ def test_a_killed_peer_resumes_from_its_own_checkpoint(swarm):
     swarm.wait(lambda: not swarm.group_members(killed.pid), 20, "the killed peer's DHT process or p2pd lives on")
     latest = swarm.peer_dir("solo") / "checkpoints" / "latest"
     assert latest.resolve().name == "step_000005"
+    # a damaged copy is refused (exit 2, one line) and the DHT node and p2pd it started beside the check go with it
+    copy = swarm.run_dir / "solo-damaged"
+    shutil.copytree(swarm.peer_dir("solo"), copy, symlinks=True)
+    (blob,) = (copy / "checkpoints" / "step_000005").glob("worker_*.safetensors")
+    data = bytearray(blob.read_bytes())
+    data[-3] ^= 0x10
+    blob.write_bytes(bytes(data))
+    refused = swarm.peer("damaged", *common, f"resume={copy / 'checkpoints' / 'latest'}")
+    assert swarm.finish("damaged", timeout=120) == 2, swarm.logs()
+    assert "does not match its checksum" in (swarm.run_dir / "damaged.log").read_text()
+    swarm.wait(lambda: not swarm.group_members(refused.pid), 5, "the refused peer's DHT process or p2pd lives on")
     # the same overrides again: the fixture's (peer.matchmaking_timeout=8) are on every peer's command line and win
     # over the checkpoint's config, so without them the resumed lone peer waited 8 s in each of its rounds
     swarm.peer("solo", *common, f"resume={latest}")
