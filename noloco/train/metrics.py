@@ -15,8 +15,11 @@ at start-up when it is not installed).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import secrets
+import sys
 import threading
 from pathlib import Path
 
@@ -86,6 +89,10 @@ class WandbRuns:
         self.runs.clear()
 
 
+#: records held back by a full disk beyond this many bytes fail the run (the disk stayed full)
+_MAX_PENDING_BYTES = 16 << 20
+
+
 class MetricsLogger:
     """``filename``: ``metrics.jsonl`` for one process; :func:`part_name` per process of a multi-process run,
     merged into ``metrics.jsonl`` when the run ends or stops (:func:`merge_parts`). ``wandb``:
@@ -103,7 +110,9 @@ class MetricsLogger:
             self.path.write_text("".join(line + "\n" for line in kept))
         elif self.path.exists():
             self.path.unlink()
-        self._file = self.path.open("a", encoding="utf-8", buffering=1)  # line-buffered: a crash loses no step
+        # each record is written through at once (a crash loses no step), appended to whatever a full disk held back
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        self._pending = b""
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -118,7 +127,7 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         """``record`` must hold ``worker`` and ``step``; numeric fields also go to TensorBoard and wandb."""
         with self._lock:
-            self._file.write(json.dumps(record) + "\n")
+            self._write((json.dumps(record) + "\n").encode())
             worker, step = record["worker"], record["step"]
             scalars = {key: value for key, value in record.items()
                        if key not in ("worker", "step") and isinstance(value, (int, float))}  # fmt: skip
@@ -128,9 +137,30 @@ class MetricsLogger:
             if self._wandb is not None:
                 self._wandb.log(worker, step, scalars)
 
+    def _write(self, data: bytes) -> None:
+        """Append ``data`` after what an earlier full disk held back. A full disk keeps the rest for the next record
+        instead of failing the run: a checkpoint that fills the disk in another worker's thread reports it (one
+        line, the previous checkpoint intact) and frees its partial file, after which the records follow."""
+        self._pending += data
+        try:
+            while self._pending:
+                self._pending = self._pending[os.write(self._fd, self._pending) :]
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or len(self._pending) > _MAX_PENDING_BYTES:
+                raise
+
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._fd is not None:
+                try:
+                    self._write(b"")
+                except OSError:
+                    pass
+                if self._pending:  # the disk is still full: say what is missing rather than fail the cleanup
+                    print(f"noloco: the last {len(self._pending):,} bytes of {self.path} could not be written: no "
+                          f"space left on its disk", file=sys.stderr, flush=True)  # fmt: skip
+                os.close(self._fd)
+                self._fd = None
             if self._writer is not None:
                 self._writer.close()
             if self._wandb is not None:

@@ -278,6 +278,42 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_previous_checkpoint
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_metrics_held_back_by_a_full_disk_follow_once_there_is_space(tmp_path, capsys):
+    """Another worker's checkpoint may fill the disk for a moment (then report it and free its partial file): a
+    record logged meanwhile waits in memory and is written, whole and in order, with the next one."""
+    from noloco.train.metrics import MetricsLogger, read_metrics
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        closed, logger = False, MetricsLogger(disk / "run", tensorboard=False)
+        logger.log({"worker": 0, "step": 0, "loss": 1.0})
+        filler = disk / "filler"
+        with open(filler, "wb", buffering=0) as handle, pytest.raises(OSError):
+            while True:  # the disk full to its last page
+                handle.write(b"x" * 4096)
+        for step in (1, 2):  # no room: held back, no error
+            logger.log({"worker": 0, "step": step, "loss": 1.0 / (step + 1), "note": "x" * 5000})  # > a page
+        filler.unlink()
+        logger.log({"worker": 0, "step": 3, "loss": 0.25})
+        logger.log({"worker": 0, "step": 4, "loss": 0.2})
+        with open(filler, "wb", buffering=0) as handle, pytest.raises(OSError):
+            while True:
+                handle.write(b"x" * 4096)
+        logger.log({"worker": 0, "step": 5, "loss": 0.1, "note": "x" * 5000})
+        logger.close()  # still full: one line says what is missing, the cleanup does not fail
+        closed = True
+        assert "could not be written: no space left" in capsys.readouterr().err
+        assert [r["step"] for r in read_metrics(disk / "run")] == [0, 1, 2, 3, 4]  # step 5: a cut last line
+    finally:
+        if "logger" in locals() and not closed:
+            logger.close()
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 @pytest.mark.slow
 def test_a_peer_whose_bootstrap_peer_has_exited_is_one_line(tiny_overrides, tmp_path):
     from noloco.swarm.identity import PeerIdentity
