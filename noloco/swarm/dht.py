@@ -125,10 +125,14 @@ class PeerDHTStart:
         if announce_maddrs:
             self.options["announce_maddrs"] = list(announce_maddrs)
         self._files = contextlib.ExitStack()  # the identity's key file exists until the daemon has started
-        if identity is not None:  # hivemind's check that an identity is free reads RSA keys only: ours is new anyway
-            path = self._files.enter_context(identity.identity_file())
-            self.options.update(identity_path=path, check_if_identity_free=False)
-        self._dht = start_dht(initial_peers=self.initial_peers, **self.options)
+        try:
+            if identity is not None:  # hivemind's check that an identity is free reads RSA keys only: ours is new
+                path = self._files.enter_context(identity.identity_file())
+                self.options.update(identity_path=path, check_if_identity_free=False)
+            self._dht = start_dht(initial_peers=self.initial_peers, **self.options)
+        except BaseException:
+            self._files.close()
+            raise
 
     def result(self):
         """The started DHT; hivemind's ``P2PDaemonError`` when every attempt failed."""

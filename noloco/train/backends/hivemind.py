@@ -319,8 +319,8 @@ def launch(
     except BaseException:
         starting.cancel()
         raise
+    warming.join()  # before a retried start of the DHT forks again
     dht = _dht_ready(cfg, starting, say)
-    warming.join()
     endpoint = None
     try:
         endpoint = SwarmEndpoint.from_dht(dht, cfg.peer.run_id, key, **_endpoint_options(cfg), identity=identity)
