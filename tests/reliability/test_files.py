@@ -8,6 +8,7 @@ after.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -257,12 +258,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_previous_checkpoint
     fits, the second does not. One line says how much was needed and which checkpoint is intact; it resumes."""
     from noloco.train import checkpoint
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with _tmpfs(tmp_path / "disk", "9m") as disk:
         args = [*smoke_overrides, f"data.cache_dir={data_cache}", f"run.dir={disk}", "run.name=r", *TINY,
                 "steps=15", "checkpoint.keep=3"]  # fmt: skip
         assert main(args) == 2
@@ -274,44 +270,50 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_previous_checkpoint
         checkpoint.load_run(folder, step, [0, 1])  # every worker's state loads and checks
         assert not [p for p in run.rglob(".*") if p.name.endswith(".tmp")]  # no temporary file left
         assert not (checkpoint.step_dir(run, 10) / checkpoint.COMPLETE).exists()
+
+
+@contextlib.contextmanager
+def _tmpfs(disk: Path, size: str):
+    """A real filesystem of ``size`` mounted at ``disk`` (made) for the block, unmounted after it."""
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def _fill(disk: Path) -> None:
+    """Fill ``disk`` to its last page with a file named ``filler``."""
+    with open(disk / "filler", "wb", buffering=0) as handle, pytest.raises(OSError):
+        while True:
+            handle.write(b"x" * 4096)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_metrics_held_back_by_a_full_disk_follow_once_there_is_space(tmp_path, capsys):
     """Another worker's checkpoint may fill the disk for a moment (then report it and free its partial file): a
     record logged meanwhile waits in memory and is written, whole and in order, with the next one."""
     from noloco.train.metrics import MetricsLogger, read_metrics
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        closed, logger = False, MetricsLogger(disk / "run", tensorboard=False)
-        logger.log({"worker": 0, "step": 0, "loss": 1.0})
-        filler = disk / "filler"
-        with open(filler, "wb", buffering=0) as handle, pytest.raises(OSError):
-            while True:  # the disk full to its last page
-                handle.write(b"x" * 4096)
-        for step in (1, 2):  # no room: held back, no error
-            logger.log({"worker": 0, "step": step, "loss": 1.0 / (step + 1), "note": "x" * 5000})  # > a page
-        filler.unlink()
-        logger.log({"worker": 0, "step": 3, "loss": 0.25})
-        logger.log({"worker": 0, "step": 4, "loss": 0.2})
-        with open(filler, "wb", buffering=0) as handle, pytest.raises(OSError):
-            while True:
-                handle.write(b"x" * 4096)
-        logger.log({"worker": 0, "step": 5, "loss": 0.1, "note": "x" * 5000})
-        logger.close()  # still full: one line says what is missing, the cleanup does not fail
-        closed = True
+    with _tmpfs(tmp_path / "disk", "1m") as disk:
+        logger = MetricsLogger(disk / "run", tensorboard=False)
+        try:
+            logger.log({"worker": 0, "step": 0, "loss": 1.0})
+            _fill(disk)
+            for step in (1, 2):  # no room: held back, no error
+                logger.log({"worker": 0, "step": step, "loss": 1.0 / (step + 1), "note": "x" * 5000})  # > a page
+            (disk / "filler").unlink()
+            logger.log({"worker": 0, "step": 3, "loss": 0.25})
+            logger.log({"worker": 0, "step": 4, "loss": 0.2})
+            _fill(disk)
+            logger.log({"worker": 0, "step": 5, "loss": 0.1, "note": "x" * 5000})
+        finally:
+            logger.close()  # still full: one line says what is missing, the cleanup does not fail
         assert "could not be written: no space left" in capsys.readouterr().err
         assert [r["step"] for r in read_metrics(disk / "run")] == [0, 1, 2, 3, 4]  # step 5: a cut last line
-    finally:
-        if "logger" in locals() and not closed:
-            logger.close()
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 @pytest.mark.slow
