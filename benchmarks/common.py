@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from noloco.train.run import usable_cores
+from noloco.train.device import usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the committed results (written only by ``--out docs/results``; read as the base of partial reports)

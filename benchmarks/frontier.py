@@ -56,7 +56,7 @@ if not __package__:  # `python benchmarks/frontier.py`: rerun as `python -m benc
 from benchmarks import common
 from noloco.collectives import known_codecs
 from noloco.train.config import ConfigError, load_config
-from noloco.train.run import usable_cores
+from noloco.train.device import usable_cores
 
 ALGOS = ("noloco", "diloco")
 _TOPK = [f"topk:{k}/4096+{v}" for v in ("int2", "int4") for k in (64, 128, 256)]  # 1.6%, 3.1%, 6.25% density

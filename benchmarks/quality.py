@@ -69,7 +69,7 @@ from benchmarks import common
 from benchmarks.frontier import launch
 from noloco.optim.algorithms import DiLoCo, NoLoCo
 from noloco.train.config import ConfigError, load_config
-from noloco.train.run import usable_cores
+from noloco.train.device import usable_cores
 
 METHODS = ("ddp", "diloco", "noloco")
 #: the sweep per algorithm: each variant a tuple of config overrides (the knobs of docs/results/noloco-tuning.md and

@@ -52,6 +52,7 @@ from safetensors import safe_open
 
 from noloco.comm import faults
 from noloco.state import all_finite
+from noloco.train.device import usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +305,7 @@ def file_checksum(path: Path, part_bytes: int | None = PART_BYTES, threads: int 
                         sha.update(view[start : start + _CHUNK_BYTES])
                     return sha.hexdigest()
                 starts = range(0, size, part_bytes)
-                workers = max(1, min(len(starts), threads or len(os.sched_getaffinity(0))))
+                workers = max(1, min(len(starts), threads or usable_cores()))
                 with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="noloco-hash") as pool:
                     # hashlib lets go of the GIL for large buffers: the parts are hashed on as many cores at once
                     digests = list(pool.map(lambda a: hashlib.sha256(view[a : a + part_bytes]).digest(), starts))

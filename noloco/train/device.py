@@ -88,6 +88,15 @@ def check_device(name: str) -> None:
         raise DeviceError(f"device={name} but this machine has {torch.cuda.device_count()} visible GPU(s)")
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, cgroups' cpusets, ``noloco-fleet
+    --cpus-per-host``) where the OS reports one, else ``os.cpu_count()``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS and Windows have no affinity call
+        return os.cpu_count() or 1
+
+
 def local_index(rank: int) -> int:
     """This worker's index among the workers of its host: ``LOCAL_RANK`` under torchrun, else ``rank``."""
     return int(os.environ.get("LOCAL_RANK", rank))

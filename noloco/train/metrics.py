@@ -15,6 +15,7 @@ at start-up when it is not installed).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -152,10 +153,8 @@ class MetricsLogger:
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
-                try:
+                with contextlib.suppress(OSError):  # one more try for what a full disk held back
                     self._write(b"")
-                except OSError:
-                    pass
                 if self._pending:  # the disk is still full: say what is missing rather than fail the cleanup
                     print(f"noloco: the last {len(self._pending):,} bytes of {self.path} could not be written: no "
                           f"space left on its disk", file=sys.stderr, flush=True)  # fmt: skip

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import shutil
 import sys
 import threading
@@ -35,6 +34,7 @@ from noloco.data.stream import stream_summary
 from noloco.data.stream_end import describe
 from noloco.optim import slow_term_settings
 from noloco.train import checkpoint
+from noloco.train.device import usable_cores
 from noloco.train.interrupt import INTERRUPT, Interrupted
 from noloco.train.loop import RunContext, WorkerResult, build_inner_optimizer, build_model, model_parameters
 from noloco.train.metrics import MetricsLogger, wandb_options
@@ -227,15 +227,6 @@ def new_run_folder(cfg: DictConfig, folder: Path | None = None) -> Path:
         else:
             path.unlink()
     return folder
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity (taskset, cgroups' cpusets, ``noloco-fleet
-    --cpus-per-host``) where the OS reports one, else ``os.cpu_count()``."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - macOS and Windows have no affinity call
-        return os.cpu_count() or 1
 
 
 def load_corpus(cfg: DictConfig):

@@ -240,7 +240,7 @@ def test_latency_reaches_the_workers_and_delays_every_message(tmp_path):
 AFFINITY = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from noloco.train.run import usable_cores
+from noloco.train.device import usable_cores
 print("CPUS", json.dumps(sorted(os.sched_getaffinity(0))), usable_cores(), os.environ["LOCAL_WORLD_SIZE"], flush=True)
 """
 
