@@ -113,26 +113,43 @@ def worker_device(name: str, index: int) -> torch.device:
 
 def warm_device(name: str) -> threading.Thread:
     """Start CUDA for device ``name`` in a thread of its own, returned started; join it before the worker's first
-    use. A restarted swarm peer does this beside its checkpoint check, so that its worker finds the GPU's context
-    and a cuBLAS handle made (about a second on an H100) instead of making them before its first step. Where the
-    worker's GPU is not known yet (``cuda``/``auto`` with several GPUs: a peer's index comes from its id) only the
-    driver starts. Nothing on a CPU; a failure here is left to show, with its message, where the worker starts."""
+    use (and before the process forks). A restarted swarm peer does this beside its checkpoint check, so that its
+    worker finds the GPU's context and a cuBLAS handle made (about a second on an H100) instead of making them before
+    its first step. Where the worker's GPU is not known yet (``cuda``/``auto`` with several GPUs: a peer's index
+    comes from its id) only the driver starts. Beside it, on every device, a second thread imports torch's compiler
+    stack (``torch._dynamo``: about a second), which the first AdamW's construction imports (torch wraps
+    ``add_param_group`` in it) and ``compile=true`` needs; the returned thread ends after both. Nothing of CUDA on a
+    CPU; a failure here is left to show, with its message, where the worker starts."""
+
+    def compiler() -> None:
+        with contextlib.suppress(Exception):
+            import torch._dynamo  # noqa: F401
 
     def run() -> None:
-        if name == "cpu" or not torch.cuda.is_available():
-            return
-        with contextlib.suppress(Exception):
-            count = torch.cuda.device_count()
-            index = int(name[5:]) if name.startswith("cuda:") and name[5:].isdigit() else (0 if count == 1 else None)
-            if index is None or index >= count:
-                torch.cuda.init()
-                return
-            square = torch.ones(64, 64, device=torch.device("cuda", index), dtype=torch.bfloat16)
-            (square @ square).sum().item()  # the context, the allocator and this thread's cuBLAS handle (pooled)
+        imports = threading.Thread(target=compiler, name="noloco-warm-imports", daemon=True)
+        imports.start()
+        try:
+            _start_cuda(name)
+        finally:
+            imports.join()
 
     thread = threading.Thread(target=run, name="noloco-warm-device", daemon=True)
     thread.start()
     return thread
+
+
+def _start_cuda(name: str) -> None:
+    """The CUDA context, the allocator and a cuBLAS handle for ``name`` (only the driver where its index is unknown)."""
+    if name == "cpu" or not torch.cuda.is_available():
+        return
+    with contextlib.suppress(Exception):
+        count = torch.cuda.device_count()
+        index = int(name[5:]) if name.startswith("cuda:") and name[5:].isdigit() else (0 if count == 1 else None)
+        if index is None or index >= count:
+            torch.cuda.init()
+            return
+        square = torch.ones(64, 64, device=torch.device("cuda", index), dtype=torch.bfloat16)
+        (square @ square).sum().item()  # the context, the allocator and this thread's cuBLAS handle (pooled)
 
 
 #: held while a compiled module of this process runs forward or backward (see :class:`CompiledForward`)

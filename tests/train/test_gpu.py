@@ -204,15 +204,16 @@ def test_overlapped_exchange_on_cuda_matches_the_cpu_and_torch_processes(tiny_co
 
 def test_warm_device_starts_cuda_in_its_thread_for_the_worker_to_find():
     """A restarted swarm peer wakes its GPU beside its checkpoint check (``device.warm_device``): in a fresh
-    process, the thread leaves CUDA initialized, a context on the GPU, and a bf16 matmul of the main thread runs."""
+    process, the thread leaves CUDA initialized, a context on the GPU and torch's compiler stack imported, and a bf16
+    matmul of the main thread runs."""
     import subprocess
     import sys
 
     script = (
         "import torch; from noloco.train.device import warm_device\n"
-        "assert not torch.cuda.is_initialized()\n"
+        "import sys; assert not torch.cuda.is_initialized() and 'torch._dynamo' not in sys.modules\n"
         "warm_device('cuda:0').join()\n"
-        "assert torch.cuda.is_initialized() and torch.cuda.memory_reserved(0) > 0\n"
+        "assert torch.cuda.is_initialized() and torch.cuda.memory_reserved(0) > 0 and 'torch._dynamo' in sys.modules\n"
         "x = torch.ones(8, 8, device='cuda:0', dtype=torch.bfloat16); print(float((x @ x).sum()))\n"
         "warm_device('cpu').join()\n"
     )
