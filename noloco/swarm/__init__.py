@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name l
         announcement_ttl,
         implausible_rounds,
         implausible_steps,
+        latest_incarnations,
         step_bound,
     )
     from noloco.swarm.settings import check_peer_settings
@@ -43,6 +44,7 @@ _WHERE = {
     "PeerIdentity": "identity",
     "PeerRegistry": "matchmaking", "SwarmMatchmaking": "matchmaking", "announcement_ttl": "matchmaking",
     "implausible_rounds": "matchmaking", "implausible_steps": "matchmaking", "step_bound": "matchmaking",
+    "latest_incarnations": "matchmaking",
     "STATE_SERVICE": "state", "StateError": "state", "StateServer": "state", "decode_state": "state",
     "encode_state": "state",
     "check_peer_settings": "settings",
@@ -75,6 +77,7 @@ __all__ = [
     "encode_state",
     "implausible_rounds",
     "implausible_steps",
+    "latest_incarnations",
     "run_key_from",
     "start_dht",
     "start_peer_dht",

@@ -21,7 +21,10 @@ docs/swarm.md):
    to ``window``), which pulls clusters of peers back into one.
    A peer alone in its window re-announces (moving its entry to now, which changes no other
    peer's window) and tries the next window, until ``timeout``; this also re-synchronises a peer
-   that runs ahead of the others, since all members of a window leave matchmaking together.
+   that runs ahead of the others, since all members of a window leave matchmaking together. With
+   adaptive deadlines it re-announces as soon as a later window opens, whose peers wait for it
+   (:func:`waiting_alone`), and a peer that finds everyone it expects drawn in earlier windows skips
+   the round at once (:func:`formed_without`).
 3. *Draw*: the peer orders its window's peers by a hash of (seed, r, window start, peer id); consecutive
    slices of ``group_size`` form the groups (a single leftover joins the last group;
    ``group_size=None`` means one group of everyone: the DiLoCo mode).
@@ -152,6 +155,31 @@ def formed_before(times: list[float], cut: list[tuple[float, float]], start: flo
     return any(sum(a <= t <= b for t in times) > 1 for a, b in cut if b < start)
 
 
+def formed_without(entries: list[tuple[str, float]], cut: list[tuple[float, float]], start: float,
+                   expected: set[str]) -> bool:  # fmt: skip
+    """Whether every peer of ``expected`` (a non-empty set) announced ``(peer, time)`` in a window of ``cut`` that
+    closed before ``start`` and held two or more announcements: the round formed without the window starting at
+    ``start``, and no peer its announcer expects is still to come (it need not wait its window out to know)."""
+    formed = [(a, b) for a, b in cut if b < start and sum(a <= t <= b for _, t in entries) > 1]
+    where = dict(entries)
+    return bool(expected) and all(p in where and any(a <= where[p] <= b for a, b in formed) for p in expected)
+
+
+def waiting_alone(entries: list[tuple[str, float]], cut: list[tuple[float, float]], start: float, now: float,
+                  grace: float) -> set[str]:  # fmt: skip
+    """Peers of ``(peer, time)`` announcements alone in a window of ``cut`` that closed before ``start``
+    less than ``grace`` seconds ago: each is about to re-announce (a peer alone in its window does, at the latest
+    a slack after its close), into the window starting at ``start``. Its readers wait for it there, whatever its
+    pace: a peer arriving ahead of the others (a restarted one catching up) otherwise fell into the gap between
+    its window's close and its re-announcement, and missed every group (its next windows opened too early again)."""
+    out = set()
+    for a, b in cut:
+        inside = [p for p, t in entries if a <= t <= b]
+        if len(inside) == 1 and b < start and now - b < grace:
+            out.add(inside[0])
+    return out
+
+
 def width_error(width: object) -> str | None:
     """Why an announcement's window ``width`` is refused (not a number, not finite, not in (0, MAX_WINDOW]), or None."""
     if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width):
@@ -241,6 +269,21 @@ def implausible_rounds(entries: list[dict], steps: int, every: int, endpoint: Sw
         return 0 <= e["step"] <= steps and (e["round"] == -1 or 0 <= e["round"] <= last)
 
     return _split_plausible(entries, ok, endpoint, seen if seen is not None else set(), "registry round")
+
+
+def latest_incarnations(entries: list[dict], own_name: str) -> list[dict]:
+    """Registry entries ``{"peer", "name", "t", ...}`` with one per name, the latest published, and none named
+    ``own_name``: a peer restarted from its checkpoint comes back under a new identity and the same name, and its
+    earlier identity stays listed until it is no longer fresh. Counted as live, it was *expected* in every window
+    meanwhile: the others held their windows open for a peer that was gone, and the restarted one, waiting for
+    itself, could not see that its round had formed without it. Two live peers sharing a name (a misconfigured
+    ``peer.name``) are counted as one: the other is still drawn whenever it announces, only not waited for."""
+    latest: dict[str, dict] = {}
+    for e in entries:
+        if e["name"] != own_name and (e["name"] not in latest or e["t"] > latest[e["name"]]["t"]):
+            latest[e["name"]] = e
+    keep = {id(e) for e in latest.values()}
+    return [e for e in entries if id(e) in keep]
 
 
 def step_bound(entries: list[dict], steps: int, every: int, fresh_within: float | None = None,
@@ -892,6 +935,7 @@ class SwarmMatchmaking(GroupSource):
         two or more other peers (the round formed without it: it skips it and joins the next one).
         """
         mates_expected = bool(expected)  # with buckets: peers expected in this peer's bucket (before a re-announce)
+        observed = expected  # whose pace the window read tells (the first announcement's window only)
         while True:
             entries = [e for e in self._ready(round_index) if e.peer != self.peer_id]
             entries.append(Announcement(self.peer_id, mine, self.name, self._width))
@@ -902,15 +946,26 @@ class SwarmMatchmaking(GroupSource):
             now = get_dht_time()
             wanted = {p for p in expected if not self.penalized(p, round_index)
                       and (not self.adaptive or self.pace.waited_for(p))}  # fmt: skip
+            alone = len(in_window) == 1
+            if self.adaptive:
+                if alone and formed_without([(e.peer, e.time) for e in entries], cut, start,
+                                            {p for p in expected if not self.penalized(p, round_index)}):  # fmt: skip
+                    raise _Late(f"round {round_index} formed without this peer (every peer expected drew before)")
+                lone = waiting_alone([(e.peer, e.time) for e in entries], cut, start, now, self.slack + 2 * self.poll)
+                wanted |= {p for p in lone if p not in also and not self.penalized(p, round_index)}
             everyone = bool(wanted) and wanted <= present
-            if now < end + self.slack and not everyone:
+            # alone, and a later window has opened: re-announce into it now rather than a slack later (its peers,
+            # above, wait for a peer whose lone window just closed; the slack is for announcements of the closed
+            # window still on their way, and one of those finds this peer's new announcement in its own window)
+            moved_on = self.adaptive and alone and now > end and any(e.time > end for e in entries)
+            if now < end + self.slack and not everyone and not moved_on:
                 if time.monotonic() > deadline:
                     record.outcome = "timeout"
                     return None
                 time.sleep(max(0.0, min(self.poll, end + self.slack - now)))
                 continue
             if len(in_window) > 1:
-                self._note_window(round_index, in_window, start, expected)
+                self._note_window(round_index, in_window, start, observed)
                 return in_window, start, mine
             if self.adaptive and formed_before([e.time for e in entries], cut, start):
                 raise _Late(f"round {round_index} formed without this peer")
@@ -923,7 +978,9 @@ class SwarmMatchmaking(GroupSource):
                 record.outcome = "no partner"
                 return None
             mine = self._announce(round_index)
-            expected = set()
+            observed = set()
+            if not self.adaptive:  # adaptive: still read at once when every peer it waits for is in the new window
+                expected = set()
 
     def _note_window(self, round_index: int, in_window: list[Announcement], start: float, expected: set[str]) -> None:
         """What the read window says for the adaptive deadlines: how late its peers in step announced after it

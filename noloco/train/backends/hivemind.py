@@ -75,6 +75,7 @@ from noloco.swarm import (
     decode_state,
     implausible_rounds,
     implausible_steps,
+    latest_incarnations,
     run_key_from,
     step_bound,
 )
@@ -139,9 +140,11 @@ class HivemindBackend(Backend):
 
     # --- what matchmaking asks of the registry -------------------------------------------------------
     def _fresh(self) -> list[dict]:
-        """Live peers that published recently, without those listing a round the swarm cannot be in."""
+        """Live peers that published recently, one per name (not this peer's earlier incarnation: it resumed),
+        without those listing a round the swarm cannot be in."""
         now = time.time()
-        fresh = [e for e in self.registry.live() if now - e["t"] <= self.cfg.peer.live_timeout]
+        live = latest_incarnations(self.registry.live(), self.peer_name)
+        fresh = [e for e in live if now - e["t"] <= self.cfg.peer.live_timeout]
         return implausible_rounds(fresh, self.cfg.steps, self.period, self.endpoint, self._implausible)
 
     def _expected(self, round_index: int) -> set[str]:

@@ -1,0 +1,134 @@
+"""A peer out of step with the others' windows (a restarted one catching up): real DHT nodes and p2pd daemons in
+this process, real matchmaking with the adaptive deadlines.
+
+Two ways it lost rounds before, both seen in a 125M restart on the GPU machine (first round 17 s after the first
+step) and in ``python -m benchmarks.straggler`` on the CPU: arriving just after the others' window closed, it waited
+its own window out before knowing the round had formed; arriving just before them, its window closed alone and it
+re-announced a slack later, after they had read theirs without it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from noloco.swarm.matchmaking import formed_without, latest_incarnations, waiting_alone
+
+RUN = "catch-up-test"
+PEERS = 3
+WINDOW, SLACK, POLL = 2.0, 2.0, 0.1  # a slack as long as the window: the gap a lone peer fell into was that long
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """``PEERS`` peers: each a DHT node under its own identity and an endpoint on its p2pd, all on loopback."""
+    from noloco.swarm import PeerIdentity, RunRecordValidator, SwarmEndpoint, run_key_from, start_peer_dht
+
+    key = run_key_from("catch-up-test-key-0123456789")
+    peers: list[tuple] = []
+    try:
+        for _ in range(PEERS):
+            identity = PeerIdentity.generate()
+            validator = RunRecordValidator.create(key, RUN, 600, identity)
+            initial = [str(m) for m in peers[0][0].get_visible_maddrs()] if peers else []
+            dht = start_peer_dht(initial, ["/ip4/127.0.0.1/tcp/0"], record_validators=[validator], identity=identity)
+            peers.append((dht, SwarmEndpoint.from_dht(dht, RUN, key, send_timeout=10, identity=identity)))
+        yield peers
+    finally:
+        for dht, endpoint in peers:
+            endpoint.close()
+            dht.shutdown()
+
+
+def _makers(swarm, behind: int):
+    """Adaptive matchmakers of every peer, each expecting the others; peer ``behind`` missed a window before, so
+    the others no longer hold theirs open for it (what a peer that was dead for a few rounds is to them)."""
+    from noloco.swarm.matchmaking import SwarmMatchmaking
+
+    ids = [endpoint.peer_id for _, endpoint in swarm]
+    options = dict(group_size=2, window=WINDOW, slack=SLACK, poll=POLL, confirm_timeout=6, timeout=20, adaptive=True,
+                   min_window=WINDOW)  # fmt: skip
+    makers = [SwarmMatchmaking(dht, endpoint, f"p{i}", expected=lambda r, me=ids[i]: set(ids) - {me}, **options)
+              for i, (dht, endpoint) in enumerate(swarm)]  # fmt: skip
+    for i, maker in enumerate(makers):
+        if i != behind:
+            maker.pace.missed(ids[behind])
+    return makers, ids
+
+
+def _form_all(makers, round_index: int, delays: dict[int, float]) -> dict[int, tuple]:
+    """Each peer forms ``round_index`` after its delay (seconds); ``{peer: (members or None, outcome, seconds)}``."""
+    results: dict[int, tuple] = {}
+    began = time.monotonic()
+
+    def run(i: int) -> None:
+        time.sleep(max(0.0, began + delays[i] - time.monotonic()))
+        group = makers[i].form(round_index, 20)
+        record = makers[i].rounds[-1]
+        results[i] = (None if group is None else sorted(group.peer_ids), record.outcome, record.matchmaking_seconds)
+        if group is not None:
+            makers[i].release(group)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in delays]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    return results
+
+
+def test_a_peer_whose_window_closed_alone_just_before_the_others_came_is_drawn_with_them(swarm):
+    """Peer 2 is ready first (a restarted peer catching up arrives early for the round it targets); the others
+    announce after its window closed, within the slack it used to wait before re-announcing. They read their
+    window early (they no longer wait for peer 2), so it missed them, round after round on the GPU machine (four
+    rounds in a row found no partner once). Now it re-announces as soon as a later window opens, and peers whose
+    window follows a lone one that just closed wait for that peer: all three meet."""
+    makers, ids = _makers(swarm, behind=2)
+    results = _form_all(makers, 10, {2: 0.0, 0: WINDOW + 0.8, 1: WINDOW + 0.8})
+    assert len(results) == PEERS, results
+    for i in range(PEERS):
+        members, outcome, _ = results[i]
+        assert outcome == "joined" and members == ["p0", "p1", "p2"], (i, results)
+
+
+def test_a_peer_after_a_window_that_drew_everyone_it_expects_skips_the_round_at_once(swarm):
+    """Peers 0 and 1 form the round without peer 2 (not waited for); peer 2 announces after their window closed.
+    Everyone it expects drew before its window opened, so nobody is coming: it skips the round (``late``) at once
+    and trains on, instead of waiting its own window and the slack out first (``WINDOW + SLACK`` = 4 s here)."""
+    makers, ids = _makers(swarm, behind=2)
+    results = _form_all(makers, 20, {0: 0.0, 1: 0.0, 2: WINDOW + 1.0})
+    assert results[0][0] == results[1][0] == ["p0", "p1"], results
+    members, outcome, seconds = results[2]
+    assert members is None and outcome == "late", results
+    assert seconds < WINDOW, results  # it did not wait a window: it knew at its first read
+
+
+def test_formed_without_needs_every_expected_peer_in_a_window_that_drew_before():
+    entries = [("a", 10.0), ("b", 10.2), ("c", 13.0)]
+    cut = [(10.0, 11.0), (13.0, 14.0)]
+    assert formed_without(entries, cut, 13.0, {"a", "b"})
+    assert not formed_without(entries, cut, 13.0, {"a", "b", "d"})  # d may still come
+    assert not formed_without(entries, cut, 13.0, set())  # nobody expected: nothing known
+    lone = [("a", 10.0), ("c", 13.0)]  # a was alone there: it re-announces, nothing formed
+    assert not formed_without(lone, [(10.0, 11.0), (13.0, 14.0)], 13.0, {"a"})
+    assert not formed_without(entries, cut, 10.0, {"a"})  # nothing closed before the first window
+
+
+def test_waiting_alone_is_a_peer_whose_lone_window_closed_within_the_grace():
+    entries = [("a", 10.0), ("b", 11.5), ("c", 11.6)]
+    cut = [(10.0, 11.0), (11.5, 12.5)]
+    assert waiting_alone(entries, cut, 11.5, now=11.6, grace=1.0) == {"a"}
+    assert waiting_alone(entries, cut, 11.5, now=12.5, grace=1.0) == set()  # it would have re-announced by now
+    pair = [("a", 10.0), ("d", 10.5), ("b", 11.5)]  # a window of two drew: nobody waits
+    assert waiting_alone(pair, cut, 11.5, now=11.6, grace=1.0) == set()
+    assert waiting_alone(entries, cut, 10.0, now=10.1, grace=1.0) == set()  # its own window is not before it
+
+
+def test_latest_incarnations_keeps_one_entry_per_name_and_none_of_this_peers_own():
+    entries = [{"peer": "old", "name": "p2", "t": 5.0}, {"peer": "new", "name": "p2", "t": 9.0},
+               {"peer": "x", "name": "p0", "t": 7.0}, {"peer": "me-before", "name": "p1", "t": 8.0}]  # fmt: skip
+    assert [e["peer"] for e in latest_incarnations(entries, "p1")] == ["new", "x"]
+    assert [e["peer"] for e in latest_incarnations(entries, "p9")] == ["new", "x", "me-before"]
+    assert latest_incarnations([], "p0") == []
