@@ -106,12 +106,18 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
         started = time.monotonic()
         swarm.peer(victim, *args, f"resume={latest}", f'peer.initial_peers=["{swarm.maddr(names[0])}"]')
         first_step = first_round = None
+        rounds_seen: list[tuple[float, int, int, str]] = []  # (s after the restart, step, its own round, outcome)
         while first_round is None and time.monotonic() - started < timeout:
             log_from = _new_lines(log, log_from, time.monotonic() - started, timeline)
             after = [m for m in swarm.metrics(victim)
                      if m["step"] > resumed_at and json.dumps(m, sort_keys=True) not in before]  # fmt: skip
             if first_step is None and after:
                 first_step = time.monotonic() - started
+            seen = {(step, r) for _, step, r, _ in rounds_seen}
+            for m in after:
+                if "outer_round" in m and (m["step"], m["outer_round"]) not in seen:  # its rounds, and why none formed
+                    rounds_seen.append((round(time.monotonic() - started, 2), m["step"], m["outer_round"],
+                                        m.get("outer_skipped", "joined")))  # fmt: skip
             if any("outer_round" in m and "outer_skipped" not in m for m in after):
                 first_round = time.monotonic() - started
             if swarm.procs[victim].poll() is not None and first_round is None:
@@ -119,7 +125,7 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
             time.sleep(0.05)
         # measured: the others' remaining steps are not waited for (the swarm is killed on leaving the block)
         return {"resumed_at_step": resumed_at, "seconds_to_first_step": first_step,
-                "seconds_to_first_round": first_round, "log_timeline": timeline}  # fmt: skip
+                "seconds_to_first_round": first_round, "rounds": rounds_seen, "log_timeline": timeline}  # fmt: skip
 
 
 def _new_lines(log: Path, offset: int, seconds: float, timeline: list) -> int:
@@ -227,6 +233,10 @@ def _report(args, rows: list[dict], restart: dict | None, command: str, machine:
                   f"first inner step, {fmt(restart['seconds_to_first_round'])} s to its first outer round joined with "
                   "the swarm (process start, torch and hivemind imports, DHT and p2pd start, checkpoint load "
                   "included)."]  # fmt: skip
+        if restart.get("rounds"):
+            lines += ["", "Its rounds after the restart, from its metrics (s after the restart when first seen):",
+                      "", "| s | step | its round | outcome |", "|---|---|---|---|"]  # fmt: skip
+            lines += [f"| {t:.2f} | {step} | {r} | {outcome} |" for t, step, r, outcome in restart["rounds"]]
         if restart.get("log_timeline"):
             lines += ["", "The restarted peer's log, each line's first sight (s after the restart):", "", "```"]
             lines += [f"{t:7.2f}  {line}" for t, line in restart["log_timeline"][:40]] + ["```"]

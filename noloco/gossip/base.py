@@ -45,6 +45,11 @@ class GroupSource(ABC):
     def release(self, group: Group) -> None:  # noqa: B027 - optional hook
         """Called once the round's exchange is over (successful or not)."""
 
+    def why_none(self, round_index: int) -> str:
+        """Why :meth:`form` of ``round_index`` gave ``None``, in a few words (the metrics line's ``outer_skipped``)."""
+        del round_index
+        return "no partner"
+
     def retry(self, group: Group, error: BaseException) -> Group | None:
         """After ``group``'s exchange failed with ``error``: a group of the members that delivered, identical on
         each of them, to run the round's exchange again (released like any group), or ``None`` to skip the round

@@ -787,7 +787,8 @@ class OuterAlgorithm(Algorithm):
         if group is None:
             if not self.skip_failed_rounds:
                 raise CommError(f"round {round_index}: no group could be formed")
-            info = OuterRoundInfo(round=round_index, group=[], skipped="no partner", fragment=fragment)
+            info = OuterRoundInfo(round=round_index, group=[], skipped=self.group_source.why_none(round_index),
+                                  fragment=fragment)  # fmt: skip
             return _RoundResult(info, None, guarded)
         rejected_before = self.norm_rejections.total
 

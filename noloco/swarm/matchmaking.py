@@ -729,6 +729,13 @@ class SwarmMatchmaking(GroupSource):
         """The record of this peer's own round ``round_index`` (its swarm round may be later), if it formed one."""
         return self._by_own.get(int(round_index))
 
+    def why_none(self, round_index: int) -> str:
+        """The matchmaking outcome of this peer's round ``round_index`` that formed no group (``late``, ``timeout``,
+        ``no partner``, ``busy: ...``, ``confirm failed: ...``), prefixed ``no partner`` for what metrics read."""
+        record = self.record_of(round_index)
+        outcome = record.outcome if record is not None and record.outcome else ""
+        return "no partner" if outcome in ("", "no partner") else f"no partner: {outcome}"
+
     def form(self, round_index: int, timeout: float) -> Group | None:
         """The group of this peer's outer round ``round_index``.
 

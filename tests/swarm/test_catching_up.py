@@ -103,6 +103,7 @@ def test_a_peer_after_a_window_that_drew_everyone_it_expects_skips_the_round_at_
     members, outcome, seconds = results[2]
     assert members is None and outcome == "late", results
     assert seconds < WINDOW, results  # it did not wait a window: it knew at its first read
+    assert makers[2].why_none(20) == "no partner: late"  # what its metrics line says (outer_skipped)
 
 
 def test_formed_without_needs_every_expected_peer_in_a_window_that_drew_before():

@@ -254,6 +254,9 @@ class ShownRounds(GroupSource):
     def release(self, group: Group) -> None:
         self.matchmaking.release(group)
 
+    def why_none(self, round_index: int) -> str:
+        return "no partner: interrupted" if INTERRUPT.requested else self.matchmaking.why_none(round_index)
+
     def retry(self, group: Group, error: BaseException) -> Group | None:
         self.progress.status(f"round {group.round}: a member failed, retrying with those that delivered")
         try:
