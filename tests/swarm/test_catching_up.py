@@ -93,6 +93,22 @@ def test_a_peer_whose_window_closed_alone_just_before_the_others_came_is_drawn_w
         assert outcome == "joined" and members == ["p0", "p1", "p2"], (i, results)
 
 
+def test_a_peer_announcing_alone_and_never_coming_is_not_waited_for_after_its_second_miss(swarm):
+    """The wait for a lone peer is bounded like any other: a key holder that announces alone just before the others
+    in every round and never re-announces is absent from their windows, and from its second miss they read theirs
+    without waiting for it (before the bound they waited until their window closed plus the slack, 4 s here)."""
+    makers, ids = _makers(swarm, behind=2)
+    for maker in makers[:2]:
+        maker.pace.missed(ids[2])  # its second miss
+    makers[2]._announce(30)  # ready, alone, and it never reads its window or re-announces
+    time.sleep(WINDOW + 0.2)  # its window has closed: waited for, it would hold theirs about 2 s (slack + 2 polls)
+    results = _form_all(makers, 30, {0: 0.0, 1: 0.0})
+    for i in (0, 1):
+        members, outcome, seconds = results[i]
+        assert members == ["p0", "p1"] and outcome == "joined", results
+        assert seconds < 1.0, results  # read as soon as both were in
+
+
 def test_a_peer_after_a_window_that_drew_everyone_it_expects_skips_the_round_at_once(swarm):
     """Peers 0 and 1 form the round without peer 2 (not waited for); peer 2 announces after their window closed.
     Everyone it expects drew before its window opened, so nobody is coming: it skips the round (``late``) at once
