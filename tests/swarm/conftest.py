@@ -1,4 +1,5 @@
-"""Helpers for swarm tests: real peer processes (``python train.py backend=hivemind``) on loopback.
+"""Helpers for swarm tests: real peer processes (``python train.py backend=hivemind``) on loopback, and real DHT
+nodes with endpoints inside the test process (``in_process_peers``) for matchmaking tests.
 
 Every process is started in its own session; the fixture's teardown kills each of those process
 groups (the peer, its forked DHT process and its p2pd daemon), whatever the test did.
@@ -6,6 +7,7 @@ groups (the peer, its forked DHT process and its p2pd daemon), whatever the test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +39,35 @@ SWARM = [  # on top of the tests' smoke overrides
     "peer.confirm_timeout=4",
     "peer.matchmaking_timeout=8",
 ]
+
+
+@contextlib.contextmanager
+def _in_process_peers(run: str, secret: str, count: int):
+    """``count`` peers of run ``run``: each a DHT node under its own identity (the first bootstraps the others) and a
+    ``SwarmEndpoint`` on its p2pd, all on loopback in this process; ``[(dht, endpoint), ...]``, shut down on exit."""
+    from noloco.swarm import PeerIdentity, RunRecordValidator, SwarmEndpoint, run_key_from, start_peer_dht
+
+    key = run_key_from(secret)
+    peers: list[tuple] = []
+    try:
+        for _ in range(count):
+            identity = PeerIdentity.generate()
+            validator = RunRecordValidator.create(key, run, 600, identity)
+            initial = [str(m) for m in peers[0][0].get_visible_maddrs()] if peers else []
+            dht = start_peer_dht(initial, ["/ip4/127.0.0.1/tcp/0"], record_validators=[validator], identity=identity)
+            peers.append((dht, SwarmEndpoint.from_dht(dht, run, key, send_timeout=10, identity=identity)))
+        yield peers
+    finally:
+        for dht, endpoint in peers:
+            endpoint.close()
+            dht.shutdown()
+
+
+@pytest.fixture(scope="session")
+def in_process_peers():
+    """``in_process_peers(run, secret, count)``: a context manager of real DHT peers in this process (a module's
+    fixture holds one open for its tests)."""
+    return _in_process_peers
 
 
 @pytest.fixture(scope="session")

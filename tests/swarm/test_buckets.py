@@ -28,24 +28,10 @@ def test_bucket_of_is_shared_changes_with_the_round_and_spreads():
 
 
 @pytest.fixture(scope="module")
-def swarm():
+def swarm(in_process_peers):
     """``PEERS`` peers: each a DHT node under its own identity and an endpoint on its p2pd, all on loopback."""
-    from noloco.swarm import PeerIdentity, RunRecordValidator, SwarmEndpoint, run_key_from, start_peer_dht
-
-    key = run_key_from("bucket-test-key-0123456789")
-    peers: list[tuple] = []
-    try:
-        for _ in range(PEERS):
-            identity = PeerIdentity.generate()
-            validator = RunRecordValidator.create(key, RUN, 600, identity)
-            initial = [str(m) for m in peers[0][0].get_visible_maddrs()] if peers else []
-            dht = start_peer_dht(initial, ["/ip4/127.0.0.1/tcp/0"], record_validators=[validator], identity=identity)
-            peers.append((dht, SwarmEndpoint.from_dht(dht, RUN, key, send_timeout=10, identity=identity)))
+    with in_process_peers(RUN, "bucket-test-key-0123456789", PEERS) as peers:
         yield peers
-    finally:
-        for dht, endpoint in peers:
-            endpoint.close()
-            dht.shutdown()
 
 
 def test_groups_form_within_each_bucket_and_a_lone_peer_skips_at_once(swarm):
