@@ -149,10 +149,15 @@ def cut_windows(entries: list[tuple[float, float]]) -> list[tuple[float, float]]
     return out
 
 
+def drawn_before(times: list[float], cut: list[tuple[float, float]], start: float) -> list[tuple[float, float]]:
+    """The windows of ``cut`` that closed before ``start`` and held two or more of the announce ``times``: a group
+    of the round was drawn in each, before the window starting at ``start`` opened."""
+    return [(a, b) for a, b in cut if b < start and sum(a <= t <= b for t in times) > 1]
+
+
 def formed_before(times: list[float], cut: list[tuple[float, float]], start: float) -> bool:
-    """Whether a window of ``cut`` that closed before ``start`` held two or more of the announce ``times``: a
-    group of the round was drawn there, before the window starting at ``start`` opened (its peer came late)."""
-    return any(sum(a <= t <= b for t in times) > 1 for a, b in cut if b < start)
+    """Whether a group of the round was drawn before the window starting at ``start`` opened (its peer came late)."""
+    return bool(drawn_before(times, cut, start))
 
 
 def formed_without(entries: list[tuple[str, float]], cut: list[tuple[float, float]], start: float,
@@ -160,7 +165,7 @@ def formed_without(entries: list[tuple[str, float]], cut: list[tuple[float, floa
     """Whether every peer of ``expected`` (a non-empty set) announced ``(peer, time)`` in a window of ``cut`` that
     closed before ``start`` and held two or more announcements: the round formed without the window starting at
     ``start``, and no peer its announcer expects is still to come (it need not wait its window out to know)."""
-    formed = [(a, b) for a, b in cut if b < start and sum(a <= t <= b for _, t in entries) > 1]
+    formed = drawn_before([t for _, t in entries], cut, start)
     where = dict(entries)
     return bool(expected) and all(p in where and any(a <= where[p] <= b for a, b in formed) for p in expected)
 
