@@ -140,6 +140,12 @@ def _new_lines(log: Path, offset: int, seconds: float, timeline: list) -> int:
     return offset + done
 
 
+def _without_joined(row: dict) -> str:
+    """The N − 1 peers' rounds joined (median) of a report row; reports before it was kept show a dash."""
+    joined = row.get("without_rounds_joined")
+    return "–" if joined is None else f"{joined:g}/{row['rounds']}"
+
+
 def _median(rows: dict, key: str, names) -> float:
     return statistics.median(rows[n][key] for n in names)
 
@@ -182,14 +188,15 @@ def main(argv: list[str] | None = None) -> int:
                "without_tokens_per_second": _median(without, "tokens_per_second", without),
                "others_tokens_per_second": _median(slow, "tokens_per_second", others),
                "base_rounds_joined": _median(base, "rounds_joined", base),
+               "without_rounds_joined": _median(without, "rounds_joined", without),
                "others_rounds_joined": _median(slow, "rounds_joined", others),
                "straggler_rounds_joined": slow["slow"]["rounds_joined"], "rounds": slow[others[0]]["rounds"],
                "straggler_tokens_per_second": slow["slow"]["tokens_per_second"],
-               "base": base, "slow": slow}  # fmt: skip
+               "base": base, "slow": slow, "without": without}  # fmt: skip
         row["ratio"] = row["others_tokens_per_second"] / row["base_tokens_per_second"]
         row["ratio_without"] = row["others_tokens_per_second"] / row["without_tokens_per_second"]
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("base", "slow")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("base", "slow", "without")}), flush=True)
     restart = None if args.no_restart else restart_run(work / "restart", args.peers, 3 * args.steps, args.every,
                                                        overrides=tuple(args.overrides))  # fmt: skip
     print(json.dumps({"restart": restart}), flush=True)
@@ -215,14 +222,14 @@ def _report(args, rows: list[dict], restart: dict | None, command: str, machine:
         "",
         "| deadlines | compute s/step | tokens/s, N equal peers | tokens/s, the N − 1 others alone | tokens/s of the "
         "others, with it | ratio to N equal | ratio to the others alone | rounds joined (others, median) | rounds "
-        "joined, no straggler | straggler's rounds joined |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "joined, N equal | rounds joined, the N − 1 alone | straggler's rounds joined |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['deadlines']} | {r['compute_step_seconds']:.4f} | {r['base_tokens_per_second']:,.0f} | "
                      f"{r['without_tokens_per_second']:,.0f} | {r['others_tokens_per_second']:,.0f} | "
                      f"{r['ratio']:.3f} | {r['ratio_without']:.3f} | {r['others_rounds_joined']:g}/"
-                     f"{r['rounds']} | {r['base_rounds_joined']:g}/{r['rounds']} | "
+                     f"{r['rounds']} | {r['base_rounds_joined']:g}/{r['rounds']} | {_without_joined(r)} | "
                      f"{r['straggler_rounds_joined']}/{r['rounds']} |")  # fmt: skip
     if restart is not None:
         fmt = lambda v: "–" if v is None else f"{v:.2f}"
