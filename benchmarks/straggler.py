@@ -15,7 +15,12 @@ matchmaking mode of ``--deadlines`` (``adaptive``: per-round deadlines from rece
    own checkpoint (``resume=``). Reported: seconds from the restart to its first outer round joined with the
    swarm, and to its first inner step.
 
-Usage: ``python -m benchmarks.straggler [--peers 8] [--factor 4] [--steps 200] [--every 10] [--out DIR]
+``--reps R`` repeats steps 1 and 2 R times, interleaved (N equal, straggler, N − 1 alone, then again), the
+straggler's sleep fixed by the first baseline; the report gives each repetition and the medians, since on a shared
+machine a baseline moves between runs by more than a straggler costs (docs/results/scale.md). A column that compute
+noise moves less: the others' extra seconds in outer steps beside the straggler, over those of the N − 1 alone.
+
+Usage: ``python -m benchmarks.straggler [--peers 8] [--factor 4] [--steps 200] [--every 10] [--reps 1] [--out DIR]
 [-- KEY=VALUE ...]`` (the keys: ``train.py`` overrides for the restart's peers, such as a 125M-sized model); writes
 ``DIR/straggler.md`` and ``DIR/straggler.json`` (default ``runs/benchmarks/straggler/``; ``--name`` renames them);
 the peers' run folders go under ``runs/benchmarks/straggler/``. Needs about
@@ -140,6 +145,51 @@ def _new_lines(log: Path, offset: int, seconds: float, timeline: list) -> int:
     return offset + done
 
 
+def _straggler_row(folder: Path, args, mode: str, sleep: float | None) -> dict:
+    """One repetition for ``mode``: N equal peers, the same with one straggler, the N − 1 others alone (in that
+    order); the straggler sleeps ``sleep`` s a step (None: ``factor − 1`` times this baseline's compute step)."""
+    base = swarm_run(folder / "base", args.peers, args.steps, args.every, mode)
+    step = statistics.median(r["compute_step_seconds"] for r in base.values())
+    sleep = (args.factor - 1) * step if sleep is None else sleep
+    slow = swarm_run(folder / "slow", args.peers, args.steps, args.every, mode, sleep)
+    # the others without it: N - 1 equal peers (an odd swarm draws a group of three, which costs the others too)
+    without = swarm_run(folder / "without", args.peers - 1, args.steps, args.every, mode)
+    others = [n for n in slow if n != "slow"]
+    row = {"deadlines": mode, "compute_step_seconds": step, "sleep_per_step": sleep,
+           "base_tokens_per_second": _median(base, "tokens_per_second", base),
+           "without_tokens_per_second": _median(without, "tokens_per_second", without),
+           "others_tokens_per_second": _median(slow, "tokens_per_second", others),
+           "base_rounds_joined": _median(base, "rounds_joined", base),
+           "without_rounds_joined": _median(without, "rounds_joined", without),
+           "others_rounds_joined": _median(slow, "rounds_joined", others),
+           "straggler_rounds_joined": slow["slow"]["rounds_joined"], "rounds": slow[others[0]]["rounds"],
+           "straggler_tokens_per_second": slow["slow"]["tokens_per_second"],
+           # what the straggler costs the others whatever their compute does: their seconds in outer steps beside
+           # it, over those of the N - 1 alone, as a share of their training loop beside it
+           "others_outer_seconds": _median(slow, "outer_seconds", others),
+           "without_outer_seconds": _median(without, "outer_seconds", without),
+           "others_loop_seconds": _median(slow, "loop_seconds", others),
+           "base": base, "slow": slow, "without": without}  # fmt: skip
+    row["ratio"] = row["others_tokens_per_second"] / row["base_tokens_per_second"]
+    row["ratio_without"] = row["others_tokens_per_second"] / row["without_tokens_per_second"]
+    row["outer_cost"] = (row["others_outer_seconds"] - row["without_outer_seconds"]) / row["others_loop_seconds"]
+    return row
+
+
+def _spread(rows: list[dict], key: str) -> str:
+    """Median (min–max) of ``key`` over the rows that have it (reports before it was kept lack some)."""
+    values = [r[key] for r in rows if key in r] or [float("nan")]
+    return f"{statistics.median(values):.3f} ({min(values):.3f}–{max(values):.3f})"
+
+
+def _outer_cost(row: dict) -> str:
+    """The others' extra seconds in outer steps beside the straggler (over the N − 1 alone) and their share of the
+    loop; reports before it was kept show a dash."""
+    if "outer_cost" not in row:
+        return "–"
+    return f"{row['others_outer_seconds'] - row['without_outer_seconds']:+.1f} s ({100 * row['outer_cost']:+.1f}%)"
+
+
 def _without_joined(row: dict) -> str:
     """The N − 1 peers' rounds joined (median) of a report row; reports before it was kept show a dash."""
     joined = row.get("without_rounds_joined")
@@ -164,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["adaptive", "fixed"],
         help="matchmaking modes to compare (adaptive fixed); none: the restart only",
     )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="repetitions of the three runs (N equal, with the straggler, N - 1 alone), interleaved "
+        "in that order; the report gives each and the medians (1)",
+    )
     parser.add_argument("--no-restart", action="store_true", help="skip the kill-and-restart measurement")
     common.add_out(parser, "straggler")
     parser.add_argument("--name", default="straggler", help="report file names (straggler)")
@@ -171,32 +228,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="train.py keys for the restart's peers, after '--' (a 125M-sized peer on the GPU: "
                              "-- model.preset=125m data.vocab_size=32000 device=cuda)")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.peers < 3 or args.factor <= 1 or args.steps < 3 * args.every or args.every < 1:
-        parser.error("need --peers >= 3, --factor > 1, --every >= 1 and --steps >= 3 x --every")
+    if args.peers < 3 or args.factor <= 1 or args.steps < 3 * args.every or args.every < 1 or args.reps < 1:
+        parser.error("need --peers >= 3, --factor > 1, --every >= 1, --steps >= 3 x --every and --reps >= 1")
     # the peers' run folders (checkpoints, logs) stay under runs/, whatever --out is
     work = Path(tempfile.mkdtemp(prefix="straggler-", dir=common.out_dir(common.RUNS / "straggler")))
     rows = []
     for mode in args.deadlines:
-        base = swarm_run(work / f"{mode}-base", args.peers, args.steps, args.every, mode)
-        step = statistics.median(r["compute_step_seconds"] for r in base.values())
-        slow = swarm_run(work / f"{mode}-slow", args.peers, args.steps, args.every, mode, (args.factor - 1) * step)
-        # the others without it: N - 1 equal peers (an odd swarm draws a group of three, which costs the others too)
-        without = swarm_run(work / f"{mode}-without", args.peers - 1, args.steps, args.every, mode)
-        others = [n for n in slow if n != "slow"]
-        row = {"deadlines": mode, "compute_step_seconds": step, "sleep_per_step": (args.factor - 1) * step,
-               "base_tokens_per_second": _median(base, "tokens_per_second", base),
-               "without_tokens_per_second": _median(without, "tokens_per_second", without),
-               "others_tokens_per_second": _median(slow, "tokens_per_second", others),
-               "base_rounds_joined": _median(base, "rounds_joined", base),
-               "without_rounds_joined": _median(without, "rounds_joined", without),
-               "others_rounds_joined": _median(slow, "rounds_joined", others),
-               "straggler_rounds_joined": slow["slow"]["rounds_joined"], "rounds": slow[others[0]]["rounds"],
-               "straggler_tokens_per_second": slow["slow"]["tokens_per_second"],
-               "base": base, "slow": slow, "without": without}  # fmt: skip
-        row["ratio"] = row["others_tokens_per_second"] / row["base_tokens_per_second"]
-        row["ratio_without"] = row["others_tokens_per_second"] / row["without_tokens_per_second"]
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("base", "slow", "without")}), flush=True)
+        sleep = None  # the straggler's sleep per step, set by the first repetition's baseline and kept
+        for rep in range(args.reps):
+            row = _straggler_row(work / (mode if args.reps == 1 else f"{mode}-{rep}"), args, mode, sleep)
+            sleep = row["sleep_per_step"]
+            rows.append({**row, "rep": rep})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("base", "slow", "without")}), flush=True)
     restart = None if args.no_restart else restart_run(work / "restart", args.peers, 3 * args.steps, args.every,
                                                        overrides=tuple(args.overrides))  # fmt: skip
     print(json.dumps({"restart": restart}), flush=True)
@@ -220,17 +263,25 @@ def _report(args, rows: list[dict], restart: dict | None, command: str, machine:
         f"{args.factor - 1:g}× the baseline's compute step). Tokens/s: per peer over its training loop (start-up "
         "and the wait for peers left out), median over the peers.",
         "",
-        "| deadlines | compute s/step | tokens/s, N equal peers | tokens/s, the N − 1 others alone | tokens/s of the "
-        "others, with it | ratio to N equal | ratio to the others alone | rounds joined (others, median) | rounds "
-        "joined, N equal | rounds joined, the N − 1 alone | straggler's rounds joined |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| deadlines | rep | compute s/step | tokens/s, N equal peers | tokens/s, the N − 1 others alone | tokens/s "
+        "of the others, with it | ratio to N equal | ratio to the others alone | others' outer steps beside it, over "
+        "the N − 1 alone (share of their loop) | rounds joined (others, median) | rounds joined, N equal | rounds "
+        "joined, the N − 1 alone | straggler's rounds joined |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['deadlines']} | {r['compute_step_seconds']:.4f} | {r['base_tokens_per_second']:,.0f} | "
-                     f"{r['without_tokens_per_second']:,.0f} | {r['others_tokens_per_second']:,.0f} | "
-                     f"{r['ratio']:.3f} | {r['ratio_without']:.3f} | {r['others_rounds_joined']:g}/"
-                     f"{r['rounds']} | {r['base_rounds_joined']:g}/{r['rounds']} | {_without_joined(r)} | "
+        lines.append(f"| {r['deadlines']} | {r.get('rep', 0)} | {r['compute_step_seconds']:.4f} | "
+                     f"{r['base_tokens_per_second']:,.0f} | {r['without_tokens_per_second']:,.0f} | "
+                     f"{r['others_tokens_per_second']:,.0f} | {r['ratio']:.3f} | {r['ratio_without']:.3f} | "
+                     f"{_outer_cost(r)} | {r['others_rounds_joined']:g}/{r['rounds']} | "
+                     f"{r['base_rounds_joined']:g}/{r['rounds']} | {_without_joined(r)} | "
                      f"{r['straggler_rounds_joined']}/{r['rounds']} |")  # fmt: skip
+    for mode in dict.fromkeys(r["deadlines"] for r in rows):
+        mine = [r for r in rows if r["deadlines"] == mode]
+        if len(mine) > 1:
+            lines += ["", f"{mode}, median (range) over {len(mine)} repetitions: ratio to N equal "
+                          f"{_spread(mine, 'ratio')}, to the N − 1 others alone {_spread(mine, 'ratio_without')}, the "
+                          f"others' extra outer-step time {_spread(mine, 'outer_cost')} of their loop."]  # fmt: skip
     if restart is not None:
         fmt = lambda v: "–" if v is None else f"{v:.2f}"
         model = f" ({' '.join(args.overrides)})" if args.overrides else ""
