@@ -956,19 +956,18 @@ class SwarmMatchmaking(GroupSource):
             in_window = self._drop_penalized([e for e in entries if start <= e.time <= end], round_index, also)
             present = {e.peer for e in in_window}
             now = get_dht_time()
-            wanted = {p for p in expected if not self.penalized(p, round_index)
-                      and (not self.adaptive or self.pace.waited_for(p))}  # fmt: skip
+            eligible = {p for p in expected if not self.penalized(p, round_index)}
+            wanted = {p for p in eligible if not self.adaptive or self.pace.waited_for(p)}
             alone = len(in_window) == 1
             if self.adaptive:
-                if alone and formed_without([(e.peer, e.time) for e in entries], cut, start,
-                                            {p for p in expected if not self.penalized(p, round_index)}):  # fmt: skip
+                announced = [(e.peer, e.time) for e in entries]
+                if alone and formed_without(announced, cut, start, eligible):
                     raise _Late(f"round {round_index} formed without this peer (every peer expected drew before)")
                 # a lone peer is waited for if expected (listed, in step) and at most one miss behind: one that
                 # announces alone and never comes (a key holder delaying every round) is absent from the window,
                 # so _note_window counts a miss each round, and from its second it is no longer waited for
-                lone = waiting_alone([(e.peer, e.time) for e in entries], cut, start, now, self.slack + 2 * self.poll)
-                wanted |= {p for p in lone & expected if p not in also and not self.penalized(p, round_index)
-                           and self.pace.level(p) <= 1}  # fmt: skip
+                lone = waiting_alone(announced, cut, start, now, self.slack + 2 * self.poll)
+                wanted |= {p for p in lone & eligible if p not in also and self.pace.level(p) <= 1}
             everyone = bool(wanted) and wanted <= present
             # alone, and a later window has opened: re-announce into it now rather than a slack later (its peers,
             # above, wait for a peer whose lone window just closed; the slack is for announcements of the closed
