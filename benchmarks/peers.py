@@ -36,6 +36,27 @@ def slow_steps(steps: int, seconds: float, start: int = 1) -> str:
     return ",".join(f"inner.step@{s}=sleep:{seconds:.4f}" for s in range(start, steps + 1))
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of process ``pid`` (Linux ``/proc``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if stat[stat.rfind(")") + 2 :].split()[1] == str(pid):  # after "pid (comm) ": state, ppid, ...
+                out.append(int(entry))
+    return out
+
+
+def _leads_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
 class PeerSwarm:
     """Peers of one run (``run.name=swarm``) under ``folder``; ``close`` kills every process group started."""
 
@@ -115,11 +136,12 @@ class PeerSwarm:
         proc.wait(30)
 
     def close(self) -> None:
-        for proc in self.started:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for proc in self.started:  # a supervised peer's run (run.restarts) leads a process group of its own
+            for pid in [c for c in children(proc.pid) if _leads_group(c)] + [proc.pid]:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for proc in self.started:
             try:
                 proc.wait(10)

@@ -14,6 +14,9 @@ matchmaking mode of ``--deadlines`` (``adaptive``: per-round deadlines from rece
    SIGKILLed (its process group: peer, DHT process, p2pd) after its second round and restarted at once from its
    own checkpoint (``resume=``). Reported: seconds from the restart to its first outer round joined with the
    swarm, and to its first inner step.
+4. **supervised restart** (``--supervised-restart``): the same with the killed peer run with ``run.restarts=1``: the
+   kill hits its run's process group (the run, its DHT process, p2pd), its supervisor forks the run again from its
+   checkpoint with the imports done, and the seconds count from the kill.
 
 ``--reps R`` repeats steps 1 and 2 R times, interleaved (N equal, straggler, N − 1 alone, then again), the
 straggler's sleep fixed by the first baseline; the report gives each repetition and the medians, since on a shared
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -45,18 +49,20 @@ if not __package__:  # `python benchmarks/straggler.py`: rerun as `python -m ben
     os.execv(sys.executable, [sys.executable, "-m", "benchmarks.straggler", *sys.argv[1:]])
 
 from benchmarks import common
-from benchmarks.peers import TINY, PeerSwarm, joined_seconds, slow_steps, tokens_per_second
+from benchmarks.peers import TINY, PeerSwarm, children, joined_seconds, slow_steps, tokens_per_second
 
 TOKENS_PER_STEP = 4 * 32  # data.batch_size × data.seq_len of benchmarks.peers.TINY
 
 
-def _start(swarm: PeerSwarm, names: list[str], common_args: list[str], env: dict[str, dict]) -> None:
-    """Start ``names`` (the first one bootstraps the others), all waiting for each other before training."""
-    wait = [f"peer.wait_for_peers={len(names) - 1}"]
-    swarm.peer(names[0], *common_args, *wait, "peer.worker=0", env=env.get(names[0]))
+def _start(swarm: PeerSwarm, names: list[str], common_args: list[str], env: dict[str, dict],
+           extra: dict[str, list[str]] | None = None) -> None:  # fmt: skip
+    """Start ``names`` (the first one bootstraps the others), all waiting for each other before training;
+    ``extra``: more ``train.py`` keys for some of them."""
+    wait, extra = [f"peer.wait_for_peers={len(names) - 1}"], extra or {}
+    swarm.peer(names[0], *common_args, *wait, "peer.worker=0", *extra.get(names[0], []), env=env.get(names[0]))
     join = f'peer.initial_peers=["{swarm.maddr(names[0])}"]'
     for rank, name in enumerate(names[1:], start=1):
-        swarm.peer(name, *common_args, *wait, join, f"peer.worker={rank}", env=env.get(name))
+        swarm.peer(name, *common_args, *wait, join, f"peer.worker={rank}", *extra.get(name, []), env=env.get(name))
 
 
 def swarm_run(folder: Path, peers: int, steps: int, every: int, deadlines: str, slow_seconds: float = 0.0,
@@ -87,10 +93,14 @@ def swarm_run(folder: Path, peers: int, steps: int, every: int, deadlines: str, 
 
 
 def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float = 1800,
-                overrides: tuple[str, ...] = ()) -> dict:  # fmt: skip
+                overrides: tuple[str, ...] = (), supervised: bool = False) -> dict:  # fmt: skip
     """Kill one of ``peers`` after its second round, restart it from its checkpoint; seconds to rejoin.
 
-    ``overrides``: ``train.py`` keys for every peer after the tiny model's (a larger model, the GPU)."""
+    ``overrides``: ``train.py`` keys for every peer after the tiny model's (a larger model, the GPU).
+    ``supervised``: the killed peer runs with ``run.restarts=1``; the kill hits its run's process group (the run,
+    its DHT process, p2pd), its supervisor forks the run again, and the seconds count from the kill. Otherwise
+    the whole peer is killed and a new ``train.py resume=...`` started at once; the seconds count from its
+    start."""
     names = [f"p{i}" for i in range(peers)]
     # log.flush_every=1: the first step after the restart is read from metrics.jsonl, which a CUDA worker writes
     # every 10 steps by default (the restart's first step then read as its tenth)
@@ -98,18 +108,24 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
             "peer.deadlines=adaptive", "log.flush_every=1", *overrides]  # fmt: skip
     victim = names[-1]
     with PeerSwarm(folder, args) as swarm:
-        _start(swarm, names, args, {})
+        _start(swarm, names, args, {}, {victim: ["run.restarts=1"]} if supervised else {})
         rounds = lambda: [m for m in swarm.metrics(victim) if "outer_round" in m and "outer_skipped" not in m]
         swarm.wait(lambda: len(rounds()) >= 2, timeout, f"{victim} did not join two rounds")
-        swarm.kill(victim)
+        if supervised:  # its run: the supervisor's child that leads a process group
+            (run,) = [c for c in children(swarm.procs[victim].pid) if os.getpgid(c) == c]
+            os.killpg(run, signal.SIGKILL)
+            started = time.monotonic()
+        else:
+            swarm.kill(victim)
         latest = swarm.peer_dir(victim) / "checkpoints" / "latest"
         resumed_at = int(latest.resolve().name.split("_")[-1])
         # the killed run's lines past the checkpoint stay until the resumed peer rewrites the file: only new ones count
         before = {json.dumps(m, sort_keys=True) for m in swarm.metrics(victim)}
         log = folder / f"{victim}.log"
         log_from, timeline = log.stat().st_size, []  # (seconds after the restart, a new line of its log)
-        started = time.monotonic()
-        swarm.peer(victim, *args, f"resume={latest}", f'peer.initial_peers=["{swarm.maddr(names[0])}"]')
+        if not supervised:
+            started = time.monotonic()
+            swarm.peer(victim, *args, f"resume={latest}", f'peer.initial_peers=["{swarm.maddr(names[0])}"]')
         first_step = first_round = None
         rounds_seen: list[tuple[float, int, int, str]] = []  # (s after the restart, step, its own round, outcome)
         while first_round is None and time.monotonic() - started < timeout:
@@ -129,7 +145,7 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
                 break
             time.sleep(0.05)
         # measured: the others' remaining steps are not waited for (the swarm is killed on leaving the block)
-        return {"resumed_at_step": resumed_at, "seconds_to_first_step": first_step,
+        return {"supervised": supervised, "resumed_at_step": resumed_at, "seconds_to_first_step": first_step,
                 "seconds_to_first_round": first_round, "rounds": rounds_seen, "log_timeline": timeline}  # fmt: skip
 
 
@@ -222,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         "in that order; the report gives each and the medians (1)",
     )
     parser.add_argument("--no-restart", action="store_true", help="skip the kill-and-restart measurement")
+    parser.add_argument("--supervised-restart", action="store_true",
+                        help="also measure the restart of a peer run with run.restarts=1 (its supervisor forks the "
+                             "killed run again, imports kept), after the plain one")  # fmt: skip
     common.add_out(parser, "straggler")
     parser.add_argument("--name", default="straggler", help="report file names (straggler)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -243,15 +262,23 @@ def main(argv: list[str] | None = None) -> int:
     restart = None if args.no_restart else restart_run(work / "restart", args.peers, 3 * args.steps, args.every,
                                                        overrides=tuple(args.overrides))  # fmt: skip
     print(json.dumps({"restart": restart}), flush=True)
+    supervised = None
+    if args.supervised_restart:
+        supervised = restart_run(work / "restart-supervised", args.peers, 3 * args.steps, args.every,
+                                 overrides=tuple(args.overrides), supervised=True)  # fmt: skip
+        print(json.dumps({"supervised_restart": supervised}), flush=True)
     command, machine = common.command("straggler", argv), common.machine()
-    lines = _report(args, rows, restart, command, machine)
-    data = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "restart": restart, "work": str(work)}
+    lines = _report(args, rows, restart, command, machine, supervised)
+    data = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "restart": restart,
+            "supervised_restart": supervised, "work": str(work)}  # fmt: skip
     common.write_report(args.out, args.name, lines, data, command=command, machine=machine)
     print("\n".join(lines))
     return 0
 
 
-def _report(args, rows: list[dict], restart: dict | None, command: str, machine: str) -> list[str]:
+def _report(
+    args, rows: list[dict], restart: dict | None, command: str, machine: str, supervised: dict | None = None
+) -> list[str]:
     lines = [
         "# Stragglers: the other peers' throughput beside one slow peer, and a killed peer's rejoin",
         "",
@@ -269,6 +296,8 @@ def _report(args, rows: list[dict], restart: dict | None, command: str, machine:
         "joined, the N − 1 alone | straggler's rounds joined |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if not rows:  # the restarts only (--deadlines with no mode)
+        lines = lines[:5] + ["The straggler runs were not asked for (`--deadlines` with no mode): the restarts only."]
     for r in rows:
         lines.append(f"| {r['deadlines']} | {r.get('rep', 0)} | {r['compute_step_seconds']:.4f} | "
                      f"{r['base_tokens_per_second']:,.0f} | {r['without_tokens_per_second']:,.0f} | "
@@ -282,22 +311,38 @@ def _report(args, rows: list[dict], restart: dict | None, command: str, machine:
             lines += ["", f"{mode}, median (range) over {len(mine)} repetitions: ratio to N equal "
                           f"{_spread(mine, 'ratio')}, to the N − 1 others alone {_spread(mine, 'ratio_without')}, the "
                           f"others' extra outer-step time {_spread(mine, 'outer_cost')} of their loop."]  # fmt: skip
-    if restart is not None:
-        fmt = lambda v: "–" if v is None else f"{v:.2f}"
-        model = f" ({' '.join(args.overrides)})" if args.overrides else ""
-        lines += ["", "## Restart to first round", "",
-                  f"One of {args.peers} peers{model} SIGKILLed after its second round and restarted from its own "
-                  f"checkpoint (step {restart['resumed_at_step']}): {fmt(restart['seconds_to_first_step'])} s to its "
-                  f"first inner step, {fmt(restart['seconds_to_first_round'])} s to its first outer round joined with "
-                  "the swarm (process start, torch and hivemind imports, DHT and p2pd start, checkpoint load "
-                  "included)."]  # fmt: skip
-        if restart.get("rounds"):
-            lines += ["", "Its rounds after the restart, from its metrics (s after the restart when first seen):",
-                      "", "| s | step | its round | outcome |", "|---|---|---|---|"]  # fmt: skip
-            lines += [f"| {t:.2f} | {step} | {r} | {outcome} |" for t, step, r, outcome in restart["rounds"]]
-        if restart.get("log_timeline"):
-            lines += ["", "The restarted peer's log, each line's first sight (s after the restart):", "", "```"]
-            lines += [f"{t:7.2f}  {line}" for t, line in restart["log_timeline"][:40]] + ["```"]
+    for one in (restart, supervised):
+        if one is not None:
+            lines += _restart_lines(args, one)
+    return lines
+
+
+def _restart_lines(args, restart: dict) -> list[str]:
+    """The report's section on one restart (plain, or by the peer's own supervisor)."""
+    fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+    model = f" ({' '.join(args.overrides)})" if args.overrides else ""
+    if restart.get("supervised"):
+        lines = ["", "## Restart by the peer's supervisor (run.restarts=1) to first round", "",
+                 f"One of {args.peers} peers{model}, run with `run.restarts=1`: its run (the forked process, its DHT "
+                 f"process, p2pd) SIGKILLed after its second round; the supervisor forked it again from its "
+                 f"checkpoint (step {restart['resumed_at_step']}), the imports kept: "
+                 f"{fmt(restart['seconds_to_first_step'])} s from the kill to its first inner step, "
+                 f"{fmt(restart['seconds_to_first_round'])} s to its first outer round joined with the "
+                 "swarm."]  # fmt: skip
+    else:
+        lines = ["", "## Restart to first round", "",
+                 f"One of {args.peers} peers{model} SIGKILLed after its second round and restarted from its own "
+                 f"checkpoint (step {restart['resumed_at_step']}): {fmt(restart['seconds_to_first_step'])} s to its "
+                 f"first inner step, {fmt(restart['seconds_to_first_round'])} s to its first outer round joined with "
+                 "the swarm (process start, torch and hivemind imports, DHT and p2pd start, checkpoint load "
+                 "included)."]  # fmt: skip
+    if restart.get("rounds"):
+        lines += ["", "Its rounds after the restart, from its metrics (s after the restart when first seen):",
+                  "", "| s | step | its round | outcome |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {t:.2f} | {step} | {r} | {outcome} |" for t, step, r, outcome in restart["rounds"]]
+    if restart.get("log_timeline"):
+        lines += ["", "The restarted peer's log, each line's first sight (s after the restart):", "", "```"]
+        lines += [f"{t:7.2f}  {line}" for t, line in restart["log_timeline"][:40]] + ["```"]
     return lines
 
 

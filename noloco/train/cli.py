@@ -15,6 +15,10 @@ one); 3 stalled (no worker finished a step within ``run.stall_timeout`` seconds:
 one step and saves it, and the last line says how to resume; a second Ctrl-C quits at once, keeping the last
 complete checkpoint). Resuming a run's last checkpoint when its ``summary.json`` is missing (a kill between the
 two) writes the summary.
+
+``run.restarts=N``: this process supervises the run in a forked child and forks it again from its last checkpoint
+when it dies with another status (a crash, a kill, a stall), at most N times (:mod:`noloco.train.supervise`); its
+exit status is the last run's (128 + the signal for a killed one).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from omegaconf import OmegaConf
 
 from noloco.data.documents import DataError
 from noloco.models.hf import ModelError
-from noloco.train import backends, checkpoint
+from noloco.train import backends, checkpoint, supervise
 from noloco.train.config import ConfigError, commented_yaml, load_config
 from noloco.train.interrupt import INTERRUPT, Interrupted
 
@@ -42,11 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (omegaconf dotlist)")
     args = parser.parse_args(argv)
 
+    return _run(args, [], supervised=False)
+
+
+def _run(args: argparse.Namespace, extra: list[str], supervised: bool) -> int:
+    """The run ``args`` describe, ``extra`` overrides last (a supervisor's ``resume=``); its exit status.
+    ``supervised``: this is the forked run of a supervisor (``run.restarts``), not one to supervise."""
+    overrides = [o for o in args.overrides if not (extra and o.startswith("resume="))] + extra
     interrupt = INTERRUPT
     interrupt.reset()
     previous = signal.getsignal(signal.SIGINT)
     try:
-        cfg = load_config(args.overrides, args.config)
+        cfg = load_config(overrides, args.config)
         resume_from, run_dir, resume_step = None, None, 0
         if cfg.resume:
             resume_from, run_dir, resume_step = checkpoint.resolve(cfg.resume)
@@ -58,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - yaml errors of every kind
                 raise checkpoint.CheckpointError(f"{saved}: cannot parse: {str(exc).splitlines()[0]}") from None
             # The checkpoint's own config, with this command line's overrides on top.
-            others = [o for o in args.overrides if not o.startswith("resume=")]
+            others = [o for o in overrides if not o.startswith("resume=")]
             cfg = load_config(others, [str(saved), *args.config])
             cfg.resume = str(resume_from)
             if resume_step == cfg.steps and not (run_dir / "summary.json").exists():  # killed before its summary
@@ -71,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:  # the resolved values, each with its comment from defaults.yaml
             print(commented_yaml(cfg), end="")
             return 0
+        if cfg.run.restarts and not supervised:  # this process supervises; the run is its forked child
+            run = lambda more: _run(args, more, supervised=True)  # noqa: E731
+            spec = backends.spec(cfg)
+            return supervise.supervise(run, int(cfg.run.restarts), (spec.module, *spec.late_imports))
         interrupt.install(signal.SIGINT)
         # the backend places the workers; the run's lifecycle (noloco.train.run.Run) checks a resume, all or
         # nothing, before config.yaml or metrics change

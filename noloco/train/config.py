@@ -237,6 +237,9 @@ def validate(cfg: DictConfig) -> None:
     stall = cfg.run.stall_timeout
     _require(isinstance(stall, (int, float)) and not isinstance(stall, bool) and 0 <= stall < math.inf,
              f"run.stall_timeout must be a number of seconds >= 0 (0: off), got {stall!r}")  # fmt: skip
+    restarts = cfg.run.restarts
+    _require(isinstance(restarts, int) and not isinstance(restarts, bool) and restarts >= 0,
+             f"run.restarts must be an integer >= 0 (0: off), got {restarts!r}")  # fmt: skip
     _owner_check(check_peer_settings, cfg.peer)
 
 

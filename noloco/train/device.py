@@ -81,11 +81,14 @@ def check_device(name: str) -> None:
         return
     if name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
         raise DeviceError(f"device={name!r} is not one of auto, cpu, cuda, cuda:N")
-    if not torch.cuda.is_available():
-        raise DeviceError(f"device={name} but no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+    # device_count asks NVML where it can, which leaves CUDA uninitialized: a supervisor (run.restarts) checks the
+    # config before it forks the run, and a process that has initialized CUDA cannot use it in a forked child
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise DeviceError(f"device={name} but no CUDA GPU is visible here (torch.cuda.device_count() is 0); "
                           "use device=cpu or device=auto")  # fmt: skip
-    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
-        raise DeviceError(f"device={name} but this machine has {torch.cuda.device_count()} visible GPU(s)")
+    if name.startswith("cuda:") and int(name[5:]) >= count:
+        raise DeviceError(f"device={name} but this machine has {count} visible GPU(s)")
 
 
 def usable_cores() -> int:

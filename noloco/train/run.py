@@ -40,6 +40,7 @@ from noloco.train.loop import RunContext, WorkerResult, build_inner_optimizer, b
 from noloco.train.metrics import MetricsLogger, wandb_options
 from noloco.train.plots import plot_runs
 from noloco.train.state import WorkerState
+from noloco.train.supervise import report_folder
 
 
 class Progress:
@@ -299,6 +300,7 @@ class Run:
         cfg, corpus = self.cfg, self.corpus
         self.folder = Path(folder or self.folder or new_run_folder(cfg))
         self.folder.mkdir(parents=True, exist_ok=True)
+        report_folder(self.folder)  # a supervisor (run.restarts) resumes a dead run from this folder's checkpoints
         if getattr(corpus, "tokenizer_path", None) and Path(corpus.tokenizer_path).is_file():
             shutil.copyfile(corpus.tokenizer_path, self.folder / "tokenizer.json")  # export and sample read it here
         torch.set_num_threads(threads or cfg.threads or max(1, usable_cores() // workers_here))

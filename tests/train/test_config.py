@@ -114,7 +114,7 @@ def test_a_gpu_asked_for_without_one_fails_at_start_up_with_one_line():
                           cwd=ROOT, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: device=cuda but no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+        "error: device=cuda but no CUDA GPU is visible here (torch.cuda.device_count() is 0); "
         "use device=cpu or device=auto"
     ]
 

@@ -25,20 +25,22 @@ class BackendSpec:
     ``module``: the module holding its ``launch``. ``workers_share_a_process``: all the run's workers are
     threads of one process (their models share its memory and cores). ``fixed_world``: the run's workers are
     ``workers`` ranks known from the start (an open swarm's are whoever is live). ``processes_per_worker``: a
-    worker may be several processes (``inner.processes``).
+    worker may be several processes (``inner.processes``). ``late_imports``: what its module imports only once a
+    run starts (a supervisor, ``run.restarts``, imports them before it forks the run).
     """
 
     module: str
     workers_share_a_process: bool = False
     fixed_world: bool = True
     processes_per_worker: bool = False
+    late_imports: tuple[str, ...] = ()
 
 
 #: backend name → its spec (the one line a new backend adds)
 BACKENDS: dict[str, BackendSpec] = {
     "local": BackendSpec("noloco.train.backends.local", workers_share_a_process=True),
     "torch": BackendSpec("noloco.train.backends.distributed", processes_per_worker=True),
-    "hivemind": BackendSpec("noloco.train.backends.hivemind", fixed_world=False),
+    "hivemind": BackendSpec("noloco.train.backends.hivemind", fixed_world=False, late_imports=("hivemind",)),
 }
 
 

@@ -71,6 +71,8 @@ def launch(
 ) -> dict | None:
     """Run ``cfg`` with ``backend=torch``; returns the summary on rank 0 (and in the launching process)."""
     if _under_launcher():
+        if cfg.run.restarts:
+            raise ConfigError("run.restarts: under torchrun, let torchrun restart the ranks (--max-restarts)")
         return run_rank(
             OmegaConf.to_yaml(cfg),
             str(run_dir) if run_dir else None,
