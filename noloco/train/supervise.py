@@ -55,11 +55,9 @@ def warm_imports(modules: tuple[str, ...]) -> float:
     """Import ``modules`` (a backend's module and what it imports late), the worker loop, TensorBoard's writer and
     torch's compiler stack; seconds taken. Nothing here touches CUDA, so the process may fork afterwards."""
     started = time.perf_counter()
-    for module in (*modules, "noloco.train.loop"):
-        importlib.import_module(module)
-    for optional in ("torch.utils.tensorboard", "torch._dynamo"):  # the run imports them itself if it can
-        with contextlib.suppress(Exception):
-            importlib.import_module(optional)
+    for module in (*modules, "noloco.train.loop", "torch.utils.tensorboard", "torch._dynamo"):
+        with contextlib.suppress(ImportError):  # a missing extra: the run reports it itself, with its own error line
+            importlib.import_module(module)
     return time.perf_counter() - started
 
 
