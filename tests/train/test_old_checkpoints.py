@@ -3,7 +3,8 @@ them did: the fixtures under ``tests/fixtures/checkpoints/`` (format ``noloco-ch
 ``tests/fixtures/checkpoints/make.py``; how, in the README beside it) are resumed here, and every step after
 the checkpoint must give the loss, held-out loss and byte count the uninterrupted run gave then (the overlapped
 run's bytes at its last step only, where every exchange has landed; recorded
-below, to the last digit, on a 2-core x86-64 CPU box with torch 2.13 CPU and ``threads=1``)."""
+below, to the last digit, on a 2-core x86-64 CPU box with torch 2.13 CPU and ``threads=1``; compared to float32's
+last bits, :data:`CPU_REL`, since another CPU's vector units round differently)."""
 
 import json
 import shutil
@@ -15,6 +16,11 @@ from noloco.train.cli import main
 from noloco.train.metrics import read_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints"
+
+#: how far a loss may be from the recorded one: the same run on another x86-64 CPU (an AMD EPYC against the
+#: recording machine's) differs in float32's last bits (2e-7 relative at most, seen), while a state that resumed
+#: wrong (a residual, a momentum or φ₀ not restored) moves the next losses by orders of magnitude more
+CPU_REL = 1e-5
 
 #: (worker, step) -> (loss, eval_loss, bytes_sent) of the uninterrupted runs, after the fixture's checkpoint step
 #: (printed by tests/fixtures/checkpoints/make.py when the fixtures were written)
@@ -71,9 +77,14 @@ def test_a_format_2_checkpoint_resumes_on_the_uninterrupted_trajectory(name, dat
     expected = EXPECTED[name]
     if name == "overlap":  # bytes counted while an exchange is on its thread depend on timing: compare where all landed
         resumed, expected = ({k: v if k[1] == 12 else v[:2] for k, v in d.items()} for d in (resumed, expected))
-    assert resumed == expected
+    assert resumed.keys() == expected.keys()
+    for key, values in expected.items():  # bytes and missing values exactly; losses to float32's last bits
+        assert len(resumed[key]) == len(values), key
+        for got, want in zip(resumed[key], values):
+            assert got == (pytest.approx(want, rel=CPU_REL) if isinstance(want, float) else want), key
     assert len([r for r in records if r["step"] <= step]) == len(
         [line for line in (FIXTURES / name / "metrics.jsonl").read_text().splitlines() if line]
     )  # the lines before the checkpoint are the fixture's, once
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["final_eval_loss_per_worker"] == [EXPECTED[name][(w, 12)][1] for w in (0, 1)]
+    assert summary["final_eval_loss_per_worker"] == pytest.approx([EXPECTED[name][(w, 12)][1] for w in (0, 1)],
+                                                                  rel=CPU_REL)  # fmt: skip
