@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.peers import children
 from noloco.train import checkpoint
 from noloco.train.metrics import read_metrics
 
@@ -27,20 +28,6 @@ STEPS = 40
 def _args(tiny_overrides, *extra: str) -> list[str]:
     return [*tiny_overrides, "workers=2", "threads=1", f"steps={STEPS}", "outer.every=5", "checkpoint.every=5",
             "eval.every=20", "log.tensorboard=false", "log.plot=false", *extra]  # fmt: skip
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if stat[stat.rfind(")") + 2 :].split()[1] == str(pid):
-                out.append(int(entry))
-    return out
 
 
 def _wait(condition, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -79,7 +66,7 @@ def test_a_killed_run_is_restarted_from_its_last_checkpoint_and_ends_as_an_unint
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         _wait(lambda: _saved_step(run_dir) >= 10, proc)
-        (child,) = _children(proc.pid)
+        (child,) = children(proc.pid)
         assert os.getpgid(child) == child  # a group of its own: a kill of it leaves the supervisor
         os.killpg(child, signal.SIGKILL)
         out, err = proc.communicate(timeout=300)
