@@ -323,6 +323,11 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
     if ctx.resume_from is None:  # the curve starts at the initial loss (a late joiner's: the live weights)
         worker.history.append((worker.start, worker.evaluate()))
         log.first(worker.history[-1][1])
+    elif worker.device.type == "cuda":
+        # A new run's first GPU work is the eval above; a resumed one does it too, discarding the number. Several
+        # workers' streams starting cold at once let cuBLAS pick other workspaces for one worker's first matmuls:
+        # its first training step then differed in the last bits from the uninterrupted run's (docs/design.md §8).
+        worker.evaluate()
     step = worker.start
     every = getattr(algo, "period", 0)
     for step in range(worker.start + 1, cfg.steps + 1):
