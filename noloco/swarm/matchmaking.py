@@ -127,6 +127,7 @@ class Announcement:
     time: float
     name: str
     width: float | None = None  # seconds of the window this announcement opens (None: the reader's peer.window)
+    gap: float | None = None  # the window this announcement opens ends a gap this long after its announcements stop
 
 
 #: Widest window an announcement may ask for (seconds); a record asking for more is refused (``invalid_record``).
@@ -147,6 +148,23 @@ def cut_windows(entries: list[tuple[float, float]]) -> list[tuple[float, float]]
         if not out or t > out[-1][1]:
             out.append((t, t + width))
     return out
+
+
+def chain_end(times: list[float], gap: float) -> float:
+    """Where a window's chain of announcements ends: ``t + gap`` for the first announcement ``t`` from the second
+    on that no other follows within ``gap`` seconds (the last one's, if each is followed in time).
+
+    ``times``: the announce times in the window (two or more; any order). A window is read as the announcements up
+    to the earlier of its end and this: a peer that announces a gap after the others (a straggler, or a peer a
+    re-test waits for and that is late again) is out of it for every reader alike, which the times alone decide.
+    It costs the others ``gap`` and the slack after their last announcement instead of the rest of a wide window
+    (the ceiling of a round without history). The first two announcements are always in: a pair is never split.
+    """
+    values = sorted(times)
+    for here, after in zip(values[1:], values[2:]):
+        if after - here > gap:
+            return here + gap
+    return values[-1] + gap
 
 
 def drawn_before(times: list[float], cut: list[tuple[float, float]], start: float) -> list[tuple[float, float]]:
@@ -191,6 +209,19 @@ def width_error(width: object) -> str | None:
         return f"window width {str(width)[:32]!r} is not a finite number"
     if not 0 < width <= MAX_WINDOW:
         return f"window width {width:.6g} s is not in (0, {MAX_WINDOW:g}]"
+    return None
+
+
+def gap_error(value: dict) -> str | None:
+    """Why an announcement's chain ``gap`` (``value["g"]``) is refused: without a width, not a finite number, or not
+    in (0, width]; else None."""
+    gap, width = value["g"], value.get("w")
+    if width is None:
+        return "a chain gap without a window width"
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not math.isfinite(gap):
+        return f"chain gap {str(gap)[:32]!r} is not a finite number"
+    if not 0 < gap <= width:
+        return f"chain gap {gap:.6g} s is not in (0, {width:.6g}] (the window's width)"
     return None
 
 
@@ -581,6 +612,7 @@ class SwarmMatchmaking(GroupSource):
         self.confirm_deadline = AdaptiveDeadline(min(float(min_confirm), self.confirm_timeout), self.confirm_timeout,
                                                  deadline_spread, history, min(4, history))  # fmt: skip
         self._width = self.window  # the width of this peer's latest announcement
+        self._gap: float | None = None  # the chain gap of this peer's latest announcement (adaptive deadlines)
         self.pace = PeerPace()  # expected peers that missed windows: waited for again after a streak in step
         self._behind = False  # the round being formed is ahead of this peer's own (it is catching up)
 
@@ -666,8 +698,10 @@ class SwarmMatchmaking(GroupSource):
         return kept
 
     # ------------------------------------------------------------------ DHT entries
-    def _text(self, round_index: int, peer: str, t: float, name: str, width: float | None = None) -> bytes:
-        parts = ("ready", self.run_id, round_index, peer, t, name) + (() if width is None else (width,))
+    def _text(self, round_index: int, peer: str, t: float, name: str, width: float | None = None,
+              gap: float | None = None) -> bytes:  # fmt: skip
+        parts = (("ready", self.run_id, round_index, peer, t, name) + (() if width is None else (width,))
+                 + (() if gap is None else ("gap", gap)))  # fmt: skip
         return "|".join(map(str, parts)).encode()
 
     @property
@@ -678,8 +712,9 @@ class SwarmMatchmaking(GroupSource):
     def _announce(self, round_index: int) -> float:
         now = get_dht_time()
         width = self._width = self.window_width
-        text = self._text(round_index, self.peer_id, now, self.name, width if self.adaptive else None)
-        value = {"t": now, "name": self.name, **({"w": width} if self.adaptive else {}),
+        gap = self._gap = self.window_deadline.floor if self.adaptive else None
+        text = self._text(round_index, self.peer_id, now, self.name, width if self.adaptive else None, gap)
+        value = {"t": now, "name": self.name, **({"w": width, "g": gap} if self.adaptive else {}),
                  **sign_record(self.endpoint, text)}  # fmt: skip
         expiry = now + self.ready_ttl
         self.dht.store(self._ready_key(round_index), value, expiry, subkey=self.peer_id)
@@ -696,11 +731,12 @@ class SwarmMatchmaking(GroupSource):
     def _ready(self, round_index: int) -> list[Announcement]:
         def text(peer: str, value) -> bytes:
             float(value["t"])  # a time that does not parse is malformed
-            return self._text(round_index, peer, value["t"], str(value["name"]), value.get("w"))
+            return self._text(round_index, peer, value["t"], str(value["name"]), value.get("w"), value.get("g"))
 
         def check(peer: str, value: dict) -> str | None:
             return (record_time_error(value["t"], get_dht_time(), self.ready_ttl) or name_error(value["name"])
-                    or ("w" in value and width_error(value["w"])) or None)  # fmt: skip
+                    or ("w" in value and width_error(value["w"])) or ("g" in value and gap_error(value))
+                    or None)  # fmt: skip
 
         found = self.dht.get(self._ready_key(round_index), latest=True)
         entries = signed_entries(found, text, self.endpoint, self._bad_entries, "DHT announcement", check,
@@ -709,8 +745,8 @@ class SwarmMatchmaking(GroupSource):
             mine = self._bucket(round_index)
             entries = [(peer, value) for peer, value in entries if self._bucket(round_index, peer) == mine]
         self.endpoint.note_peers(peer for peer, _ in entries)
-        return [Announcement(peer, float(value["t"]), str(value["name"]),
-                             float(value["w"]) if "w" in value else None) for peer, value in entries]  # fmt: skip
+        return [Announcement(peer, float(value["t"]), str(value["name"]), float(value["w"]) if "w" in value else None,
+                             float(value["g"]) if "g" in value else None) for peer, value in entries]  # fmt: skip
 
     # ------------------------------------------------------------------ GroupSource
     def target(self, round_index: int, ahead: int) -> int:
@@ -950,12 +986,22 @@ class SwarmMatchmaking(GroupSource):
         observed = expected  # whose pace the window read tells (the first announcement's window only)
         while True:
             entries = [e for e in self._ready(round_index) if e.peer != self.peer_id]
-            entries.append(Announcement(self.peer_id, mine, self.name, self._width))
+            entries.append(Announcement(self.peer_id, mine, self.name, self._width, self._gap))
             cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
             start, end = next(w for w in cut if w[0] <= mine <= w[1])
+            now = get_dht_time()
+            inside = [e for e in entries if start <= e.time <= end]
+            gap = min(inside, key=lambda e: (e.time, e.peer)).gap  # the window's opener's, as its width: alike for all
+            if gap is not None and len(inside) > 1:  # the window ends where its chain of announcements does
+                end = min(end, chain_end([e.time for e in inside], gap))
+                if mine > end:  # this peer came a gap after the others: out of the window for every reader alike
+                    if now < end + self.slack:  # an announcement still on its way may bridge the gap
+                        time.sleep(max(0.0, min(self.poll, end + self.slack - now)))
+                        continue
+                    raise _Late(f"round {round_index} formed without this peer (it announced after the window's "
+                                "announcements had stopped)")  # fmt: skip
             in_window = self._drop_penalized([e for e in entries if start <= e.time <= end], round_index, also)
             present = {e.peer for e in in_window}
-            now = get_dht_time()
             eligible = {p for p in expected if not self.penalized(p, round_index)}
             wanted = {p for p in eligible if not self.adaptive or self.pace.waited_for(p)}
             alone = len(in_window) == 1

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from noloco.swarm.matchmaking import formed_without, latest_incarnations, waiting_alone
+from noloco.swarm.matchmaking import chain_end, formed_without, gap_error, latest_incarnations, waiting_alone
 
 RUN = "catch-up-test"
 PEERS = 3
@@ -31,20 +31,22 @@ def swarm(in_process_peers):
         yield peers
 
 
-def _makers(swarm, behind: int, slack: float = SLACK, long_window: int | None = None):
+def _makers(swarm, behind: int | None, slack: float = SLACK, long_window: int | None = None, wide: int | None = None):
     """Adaptive matchmakers of every peer, each expecting the others; peer ``behind`` missed a window before, so
     the others no longer hold theirs open for it (what a peer that was dead for a few rounds is to them). Peer
-    ``long_window`` opens windows of :data:`LONG` seconds."""
+    ``long_window`` opens windows of :data:`LONG` seconds; peer ``wide`` too, with the chain gap of the others
+    (:data:`WINDOW`, their shortest window), as a peer whose deadline has no history yet opens its ceiling."""
     from noloco.swarm.matchmaking import SwarmMatchmaking
 
     ids = [endpoint.peer_id for _, endpoint in swarm]
     options = dict(group_size=2, window=WINDOW, slack=slack, poll=POLL, confirm_timeout=6, timeout=20, adaptive=True,
                    min_window=WINDOW)  # fmt: skip
     makers = [SwarmMatchmaking(dht, endpoint, f"p{i}", expected=lambda r, me=ids[i]: set(ids) - {me},
-                               **{**options, **({"window": LONG, "min_window": LONG} if i == long_window else {})})
+                               **{**options, **({"window": LONG, "min_window": LONG} if i == long_window else {}),
+                                  **({"window": LONG} if i == wide else {})})
               for i, (dht, endpoint) in enumerate(swarm)]  # fmt: skip
     for i, maker in enumerate(makers):
-        if i != behind:
+        if behind is not None and i != behind:
             maker.pace.missed(ids[behind])
     return makers, ids
 
@@ -112,6 +114,40 @@ def test_a_peer_after_a_window_that_drew_everyone_it_expects_skips_the_round_at_
     assert members is None and outcome == "late", results
     assert seconds < LONG / 3, results  # it knew at its first read, not after its window and the slack
     assert makers[2].why_none(20) == "no partner: late"  # what its metrics line says (outer_skipped)
+
+
+@pytest.mark.parametrize("late", [WINDOW / 2, LONG / 2])
+def test_a_wide_window_ends_a_gap_after_its_announcements_stop_for_every_reader(swarm, late):
+    """Peer 0 opens a window of :data:`LONG` seconds (a deadline without history opens its ceiling) and peer 1
+    joins it at once; peer 2, whom both wait for, comes ``late``. Within the chain gap (the opener's shortest
+    window) it is in the window; a gap after the others it is out of it for all three alike: peers 0 and 1 draw
+    their pair a gap and the slack after their announcements (before: they waited for peer 2, as long as the
+    window), and peer 2 skips the round (``late``) instead of confirming a group nobody else drew."""
+    makers, ids = _makers(swarm, behind=None, slack=0.5, wide=0)
+    results = _form_all(makers, 40 + int(late), {0: 0.0, 1: 0.1, 2: late})
+    if late < WINDOW:
+        for i in range(PEERS):
+            assert results[i][:2] == (["p0", "p1", "p2"], "joined"), (i, results)
+        return
+    for i in (0, 1):
+        members, outcome, seconds = results[i]
+        assert members == ["p0", "p1"] and outcome == "joined", results
+        assert seconds < LONG / 3, results  # not held open until peer 2 came (LONG / 2)
+    assert results[2][:2] == (None, "late"), results
+
+
+def test_a_chain_ends_a_gap_after_the_first_announcement_no_other_follows_in_time():
+    assert chain_end([10.0, 10.2, 10.5], gap=1.0) == 11.5  # each followed in time: a gap after the last
+    assert chain_end([10.5, 10.0, 12.0, 10.2], gap=1.0) == 11.5  # any order; 12.0 comes too late
+    assert chain_end([10.0, 12.0, 12.5, 14.0], gap=1.0) == 13.5  # the first two are always in: a pair never splits
+    assert chain_end([10.0, 12.0], gap=1.0) == 13.0
+
+
+def test_a_chain_gap_needs_a_width_it_fits():
+    assert gap_error({"w": 3.0, "g": 1.0}) is None and gap_error({"w": 3.0, "g": 3}) is None
+    assert "without a window width" in gap_error({"g": 1.0})
+    for bad in (0, -1.0, 3.5, float("nan"), float("inf"), True, "1", None):
+        assert gap_error({"w": 3.0, "g": bad}) is not None, bad
 
 
 def test_formed_without_needs_every_expected_peer_in_a_window_that_drew_before():
