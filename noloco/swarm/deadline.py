@@ -106,16 +106,18 @@ class PeerPace:
     """Which expected peers a window waits for: a peer that misses windows must show it keeps pace again.
 
     A peer that was expected in a window and was absent from it, or in its late tail (:func:`window_need`), is
-    *behind*; each miss raises its level (up to ``max_level``). A peer at level ``l`` > 0 is waited for again
-    only after ``2 ** (l - 1)`` windows in a row in step with the others: one after a first miss, two after a
-    second, then four, eight... A peer stays welcome in every window it announces in; what it loses is that
-    the others no longer hold a window open for it. Each ``4 × 2 ** (l - 1)`` windows in a row in step forgive
-    one level.
+    *behind*; each miss raises its level (up to ``max_level``). A peer behind is not waited for: the others
+    hold no window open for it until it is forgiven. Each ``4 × 2 ** (l - 1)`` windows in a row in step with
+    the others forgive one level (four after a first miss, then eight, sixteen...), counted in the windows it
+    reaches on its own; it stays welcome in every window it announces in, and a miss restarts the streak.
 
     Why a streak and not the last window alone: a straggler that catches up by skipping rounds lands in step
     now and then and, if one window in step were enough, would be waited for in the next one and miss it
     again. Measured with 8 peers on 16 cores, one 4× slower, 20 rounds: it joined every other round of the
-    others and cost each of them a full window every second round (others at 0.71× their speed).
+    others and cost each of them a full window every second round (others at 0.71× their speed). Why no
+    re-test window (waiting for it again once a shorter streak, ``2 ** (l - 1)`` windows, had passed, as before
+    2026-12-06): each re-test of a peer that is still slow costs every other peer a whole window, and a short
+    run has few rounds to spread that over (4 peers, 6 rounds on 2 cores: one window in three).
     Pure (no clock): the same observations give the same answers.
     """
 
@@ -127,7 +129,7 @@ class PeerPace:
 
     @staticmethod
     def need(level: int) -> int:
-        """Windows in a row in step before a peer at ``level`` is waited for again (0 at level 0)."""
+        """A quarter of the windows in a row in step that forgive a peer at ``level`` one level (0 at level 0)."""
         return 0 if level <= 0 else 2 ** (level - 1)
 
     def missed(self, peer: str) -> None:
@@ -148,9 +150,8 @@ class PeerPace:
             self._behind[peer] = (level, streak)
 
     def waited_for(self, peer: str) -> bool:
-        """Whether a window should wait for ``peer`` (a peer never seen behind: yes)."""
-        level, streak = self._behind.get(peer, (0, 0))
-        return streak >= self.need(level)
+        """Whether a window should wait for ``peer``: never seen behind, or forgiven."""
+        return peer not in self._behind
 
     def level(self, peer: str) -> int:
         """``peer``'s misses not yet forgiven (0: never behind, or forgiven)."""
