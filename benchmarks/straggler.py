@@ -88,7 +88,10 @@ def swarm_run(folder: Path, peers: int, steps: int, every: int, deadlines: str, 
                          "compute_step_seconds": (loop - outer) / max(1, s["steps"] - s["eval_history"][0][0]),
                          "matchmaking_seconds": joined_seconds(rounds, "matchmaking_seconds"),
                          "outcomes": s["round_outcomes"],
-                         "window_widths": [r.get("window_width") for r in rounds]}  # fmt: skip
+                         "window_widths": [r.get("window_width") for r in rounds],
+                         "round_seconds": [[r.get("round"), r.get("matchmaking_seconds") or 0.0,
+                                            r.get("exchange_seconds") or 0.0, r.get("outcome", "")]
+                                           for r in rounds]}  # fmt: skip
         return out
 
 
@@ -311,9 +314,53 @@ def _report(
             lines += ["", f"{mode}, median (range) over {len(mine)} repetitions: ratio to N equal "
                           f"{_spread(mine, 'ratio')}, to the N − 1 others alone {_spread(mine, 'ratio_without')}, the "
                           f"others' extra outer-step time {_spread(mine, 'outer_cost')} of their loop."]  # fmt: skip
+    if rows:
+        lines += _breakdown_lines(rows)
     for one in (restart, supervised):
         if one is not None:
             lines += _restart_lines(args, one)
+    return lines
+
+
+def _time_split(peer: dict) -> tuple[float, float, float, float, list[str]]:
+    """One peer's outer seconds by where they went: its first round's matchmaking, later joined rounds'
+    matchmaking, joined rounds' exchanges, and rounds not joined (matchmaking and exchange), with those outcomes."""
+    first = later = exchange = failed = 0.0
+    outcomes = []
+    for i, (_, matchmaking, seconds, outcome) in enumerate(peer.get("round_seconds", [])):
+        if outcome != "joined":
+            failed += matchmaking + seconds
+            outcomes.append(outcome.split(":")[0])
+            continue
+        exchange += seconds
+        if i == 0:
+            first += matchmaking
+        else:
+            later += matchmaking
+    return first, later, exchange, failed, outcomes
+
+
+def _breakdown_lines(rows: list[dict]) -> list[str]:
+    """Where each run's outer-step time went (medians over its peers; beside the straggler: the others'), from the
+    peers' ``rounds.jsonl``: what tells a straggler's cost (its first round, re-test windows) from the swarm's own
+    failed rounds."""
+    if not any(p.get("round_seconds") for r in rows for p in r["base"].values()):
+        return []
+    lines = ["", "Where the outer steps' seconds went (median over the peers of each run; beside the straggler: the "
+             "others'). Rounds not joined: their matchmaking and exchange, and what the peers' records say of them.",
+             "", "| deadlines | rep | run | first round's matchmaking | later rounds' matchmaking | exchanges | rounds "
+             "not joined (s) | not joined, all peers |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        for label, key in (("N equal", "base"), ("beside it", "slow"), ("N − 1 alone", "without")):
+            splits = [_time_split(p) for name, p in r[key].items() if name != "slow"]
+            med = [statistics.median(s[i] for s in splits) for i in range(4)]
+            kinds: dict[str, int] = {}
+            for s in splits:
+                for outcome in s[4]:
+                    kinds[outcome] = kinds.get(outcome, 0) + 1
+            told = ", ".join(f"{k} ×{n}" for k, n in sorted(kinds.items())) or "none"
+            lines.append(f"| {r['deadlines']} | {r.get('rep', 0)} | {label} | {med[0]:.2f} | {med[1]:.2f} | "
+                         f"{med[2]:.2f} | {med[3]:.2f} | {told} |")  # fmt: skip
     return lines
 
 
