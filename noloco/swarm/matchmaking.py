@@ -1009,6 +1009,11 @@ class SwarmMatchmaking(GroupSource):
                 announced = [(e.peer, e.time) for e in entries]
                 if alone and formed_without(announced, cut, start, eligible):
                     raise _Late(f"round {round_index} formed without this peer (every peer expected drew before)")
+                # nobody is due in this round any more (the peers listed have moved on to a later one) and a group
+                # of it drew before: a peer that is behind in phase, not in pace (it started late), otherwise waited
+                # its whole window out alone in every round and never caught up with the others
+                if alone and not eligible and formed_before([t for _, t in announced], cut, start):
+                    raise _Late(f"round {round_index} formed without this peer (nobody else is due in it)")
                 # a lone peer is waited for if expected (listed, in step) and at most one miss behind: one that
                 # announces alone and never comes (a key holder delaying every round) is absent from the window,
                 # so _note_window counts a miss each round, and from its second it is no longer waited for

@@ -136,6 +136,20 @@ def test_a_wide_window_ends_a_gap_after_its_announcements_stop_for_every_reader(
     assert results[2][:2] == (None, "late"), results
 
 
+def test_a_peer_after_a_window_that_drew_when_nobody_is_due_any_more_skips_the_round_at_once(swarm):
+    """As above, but peer 2 expects nobody: the peers it would wait for have moved on to a later round (what a peer
+    that started late, in step in pace but not in phase, sees). A group of the round drew before its window: it
+    skips the round at once (before: it waited its own window out alone, round after round, and never caught up:
+    seen on the 2-core machine, ``late`` in each of its rounds after 3.5 s of matchmaking)."""
+    makers, ids = _makers(swarm, behind=2, long_window=2)
+    makers[2].expected = lambda r: set()
+    results = _form_all(makers, 60, {0: 0.0, 1: 0.0, 2: WINDOW + 1.0})
+    assert results[0][0] == results[1][0] == ["p0", "p1"], results
+    members, outcome, seconds = results[2]
+    assert members is None and outcome == "late", results
+    assert seconds < LONG / 3, results
+
+
 def test_a_chain_ends_a_gap_after_the_first_announcement_no_other_follows_in_time():
     assert chain_end([10.0, 10.2, 10.5], gap=1.0) == 11.5  # each followed in time: a gap after the last
     assert chain_end([10.5, 10.0, 12.0, 10.2], gap=1.0) == 11.5  # any order; 12.0 comes too late
