@@ -155,8 +155,9 @@ def chain_end(times: list[float], gap: float) -> float:
     on that no other follows within ``gap`` seconds (the last one's, if each is followed in time).
 
     ``times``: the announce times in the window (two or more; any order). A window is read as the announcements up
-    to the earlier of its end and this: a peer that announces a gap after the others (a straggler, or a peer a
-    re-test waits for and that is late again) is out of it for every reader alike, which the times alone decide.
+    to the earlier of its end and this: a peer that announces a gap after the others (a straggler the others
+    still wait for: in the first rounds, or one they expect again) is out of it for every reader alike, which the
+    times alone decide.
     It costs the others ``gap`` and the slack after their last announcement instead of the rest of a wide window
     (the ceiling of a round without history). The first two announcements are always in: a pair is never split.
     """
