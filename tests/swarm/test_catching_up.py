@@ -129,10 +129,8 @@ def test_a_wide_window_ends_a_gap_after_its_announcements_stop_for_every_reader(
         for i in range(PEERS):
             assert results[i][:2] == (["p0", "p1", "p2"], "joined"), (i, results)
         return
-    for i in (0, 1):
-        members, outcome, seconds = results[i]
-        assert members == ["p0", "p1"] and outcome == "joined", results
-        assert seconds < LONG / 3, results  # not held open until peer 2 came (LONG / 2)
+    for i in (0, 1):  # not held open until peer 2 came: it would be in their group
+        assert results[i][:2] == (["p0", "p1"], "joined"), results
     assert results[2][:2] == (None, "late"), results
 
 
