@@ -342,8 +342,8 @@ def _time_split(peer: dict) -> tuple[float, float, float, float, list[str]]:
 
 def _breakdown_lines(rows: list[dict]) -> list[str]:
     """Where each run's outer-step time went (medians over its peers; beside the straggler: the others'), from the
-    peers' ``rounds.jsonl``: what tells a straggler's cost (its first round, re-test windows) from the swarm's own
-    failed rounds."""
+    peers' ``rounds.jsonl``: what tells a straggler's cost (the first rounds, windows that waited for it) from the
+    swarm's own failed rounds."""
     if not any(p.get("round_seconds") for r in rows for p in r["base"].values()):
         return []
     lines = ["", "Where the outer steps' seconds went (median over the peers of each run; beside the straggler: the "
