@@ -472,6 +472,7 @@ class RoundRecord:
     redrawn: bool = False  # formed by the second draw among the peers whose first group failed to confirm
     retried: bool = False  # exchanged again among the members that delivered, after one failed (SwarmMatchmaking.retry)
     window_width: float = 0.0  # seconds of the window this peer's (first) announcement of the round asked for
+    why: str = ""  # outcome ``late``: which rule told this peer the round formed without it
 
 
 def _check_options(group_size: int | None, buckets: int, cycle: int, penalty_rounds: int, strikes_before_penalty: int,
@@ -680,6 +681,10 @@ class SwarmMatchmaking(GroupSource):
         """Whether ``peer`` is left out of this peer's draw in swarm round ``round_index``."""
         return self.penalty_rounds > 0 and self._banned_until.get(peer, -1) >= round_index
 
+    def _left_out(self, peer: str, round_index: int, also: frozenset[str] = frozenset()) -> bool:
+        """Whether this peer leaves ``peer`` out of its draw in ``round_index`` (penalized, or in ``also``)."""
+        return peer != self.peer_id and (peer in also or self.penalized(peer, round_index))
+
     def _drop_penalized(self, entries: list[Announcement], round_index: int,
                         also: frozenset[str] = frozenset()) -> list[Announcement]:  # fmt: skip
         """``entries`` without the peers this peer penalizes in ``round_index`` and those in ``also``."""
@@ -849,8 +854,8 @@ class SwarmMatchmaking(GroupSource):
             try:
                 gathered = self._gather(round_index, record, deadline, mine, expected if attempt == 0 else set(),
                                         claimed)  # fmt: skip
-            except _Late:  # the round formed without this peer: train on and join the next one, instead of waiting
-                record.outcome, gathered = "late", None  # alone in this one until the timeout
+            except _Late as late:  # the round formed without this peer: train on and join the next one, instead of
+                record.outcome, record.why, gathered = "late", str(late), None  # waiting alone until the timeout
             if gathered is None:
                 if stale is not None:
                     self.endpoint.close_group(stale)
@@ -991,7 +996,9 @@ class SwarmMatchmaking(GroupSource):
             cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
             start, end = next(w for w in cut if w[0] <= mine <= w[1])
             now = get_dht_time()
-            inside = [e for e in entries if start <= e.time <= end]
+            # the chain is of the announcements this peer draws with: ones it leaves out (a penalized key holder's
+            # identities, ready at once in every round) would otherwise end the window before the others came
+            inside = [e for e in entries if start <= e.time <= end and not self._left_out(e.peer, round_index, also)]
             gap = min(inside, key=lambda e: (e.time, e.peer)).gap  # the window's opener's, as its width: alike for all
             if gap is not None and len(inside) > 1:  # the window ends where its chain of announcements does
                 end = min(end, chain_end([e.time for e in inside], gap))

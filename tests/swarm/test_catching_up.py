@@ -189,3 +189,24 @@ def test_latest_incarnations_keeps_one_entry_per_name_and_none_of_this_peers_own
     assert [e["peer"] for e in latest_incarnations(entries, "p1")] == ["new", "x"]
     assert [e["peer"] for e in latest_incarnations(entries, "p9")] == ["new", "x", "me-before"]
     assert latest_incarnations([], "p0") == []
+
+
+def test_a_chain_of_penalized_announcements_does_not_end_the_window_of_the_peers_that_leave_them_out(
+    in_process_peers,
+):
+    """Two identities that peers 0 and 1 penalize (a key holder's sybils, ready at once in every round) open a wide
+    window; peers 0 and 1 come a gap after them. They leave the two out of their draw, so the chain they read is
+    their own: they draw their pair. Before, the penalized pair's chain ended the window for them and both skipped
+    the round as ``late``: what brought a CI run of the sybil attack (tests/swarm/test_hostile_rounds.py) to 3 of
+    20 rounds."""
+    with in_process_peers(RUN + "-penalized", "catch-up-test-key-0123456789", 4) as peers:
+        makers, ids = _makers(peers, behind=None, slack=0.5, wide=2)
+        for maker in makers[:2]:
+            for sybil in ids[2:]:
+                for _ in range(maker.strikes_before_penalty):
+                    maker._strike(maker._strikes, sybil, 69, "no_confirm", "ready but did not confirm")
+        results = _form_all(makers, 70, {2: 0.0, 3: 0.1, 0: 2 * WINDOW, 1: 2 * WINDOW + 0.1})
+    for i in (0, 1):
+        assert results[i][:2] == (["p0", "p1"], "joined"), (i, results)
+    for i in (2, 3):  # they draw among themselves (nobody leaves them out): the pair their window holds
+        assert results[i][:2] == (["p2", "p3"], "joined"), (i, results)
