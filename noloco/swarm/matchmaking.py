@@ -860,7 +860,7 @@ class SwarmMatchmaking(GroupSource):
                 if stale is not None:
                     self.endpoint.close_group(stale)
                 return None
-            in_window, start, mine = gathered
+            in_window, start, mine, read_by = gathered
             names = {e.peer: e.name for e in in_window}
             record.ready = len(in_window)
             members = next(g for g in draw_groups(list(names), self.group_size, self.seed, round_index, repr(start))
@@ -878,7 +878,7 @@ class SwarmMatchmaking(GroupSource):
                 # no evidence against them: no strike
                 late = self._behind and len(in_window) > 2 and mine >= max(e.time for e in in_window)
                 self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0,
-                              window_peers=outside, strike=not (self.adaptive and late))  # fmt: skip
+                              window_peers=outside, strike=not (self.adaptive and late), read_by=read_by)  # fmt: skip
             except _Mismatch as exc:
                 claimed = self._claimed_exclusions(round_index, members, names)
                 # kept open until the redraw: if it draws the same group, a member that confirmed it meanwhile
@@ -982,7 +982,8 @@ class SwarmMatchmaking(GroupSource):
 
     def _gather(self, round_index: int, record: RoundRecord, deadline: float, mine: float, expected: set[str],
                 also: frozenset[str] = frozenset()):  # fmt: skip
-        """Wait for this peer's window to be readable; ``(announcements in it, window start, my time)`` or None.
+        """Wait for this peer's window to be readable; ``(announcements in it, window start, my time, read by)`` or
+        None; ``read by``: the monotonic time by which every member has read the window (its end and the slack).
 
         ``also``: peers left out of the draw besides this peer's own penalties. With :attr:`adaptive`, raises
         :class:`_Late` when this peer is alone in its window and an earlier window of the round already drew
@@ -1040,7 +1041,9 @@ class SwarmMatchmaking(GroupSource):
                 continue
             if len(in_window) > 1:
                 self._note_window(round_index, in_window, start, observed)
-                return in_window, start, mine
+                # by when every member has read it (one that waits for a peer still out reads at the close and the
+                # slack), on this peer's clock: its confirmation wait counts from there
+                return in_window, start, mine, time.monotonic() + max(0.0, end + self.slack - now)
             if self.adaptive and formed_before([e.time for e in entries], cut, start):
                 raise _Late(f"round {round_index} formed without this peer")
             if self.buckets > 1 and len(entries) == 1 and not mates_expected:  # nobody else drew this key this round
@@ -1072,7 +1075,7 @@ class SwarmMatchmaking(GroupSource):
                 self.pace.missed(peer)
 
     def _confirm(self, round_index, group_id, members, names, deadline, fast_mismatch: bool,
-                 window_peers: list[str] = (), strike: bool = True) -> None:  # fmt: skip
+                 window_peers: list[str] = (), strike: bool = True, read_by: float = 0.0) -> None:  # fmt: skip
         """Send ``join/<group id>`` to every other member and wait for theirs; raise on failure.
 
         The same ``join`` goes, in the background, to the window's peers outside the group (penalized
@@ -1083,7 +1086,10 @@ class SwarmMatchmaking(GroupSource):
         channel = f"r{round_index}"
         began = time.monotonic()
         wait = self.confirm_deadline.value() if self.adaptive else self.confirm_timeout
-        confirm_by = self._confirm_by = min(deadline, began + wait)
+        # counted from when every member has read the window (``read_by``), not from this peer's own read: one that
+        # read it early (everyone it waits for was in) otherwise gave up on a group that a member reading at the
+        # close then confirmed and sent its data to (refused as unexpected: an exchange lost, a receive timeout)
+        confirm_by = self._confirm_by = min(deadline, max(began, read_by) + wait)
         others = [m for m in members if m != self.peer_id]
         tag = f"join/{group_id}"
         # the join says whom this peer left out of the window (a member whose penalties differ redraws with them)
@@ -1117,7 +1123,8 @@ class SwarmMatchmaking(GroupSource):
                 raise TimeoutError(", ".join(sorted(names[m] for m in waiting)) + " did not confirm")
             if waiting:
                 time.sleep(0.02)
-        self.confirm_deadline.observe(time.monotonic() - began)  # every member confirmed: how long it took
+        # every member confirmed: how long it took past the later of this peer's start and the window's last read
+        self.confirm_deadline.observe(max(0.0, time.monotonic() - max(began, read_by)))
 
     def retry(self, group: Group, error: BaseException) -> Group | None:
         """After ``group``'s exchange failed: the group of the members that delivered, confirmed by each of them.

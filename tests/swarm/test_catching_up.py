@@ -210,3 +210,21 @@ def test_a_chain_of_penalized_announcements_does_not_end_the_window_of_the_peers
         assert results[i][:2] == (["p0", "p1"], "joined"), (i, results)
     for i in (2, 3):  # they draw among themselves (nobody leaves them out): the pair their window holds
         assert results[i][:2] == (["p2", "p3"], "joined"), (i, results)
+
+
+def test_a_member_that_read_the_window_early_waits_for_one_that_read_it_at_its_close(swarm):
+    """Peer 0 waits for peer 1 only and reads the window as soon as peer 1 is in; peer 1 also waits for peer 2, who
+    never comes, and reads it at its close plus the slack. Both draw the pair. Peer 0's confirmation wait, learned
+    from rounds where both read at once, is short (``min_confirm``); counted from its own early read it ran out
+    before peer 1 had read at all, so peer 0 gave up on a group that peer 1 then confirmed (peer 0's join had
+    arrived) and sent its data to: refused as ``unexpected`` (the exchanges refused on the 16-core straggler runs).
+    Counted from the window's latest read (its end and the slack), both confirm."""
+    makers, ids = _makers(swarm, behind=None)
+    makers[0].expected = lambda r: {ids[1]}
+    for maker in makers:
+        maker.confirm_deadline = type(maker.confirm_deadline)(0.3, 6.0, 4.0, 16, 4)  # min_confirm 0.3 s
+        for _ in range(8):
+            maker.confirm_deadline.observe(0.05)  # history: confirmations came at once
+    results = _form_all(makers, 80, {0: 0.0, 1: 0.1})
+    for i in (0, 1):
+        assert results[i][:2] == (["p0", "p1"], "joined"), (i, results)
