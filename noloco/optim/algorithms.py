@@ -43,6 +43,7 @@ contribution more than that many times larger than this worker's own is dropped,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -456,6 +457,12 @@ class Algorithm:
     def slow_weights(self) -> torch.Tensor:
         """The weights workers agree on (the slow weights for outer algorithms), flat fp32."""
         return parameters_to_vector(self.params).detach().float().clone()
+
+    @contextlib.contextmanager
+    def slow_in_model(self):
+        """Inside the block the model's trained parameters hold :meth:`slow_weights` (to evaluate them); after
+        it, what they held before, bit for bit. Here they are the same: the model is left as it is."""
+        yield
 
     def state_dict(self) -> dict:
         return {"inner_step": self.inner_step, "feedback": _ef_state(self.feedback)}
@@ -896,6 +903,19 @@ class OuterAlgorithm(Algorithm):
 
     def slow_weights(self) -> torch.Tensor:
         return self.slow.clone()
+
+    @contextlib.contextmanager
+    def slow_in_model(self):
+        """Inside the block the model's trained parameters hold φ; after it, θ again, bit for bit (one model-size
+        copy of θ meanwhile). An overlapped run's θ at a round boundary is the provisional step (§3.1), a model
+        nobody agreed on; φ is where the real steps have brought it."""
+        with torch.no_grad():
+            fast = self.read_fast(None)
+            copy_flat_into(self.slow, self.params)
+            try:
+                yield
+            finally:
+                copy_flat_into(fast, self.params)
 
     def save_state(self) -> OuterState:
         """The state a joining worker adopts (:meth:`load_state`): step, φ and the outer momentum, copied."""

@@ -27,12 +27,12 @@ import argparse
 import signal
 import sys
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from noloco.data.documents import DataError
 from noloco.models.hf import ModelError
 from noloco.train import backends, checkpoint, supervise
-from noloco.train.config import ConfigError, commented_yaml, load_config
+from noloco.train.config import ConfigError, commented_yaml, kept_behaviour, load_config
 from noloco.train.interrupt import INTERRUPT, Interrupted
 
 
@@ -65,11 +65,13 @@ def _run(args: argparse.Namespace, extra: list[str], supervised: bool) -> int:
             if not saved.is_file():
                 raise checkpoint.CheckpointError(f"{saved}: missing: the checkpoint is damaged")
             try:
-                OmegaConf.load(saved)
+                saved_cfg = OmegaConf.load(saved)
             except Exception as exc:  # noqa: BLE001 - yaml errors of every kind
                 raise checkpoint.CheckpointError(f"{saved}: cannot parse: {str(exc).splitlines()[0]}") from None
-            # The checkpoint's own config, with this command line's overrides on top.
-            others = [o for o in overrides if not o.startswith("resume=")]
+            if not isinstance(saved_cfg, DictConfig):
+                raise checkpoint.CheckpointError(f"{saved}: not a mapping of config keys: the checkpoint is damaged")
+            # The checkpoint's own config (as it ran: kept_behaviour), with this command line's overrides on top.
+            others = kept_behaviour(saved_cfg) + [o for o in overrides if not o.startswith("resume=")]
             cfg = load_config(others, [str(saved), *args.config])
             cfg.resume = str(resume_from)
             if resume_step == cfg.steps and not (run_dir / "summary.json").exists():  # killed before its summary

@@ -26,6 +26,8 @@ from noloco.swarm.settings import check_peer_settings
 from noloco.train.backends import BACKENDS
 
 ALGOS = tuple(ALGORITHMS)
+#: ``eval.weights``: which weights a held-out point evaluates (:func:`evaluated_weights`)
+EVAL_WEIGHTS = ("auto", "fast", "slow")
 
 
 class ConfigError(ValueError):
@@ -211,6 +213,24 @@ def load_config(overrides: list[str] | None = None, config_files: list[str] | No
     return cfg
 
 
+def kept_behaviour(saved: DictConfig) -> list[str]:
+    """Overrides that keep a resumed run doing what it did: the keys added since its ``config.yaml`` was written
+    whose default does otherwise (a run's curve keeps evaluating the same weights). The resume's own command line
+    goes on top."""
+    evaluation = saved.get("eval") or {}
+    return [] if "weights" in evaluation else ["eval.weights=fast"]
+
+
+def evaluated_weights(cfg: DictConfig) -> str:
+    """``fast`` (θ) or ``slow`` (φ): what ``eval.weights`` names, ``auto`` being ``slow`` for an overlapped run
+    (its θ at a round boundary is a provisional step, docs/design.md §3.1) and ``fast`` otherwise (a blocking
+    round's θ after its outer step is φ)."""
+    weights = cfg.eval.weights
+    if weights == "auto":
+        return "slow" if cfg.outer.overlap else "fast"
+    return weights
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -230,6 +250,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg.eval.every is None:
         cfg.eval.every = cfg.outer.every
     _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
+    _require(cfg.eval.weights in EVAL_WEIGHTS, f"eval.weights={cfg.eval.weights!r} is not one of "
+             f"{', '.join(EVAL_WEIGHTS)}")  # fmt: skip
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every >= 0 and checkpoint.keep >= 1")
     final = cfg.checkpoint.final
     _require(isinstance(final, bool), f"checkpoint.final must be true or false, got {final!r}")

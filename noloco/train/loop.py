@@ -10,6 +10,7 @@ build, (resume or start), then for each step: batch → loss → backward → ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -29,7 +30,7 @@ from noloco.models.llama import LLaMA, ModelConfig, model_config
 from noloco.optim import ALGORITHMS, Algorithm
 from noloco.train import checkpoint
 from noloco.train.backends.base import Backend
-from noloco.train.config import ConfigError
+from noloco.train.config import ConfigError, evaluated_weights
 from noloco.train.device import (
     CompiledForward,
     autocast,
@@ -219,6 +220,7 @@ class Worker:
     held_out: list
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
+    eval_weights: str = "fast"  # fast (θ) or slow (φ): config.evaluated_weights
     start: int = 0
     wall_offset: float = 0.0
     history: list = field(default_factory=list)
@@ -237,9 +239,11 @@ class Worker:
         return self.owners().state_dict(step, wall)
 
     def evaluate(self) -> float:
-        if self.device.type == "cpu" and self.precision == "fp32":
-            return evaluate(self.model, self.held_out)
-        return evaluate(self.model, self.held_out, self.device, self.precision)
+        """The held-out loss of the weights ``eval_weights`` names (θ is back in the model afterwards)."""
+        with self.algo.slow_in_model() if self.eval_weights == "slow" else contextlib.nullcontext():
+            if self.device.type == "cpu" and self.precision == "fp32":
+                return evaluate(self.model, self.held_out)
+            return evaluate(self.model, self.held_out, self.device, self.precision)
 
     def load(self, state: dict) -> None:
         """Continue from a checkpoint's state (checked by :meth:`WorkerState.check`); rebuilds what
@@ -280,6 +284,7 @@ def build_worker(ctx: RunContext, backend: Backend) -> Worker:
         held_out=eval_batches(ctx.corpus.val, cfg.data.seq_len, cfg.data.batch_size, cfg.eval.batches),
         device=device,
         precision=resolve_precision(str(cfg.precision), device),
+        eval_weights=evaluated_weights(cfg),
     )
     if ctx.resume_from is not None:  # checked as a whole (Run.check_resume) before the run wrote anything
         state = ctx.resumed_states.pop(worker.rank, None)

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("outer.slow_every=4 outer.slow_stagger=2", "outer.slow_stagger=2 must be true or false"),
         ("comm.codec=topk:64/4096+int2 outer.overlap=eager", "outer.slow_every null is 8 for comm.codec=topk"),
         ("model.preset=huge", "model.preset='huge'"),
+        ("eval.weights=ema", "eval.weights='ema' is not one of auto, fast, slow"),
     ],
 )
 def test_bad_config_fails_with_clear_message(override, message):

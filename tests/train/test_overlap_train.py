@@ -60,12 +60,13 @@ def test_overlap_on_the_torch_backend_matches_the_local_backend(tiny_config, tmp
 @pytest.mark.parametrize("rule", ["provisional", "eager", "delayed outer.overlap_steps=1"])  # delayed lands at τ = 1
 def test_workers_of_two_processes_overlap_and_keep_one_replica(tiny_config, tmp_path, rule):
     """2 workers × 2 processes: the leaders exchange in the background, and after each outer step every process
-    of a worker holds the leader's φ and the same θ (fragments=2: one fragment's φ is relayed at a time)."""
+    of a worker holds the leader's φ and the same θ (fragments=2: one fragment's φ is relayed at a time). The points
+    evaluate θ: the two workers' φ are alike here (their one group is both of them)."""
     from noloco.train.backends.distributed import launch as run_distributed
 
     common = ("steps=12", "outer.every=4", "outer.fragments=2", "workers=2", "inner.processes=2", "backend=torch",
               "threads=1", "log.tensorboard=false", f"outer.overlap={rule.split()[0]}", *rule.split()[1:],
-              "eval.every=2")  # fmt: skip
+              "eval.every=2", "eval.weights=fast")  # fmt: skip
     summary = run_distributed(tiny_config(*common, "run.name=multi"), quiet=True)
     per_process = summary["final_eval_loss_per_process"]
     assert per_process[0] == per_process[1] and per_process[2] == per_process[3]  # one replica per worker
@@ -90,3 +91,36 @@ def test_a_bad_overlap_steps_fails_at_start_up_in_one_line(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(overrides)
+
+
+def _evals(run_dir, worker=0):
+    return {r["step"]: r["eval_loss"] for r in read_metrics(run_dir) if r["worker"] == worker and "eval_loss" in r}
+
+
+def test_an_overlapped_run_evaluates_its_slow_weights_and_trains_alike_whatever_it_evaluates(tiny_config, tmp_path):
+    """``eval.weights=auto`` with overlap evaluates φ: round 0's exchange leaves at step 4 and lands at step 8, so
+    φ is φ₀ at steps 0-6 and every point there is the first one, bit for bit; θ's points (``fast``) differ, at the
+    boundary too (the provisional step). Evaluating either leaves training as it was: the same training losses, and
+    the same final point but for rounding (after the last exchange landed θ is φ, as θ + (φ − L) in floats)."""
+    common = ("steps=12", "outer.every=4", "eval.every=2", "workers=2", "outer.overlap=provisional", "log.plot=false")
+    slow = run(tiny_config(*common, "run.name=slow"), quiet=True)  # eval.weights=auto
+    fast = run(tiny_config(*common, "eval.weights=fast", "run.name=fast"), quiet=True)
+    trained = {k: loss for k, (loss, _) in _losses(tmp_path / "slow").items()}
+    assert trained == {k: loss for k, (loss, _) in _losses(tmp_path / "fast").items()}
+    assert slow["final_eval_loss_per_worker"] == pytest.approx(fast["final_eval_loss_per_worker"], rel=1e-6)
+    for worker in (0, 1):
+        on_phi, on_theta = _evals(tmp_path / "slow", worker), _evals(tmp_path / "fast", worker)
+        assert on_phi[0] == on_phi[2] == on_phi[4] == on_phi[6] == on_theta[0], on_phi
+        assert on_phi[8] != on_phi[0] and on_phi[12] == pytest.approx(on_theta[12], rel=1e-6)  # φ's first step; the end
+        assert all(on_theta[s] != on_phi[s] for s in (2, 4, 6, 8)), (on_theta, on_phi)
+
+
+def test_a_blocking_run_evaluates_the_same_weights_at_its_boundaries(tiny_config, tmp_path):
+    """Blocking, θ is φ after each outer step: ``slow`` and ``fast`` read alike at the boundaries; between them
+    ``slow`` reads the last outer step's φ (at step 2 the first point's) and ``fast`` the weights training."""
+    common = ("steps=8", "outer.every=4", "eval.every=2", "log.plot=false")
+    run(tiny_config(*common, "eval.weights=slow", "run.name=slow"), quiet=True)
+    run(tiny_config(*common, "run.name=fast"), quiet=True)  # eval.weights=auto: fast without overlap
+    on_phi, on_theta = _evals(tmp_path / "slow"), _evals(tmp_path / "fast")
+    assert all(on_phi[s] == on_theta[s] for s in (0, 4, 8)), (on_phi, on_theta)
+    assert on_phi[2] == on_phi[0] != on_theta[2] and on_phi[6] == on_phi[4] != on_theta[6]
