@@ -602,6 +602,7 @@ class SwarmMatchmaking(GroupSource):
         self._excluded: set[tuple[str, int]] = set()  # (peer, round) exclusions already counted
         self._window_excluded: list[str] = []  # penalized peers of the window being drawn
         self._confirm_by = 0.0  # monotonic deadline of the latest confirmation
+        self._read_by = 0.0  # monotonic time by which every member has read the window of the latest confirmation
         self.retry_wait = float(confirm_timeout if retry_wait is None else retry_wait)
         self._invalid: list[tuple[str, int]] = []  # (peer, round) it sent an invalid payload in; settled next round
         self._invalid_strikes: dict[str, int] = {}  # peer -> invalid payloads it sent (never reset)
@@ -904,7 +905,8 @@ class SwarmMatchmaking(GroupSource):
         The members of this peer's group that sent nothing at all are left out; to every other peer of the window
         this peer posts ``retry/<window>``, waits until its first confirmation deadline plus ``max(0.5, slack)``
         (so that a peer whose group timed out is in as well; if the failure was a member that could not be reached,
-        which fails every group at once, only ``max(1, 2 slack) + max(0.5, slack)`` seconds; if less than
+        which fails every group at once, only ``max(1, 2 slack) + max(0.5, slack)`` seconds after the window's
+        last read, when every member has read it and tried its group; if less than
         ``min(1, confirm_timeout / 2)`` of the round's matchmaking time would be left, it skips the round), then
         draws among itself and the peers whose ``retry`` arrived, and confirms that group. Identities that never
         answer (no daemon, or never confirming) send no ``retry`` and are drawn around within the round; peers whose
@@ -925,9 +927,11 @@ class SwarmMatchmaking(GroupSource):
             if peer != self.peer_id and peer not in failed:
                 self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
         # a member that could not be reached failed the group at once (as it does every honest peer drawn with an
-        # identity that has no daemon): draw soon; a silent one only at the confirmation deadline
+        # identity that has no daemon): draw soon, counted from when every peer of the window has read it (one that
+        # read it at its close fails that much later, and its retry must be in); a silent one only at the
+        # confirmation deadline
         wait = max(1.0, 2 * self.slack) if unreachable else 0.0
-        draw_at = min(self._confirm_by, time.monotonic() + wait) + max(0.5, self.slack)
+        draw_at = min(self._confirm_by, max(time.monotonic(), self._read_by) + wait) + max(0.5, self.slack)
         if deadline - draw_at < min(1.0, self.confirm_timeout / 2):  # no time left to confirm a redraw (a member
             return None  # that gives up while the other confirmed would make the other's data be refused)
         while time.monotonic() < draw_at:
@@ -1090,6 +1094,7 @@ class SwarmMatchmaking(GroupSource):
         # read it early (everyone it waits for was in) otherwise gave up on a group that a member reading at the
         # close then confirmed and sent its data to (refused as unexpected: an exchange lost, a receive timeout)
         confirm_by = self._confirm_by = min(deadline, max(began, read_by) + wait)
+        self._read_by = read_by
         others = [m for m in members if m != self.peer_id]
         tag = f"join/{group_id}"
         # the join says whom this peer left out of the window (a member whose penalties differ redraws with them)

@@ -228,3 +228,28 @@ def test_a_member_that_read_the_window_early_waits_for_one_that_read_it_at_its_c
     results = _form_all(makers, 80, {0: 0.0, 1: 0.1})
     for i in (0, 1):
         assert results[i][:2] == (["p0", "p1"], "joined"), (i, results)
+
+
+def test_peers_drawn_with_unreachable_identities_redraw_together_whatever_they_read_when(in_process_peers):
+    """Peers 2 and 3 announce but serve nothing (their endpoints closed: a join to them fails at once, as to a key
+    holder's daemonless sybil identities). Peer 0 reads the window as soon as peer 1 is in; peer 1 also waits for
+    a peer that never comes and reads it at its close and the slack. Drawn with 2 or 3, each fails at once and
+    redraws among the window's peers whose ``retry`` came. Peer 0 used to draw a second and a half after its own
+    early failure, before peer 1 had read the window: it found no retry and skipped the round, while peer 1 drew
+    peer 0 and waited for it to the end of matchmaking (``redraw failed``, as in CI's sybil attack). Counted from
+    the window's last read, both redraw the pair. Two rounds (a draw pairs 0 with 1 a third of the time, and needs
+    no redraw), before the no-shows' penalty (2 strikes) leaves them out."""
+    with in_process_peers(RUN + "-unreachable", "catch-up-test-key-0123456789", 4) as peers:
+        makers, ids = _makers(peers, behind=None, slack=0.5)
+        makers[0].expected = lambda r: {ids[1]}
+        makers[1].expected = lambda r: {ids[0], "nobody-announces-this-peer-id"}
+        for _, endpoint in peers[2:]:
+            endpoint.close()
+        results = {}
+        for round_index in (90, 91):
+            for gone in makers[2:]:
+                gone._announce(round_index)
+            results[round_index] = _form_all(makers[:2], round_index, {0: 0.3, 1: 0.4})
+    for round_index, result in results.items():
+        for i in (0, 1):
+            assert result[i][:2] == (["p0", "p1"], "joined"), (round_index, i, result)
