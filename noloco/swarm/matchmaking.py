@@ -905,9 +905,8 @@ class SwarmMatchmaking(GroupSource):
         The members of this peer's group that sent nothing at all are left out; to every other peer of the window
         this peer posts ``retry/<window>``, waits until its first confirmation deadline plus ``max(0.5, slack)``
         (so that a peer whose group timed out is in as well; if the failure was a member that could not be reached,
-        which fails every group at once, only ``max(1, 2 slack) + max(0.5, slack)`` seconds, and if no retry has
-        come by then, until as long after the window's last read, when every member has read it and tried its
-        group; if less than
+        which fails every group at once, only ``max(1, 2 slack) + max(0.5, slack)`` seconds after the window's
+        last read, when every member has read it and tried its group; if less than
         ``min(1, confirm_timeout / 2)`` of the round's matchmaking time would be left, it skips the round), then
         draws among itself and the peers whose ``retry`` arrived, and confirms that group. Identities that never
         answer (no daemon, or never confirming) send no ``retry`` and are drawn around within the round; peers whose
@@ -928,31 +927,19 @@ class SwarmMatchmaking(GroupSource):
             if peer != self.peer_id and peer not in failed:
                 self.endpoint.post_control(channel, round_index, peer, tag, left_out, self.confirm_timeout)
         # a member that could not be reached failed the group at once (as it does every honest peer drawn with an
-        # identity that has no daemon): draw soon; a silent one only at the confirmation deadline
+        # identity that has no daemon): draw soon, counted from when every peer of the window has read it (one that
+        # read it at its close fails that much later, and its retry must be in); a silent one only at the
+        # confirmation deadline
         wait = max(1.0, 2 * self.slack) if unreachable else 0.0
-        settle = max(0.5, self.slack)
-        draw_at = min(self._confirm_by, time.monotonic() + wait) + settle
-        room = min(1.0, self.confirm_timeout / 2)  # the least matchmaking time a redraw needs to confirm
-        if deadline - draw_at < room:  # no time left to confirm a redraw (a member
+        draw_at = min(self._confirm_by, max(time.monotonic(), self._read_by) + wait) + max(0.5, self.slack)
+        if deadline - draw_at < min(1.0, self.confirm_timeout / 2):  # no time left to confirm a redraw (a member
             return None  # that gives up while the other confirmed would make the other's data be refused)
-        # no retry by then: one may still come from a peer that read the window at its close, which tried its group
-        # (and failed) that much later; wait for it as long after the window's last read (drawing at once, a peer
-        # that read early skipped the round while the late one drew it and waited for it in vain)
-        latest = min(max(draw_at, min(self._confirm_by, self._read_by + wait) + settle), deadline - room)
         while time.monotonic() < draw_at:
             time.sleep(min(0.05, max(0.0, draw_at - time.monotonic())))
-        claims: dict[str, bytes] = {}
-        while True:
-            for peer in names:
-                if peer != self.peer_id and peer not in failed and peer not in claims:
-                    claim = self.endpoint.take_control(channel, peer, tag, 0.0)
-                    if claim is not None:
-                        claims[peer] = claim
-            if claims or not unreachable or time.monotonic() >= latest:
-                break
-            time.sleep(0.05)
-        back = set(claims)
-        for claim in claims.values():
+        claims: dict[str, bytes | None] = {p: self.endpoint.take_control(channel, p, tag, 0.0) for p in names
+                                           if p != self.peer_id and p not in failed}  # fmt: skip
+        back = {p for p, claim in claims.items() if claim is not None}
+        for claim in [c for c in claims.values() if c is not None]:
             try:
                 listed = json.loads(claim.decode())
             except (ValueError, UnicodeDecodeError, RecursionError):
