@@ -186,7 +186,9 @@ def time_tables(data: dict) -> list[str]:
     lines += ["", "## Calibration against the throttled fleet (docs/results)", "",
               "Predicted = link time (full or half duplex) + a fixed seconds per outer exchange fitted on each "
               "report's blocking noloco/int4 run (*fit*); transport: `full` posts receives ahead (now), `half` is the "
-              "transport before, whose directions took turns part of the time.", "",
+              "transport before, whose directions took turns part of the time. Overlapped rounds: max(compute, "
+              f"c × exchange), c = {_slowdown(data)} the exchange's slowdown beside training, fitted on one report's "
+              "overlapped exchanges (noloco.sim.wan.overlap_slowdown).", "",
               "| report | method | hosts | Mbit/s | transport | quantity | measured (s) | link full / half (s) | "
               "fixed (s) "
               "| predicted full (s) | error full | predicted half (s) | error half |",
@@ -198,6 +200,12 @@ def time_tables(data: dict) -> list[str]:
                      f"{p['fixed']:.3f} | {p['predicted_full']:.3f} | {p['error_full']:+.0%} | "
                      f"{p['predicted_half']:.3f} | {p['error_half']:+.0%} |")  # fmt: skip
     return lines
+
+
+def _slowdown(data: dict) -> str:
+    """The overlap slowdown the calibration applied, as the table's text gives it."""
+    values = {p["slowdown"] for p in data["calibration"] if "slowdown" in p}
+    return ", ".join(f"{v:.2f}" for v in sorted(values)) or "(no overlapped point)"
 
 
 def time_plots(data: dict, out: Path, name: str) -> list[str]:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from noloco.fleet.linkmodel import DEFAULT_OVERHEAD, TokenBucket
 from noloco.sim.wan import (
+    OVERLAP_FIT_REPORT,
     WanConfig,
     calibration,
     claim_conditions,
     draw_peers,
     group_exchange,
     matchmaking_seconds,
+    overlap_slowdown,
     payload_bytes,
     ring_allreduce,
     simulate_rounds,
@@ -142,6 +146,42 @@ def test_calibration_reads_the_fleet_reports_and_fits_one_point_per_report():
     ddp = [p for p in points if p["report"] == "throttled-duplex.json" and p["method"] == "ddp/fp32"]
     # 4 hosts at 50 Mbit/s: the ring's bytes at the link rate, 2·3/4 · 2.76 MB · 1.07 · 8 / 5e7
     assert ddp and ddp[0]["link_full"] == pytest.approx(495.936e6 / 120 * DEFAULT_OVERHEAD * 8 / 50e6, rel=1e-3)
+
+
+def _fleet_row(method: str, blocked: float, compute: float, exchange: float | None = None) -> dict:
+    """One row of an overlap_fleet report as the calibration reads it: 4 hosts at 50 Mbit/s, 10 rounds."""
+    row = {
+        "method": method,
+        "hosts": 4,
+        "rate_bps": 50e6,
+        "steps": 400,
+        "rounds": 10,
+        "idle_fraction": 0.1,
+        "wall_seconds": 10.0,
+        "bytes_sent_per_worker": 10 * 1.5e6,
+        "steady": {"blocked_per_round": blocked, "compute_per_round": compute, "seconds_per_round": compute + 0.1},
+    }
+    if exchange is not None:
+        row["exchanges"] = {"exchange_seconds": exchange, "wait_seconds": 0.1}
+    return row
+
+
+def test_overlapped_rounds_take_the_slowdown_fitted_on_one_report(tmp_path):
+    assert overlap_slowdown(tmp_path) == 1.0  # no report: the link model alone
+    fit = [_fleet_row("noloco/int4", 0.40, 0.70), _fleet_row("noloco/int4/outer.overlap=true", 0.0, 0.70, 0.50)]
+    (tmp_path / OVERLAP_FIT_REPORT).write_text(json.dumps({"results": fit}))
+    assert overlap_slowdown(tmp_path) == pytest.approx(0.50 / 0.40)
+    # another report whose exchange outlasts its compute: the slowdown decides its overlapped round
+    other = [_fleet_row("noloco/int4", 0.60, 0.30), _fleet_row("noloco/int4/outer.overlap=true", 0.0, 0.30, 0.8)]
+    (tmp_path / "overlap_fleet-h200-duplex.json").write_text(json.dumps({"results": other}))
+    points = {(p["report"], p["method"]): p for p in calibration(tmp_path)}
+    blocking = points["overlap_fleet-h200-duplex.json", "noloco/int4"]
+    overlapped = points["overlap_fleet-h200-duplex.json", "noloco/int4/outer.overlap=true"]
+    assert blocking["fit"] and blocking["predicted"] == pytest.approx(0.60)  # link + fixed = the measured 0.60
+    assert overlapped["slowdown"] == pytest.approx(1.25)
+    assert overlapped["predicted"] == pytest.approx(max(0.30, 1.25 * 0.60))
+    # where compute is longer than the slowed exchange, the round is the compute
+    assert points[OVERLAP_FIT_REPORT, "noloco/int4/outer.overlap=true"]["predicted"] == pytest.approx(0.70)
 
 
 def test_claim_conditions_vary_what_they_say():
