@@ -71,14 +71,14 @@ def test_longer_runs_say_how_much_sooner_overlap_reaches_ddps_loss():
     lines, verdicts = overlap_fleet.analyse([ddp, mine, theirs, never, frag])
     checks = {v["target"]: v for v in verdicts}
     vs_noloco = checks["overlapped NoLoCo-int4 reaches DDP-fp32's loss ≥ 1.5× sooner than blocking noloco/int4"]
-    assert vs_noloco["met"] and vs_noloco["value"] == "2.0×"
+    assert vs_noloco["met"] and vs_noloco["value"] == "2.00×"
     vs_diloco = checks["overlapped NoLoCo-int4 reaches DDP-fp32's loss ≥ 1.5× sooner than blocking "
                        "diloco/fp32/outer.momentum=0.5"]  # fmt: skip
     assert vs_diloco["met"] and vs_diloco["value"].startswith("> 4.00×")  # a bound: DiLoCo's whole 60 s run
     assert mine["step_to_target"] == pytest.approx(150)
     slower = checks["overlapped NoLoCo-int4 (noloco/int4/outer.overlap=true/outer.fragments=4) reaches DDP-fp32's "
                     "loss ≥ 1.5× sooner than blocking noloco/int4"]  # fmt: skip
-    assert not slower["met"] and slower["value"] == "0.8×"  # 30 s against its 37.5 s
+    assert not slower["met"] and slower["value"] == "0.80×"  # 30 s against its 37.5 s
     assert len(verdicts) == 4  # two overlapped runs, each against the two blocking ones
     assert any(line.startswith("| diloco/fp32/outer.momentum=0.5 | 300 | – | – |") for line in lines)
     assert any("(DDP-fp32: step 100, 50.0 s at 10000 Mbit/s)" in line for line in lines)
