@@ -434,6 +434,7 @@ FLEET_REPORTS = {
     "throttled-duplex.json": "full",
     "throttled-duplex-diloco-mu-1.json": "full",
     "throttled-duplex-diloco-mu-2.json": "full",
+    "throttled-duplex-2hosts.json": "full",
     "overlap_fleet-2cores.json": "half",
     "overlap_fleet-16cores.json": "half",
     "overlap_fleet-h200.json": "half",
