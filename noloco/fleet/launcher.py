@@ -162,11 +162,14 @@ def launch(
     grace: float = 10.0,
     queue: str | float = "100ms",
     out: TextIO | None = None,
+    burst: str | float = "5ms",
 ) -> FleetResult:
     """Build the fleet, run ``command`` on every host, wait, tear down; returns a :class:`FleetResult`.
 
     ``rate``: per host, each direction, as ``"50mbit"`` or bits/s (``None``: unshaped).
     ``queue``: tbf's queue bound (packets that would wait longer are dropped), ``"100ms"`` or seconds.
+    ``burst``: tbf's bucket as traffic time at ``rate`` (at least 16 KiB), ``"5ms"`` or seconds; a deeper one
+    lets a message start at line speed as many access links do.
     ``local_world_size``: ``LOCAL_WORLD_SIZE`` given to every worker (torch threads = cores / it);
     default ``hosts``, since all hosts share this machine's cores.
     ``cpus_per_host``: pin host i's worker to its own ``cpus_per_host`` cores (the i-th slice of the launcher's
@@ -183,7 +186,8 @@ def launch(
     name = name or time.strftime(f"fleet-{hosts}h-%Y%m%d-%H%M%S")
     command, folder = _with_run_folder(list(command), Path(run_dir).absolute(), name)
     queue_s = float(queue) if isinstance(queue, (int, float)) else parse_duration(queue)
-    fleet = Fleet(hosts, rate_bps, prefix=prefix, queue_latency=queue_s)
+    burst_s = float(burst) if isinstance(burst, (int, float)) else parse_duration(burst)
+    fleet = Fleet(hosts, rate_bps, prefix=prefix, queue_latency=queue_s, burst_seconds=burst_s)
     workers = _Workers()
     codes: list[int | None] = [None] * hosts
     started = time.perf_counter()
@@ -342,6 +346,7 @@ def _record_result(result: FleetResult, fleet: Fleet, command: list[str], hosts:
             "rate_bps": rate_bps,
             "ingress": fleet.ingress_mode,
             "queue_seconds": queue_s,
+            "burst_seconds": fleet.burst_seconds,
             "cpus": result.cpus,
             "command": command,
             "exit_codes": codes,
@@ -437,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         "--latency", default=None, help="one-way delay per message, e.g. 20ms (user space: NOLOCO_LINK_LATENCY)"
     )
     parser.add_argument("--queue", default="100ms", help="tbf queue bound per link (default 100ms)")
+    parser.add_argument("--burst", default="5ms", help="tbf bucket per link, as traffic time at --rate "
+                        "(default 5ms, at least 16 KiB; access links often burst 50ms or more)")  # fmt: skip
     parser.add_argument("--port", type=int, default=29500, help="MASTER_PORT on host 0 (default 29500)")
     parser.add_argument("--run-dir", type=Path, default=Path("runs/fleet"), help="run.dir for train commands")
     parser.add_argument("--name", default=None, help="run.name for train commands (default fleet-<N>h-<time>)")
@@ -465,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             command, args.hosts, rate=args.rate, latency=args.latency, port=args.port, run_dir=args.run_dir,
             name=args.name, prefix=args.prefix, local_world_size=args.local_world_size,
             cpus_per_host=args.cpus_per_host, grace=args.grace,
-            queue=args.queue,
+            queue=args.queue, burst=args.burst,
         )  # fmt: skip
     except (FleetError, ValueError) as exc:
         print(str(exc) if str(exc).startswith("noloco-fleet") else f"noloco-fleet: {exc}", file=sys.stderr)

@@ -33,6 +33,7 @@ leftovers of launchers that died without cleaning up (their pid is part of the p
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -228,10 +229,19 @@ def stale_prefixes() -> list[str]:
     return sorted(stale)
 
 
-def _burst_bytes(rate_bps: float) -> int:
-    # tbf needs burst >= rate/HZ and >= one MTU-sized packet; keep it small so the link rate holds
-    # over short windows (~5 ms of traffic, at least 16 KiB).
-    return max(16 * 1024, int(rate_bps / 8 * 0.005))
+#: tbf's bucket by default, as seconds of traffic at the link rate (at least :data:`MIN_BURST_BYTES`)
+DEFAULT_BURST_SECONDS = 0.005
+MIN_BURST_BYTES = 16 * 1024
+#: the deepest bucket a fleet takes, in seconds of traffic (a link that bursts this long is hardly shaped)
+MAX_BURST_SECONDS = 10.0
+
+
+def _burst_bytes(rate_bps: float, seconds: float = DEFAULT_BURST_SECONDS) -> int:
+    # tbf needs burst >= rate/HZ and >= one MTU-sized packet. The default is small so the link rate holds over
+    # short windows (5 ms of traffic, at least 16 KiB); TCP then moves a multi-megabyte message after an idle
+    # round at about 85% of the rate (docs/results/scale.md, "Calibration"); real access links often have deeper
+    # buckets (``--burst``).
+    return max(MIN_BURST_BYTES, int(rate_bps / 8 * seconds))
 
 
 @dataclass
@@ -243,6 +253,7 @@ class Fleet:
         rate_bps: per-host rate in bits/s, applied to egress and to ingress; ``None`` = unshaped.
         prefix: unique name prefix of this fleet's namespaces (default ``nlc<pid>``).
         queue_latency: tbf's queue bound in seconds (packets waiting longer are dropped).
+        burst_seconds: tbf's bucket, in seconds of traffic at ``rate_bps`` (at least 16 KiB; default 5 ms).
 
     Use as a context manager (``with Fleet(4, 50e6) as fleet:``) or call :meth:`up`/:meth:`down`.
     """
@@ -251,6 +262,7 @@ class Fleet:
     rate_bps: float | None = None
     prefix: str = field(default_factory=lambda: f"nlc{os.getpid()}")
     queue_latency: float = 0.1
+    burst_seconds: float = DEFAULT_BURST_SECONDS
     ingress_mode: str = "none"
     _built: list[str] = field(default_factory=list, repr=False)
 
@@ -259,6 +271,8 @@ class Fleet:
             raise ValueError(f"hosts must be in 1..250, got {self.hosts}")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,23}", self.prefix):
             raise ValueError(f"bad prefix {self.prefix!r}: lowercase letters/digits, at most 24")
+        if not (math.isfinite(self.burst_seconds) and 0 < self.burst_seconds <= MAX_BURST_SECONDS):
+            raise ValueError(f"burst {self.burst_seconds!r} s is not in (0, {MAX_BURST_SECONDS:g}] seconds of traffic")
 
     # names -------------------------------------------------------------------------------------
     @property
@@ -288,7 +302,7 @@ class Fleet:
         assert self.rate_bps is not None
         self._ns(
             namespace, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-            "rate", f"{int(self.rate_bps)}bit", "burst", str(_burst_bytes(self.rate_bps)),
+            "rate", f"{int(self.rate_bps)}bit", "burst", str(_burst_bytes(self.rate_bps, self.burst_seconds)),
             "latency", f"{int(self.queue_latency * 1000)}ms",
         )  # fmt: skip
 

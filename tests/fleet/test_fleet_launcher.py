@@ -278,6 +278,35 @@ def test_cpus_per_host_beyond_the_machine_is_refused_before_anything_is_built(mo
 
 
 @needs_root
+def test_burst_sets_every_links_bucket_in_traffic_time_at_the_rate():
+    """``burst_seconds`` (``noloco-fleet --burst``) is tbf's bucket on each shaped device: 50 ms at 50 Mbit/s is
+    312,500 bytes; the default 5 ms is 31,250; a slow link keeps at least 16 KiB."""
+    shown = {}
+    for rate, seconds in ((50e6, 0.05), (50e6, None), (1e6, None)):
+        kwargs = {} if seconds is None else {"burst_seconds": seconds}
+        with Fleet(1, rate, prefix=_prefix(), **kwargs) as fleet:
+            out = subprocess.run(["ip", "netns", "exec", fleet.namespace(0), "tc", "qdisc", "show"],
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+            prefix = fleet.prefix
+        shown[rate, seconds] = out
+        assert _leftovers(prefix) == []
+    assert "burst 312500b" in shown[50e6, 0.05] and "burst 31250b" not in shown[50e6, 0.05]
+    assert "burst 31250b" in shown[50e6, None]
+    assert "burst 16Kb" in shown[1e6, None] or "burst 16384b" in shown[1e6, None], shown[1e6, None]
+
+
+@pytest.mark.parametrize("burst", ["0ms", "20s", "fast"])
+def test_a_burst_out_of_range_is_refused_in_one_line_before_anything_is_built(monkeypatch, capsys, burst):
+    monkeypatch.setattr(launcher, "is_root", lambda: True)
+    monkeypatch.setattr(launcher, "missing_tools", lambda: [])
+    code = launcher.main(["--hosts", "1", "--rate", "50mbit", "--burst", burst, "--prefix", "nlcnever", "--", "true"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("noloco-fleet:") and ("burst" in err[0] or "duration" in err[0]), err
+    assert not any(ns.startswith("nlcnever") for ns in list_namespaces())
+
+
+@needs_root
 def test_ctrl_c_on_the_fleet_saves_every_worker_at_one_step_then_tears_down(tmp_path):
     """SIGINT to noloco-fleet reaches the workers as train.py's Ctrl-C: they agree on one step, save it, exit 130;
     the launcher removes the namespaces, says how to resume and exits 130. The checkpoint is complete."""
