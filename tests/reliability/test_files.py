@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -380,7 +381,11 @@ def test_a_stalled_torch_run_exits_3_with_each_ranks_line_and_no_traceback(tiny_
                                      "run.stall_timeout=3"],
                                     env={"NOLOCO_FAULTS": "outer.exchange@10/1=sleep:60"})  # fmt: skip
     assert code == STALL_EXIT, err[-3000:]
-    lines = _error_lines(err)
+    # on a loaded machine rank 1's detector can fire and its process exit before rank 0's detector does: rank 0
+    # then finds the link lost, skips the round and trains on alone (a dead partner costs a round, by design),
+    # and says of each later checkpoint that rank 1 never completed it; those warnings are its only other lines
+    gone = re.compile(r"worker 0: checkpoint of step \d+ left incomplete \(rank 0: link to rank 1 lost")
+    lines = _error_lines("\n".join(x for x in err.splitlines() if not gone.match(x)))
     assert all("no worker advanced" in x and "(step 5) is intact" in x for x in lines), lines
     assert any("worker 1 after step 9" in x for x in lines), lines
     run = tmp_path / "s"
