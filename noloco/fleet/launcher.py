@@ -185,8 +185,7 @@ def launch(
     prefix = prefix or f"nlc{os.getpid()}"
     name = name or time.strftime(f"fleet-{hosts}h-%Y%m%d-%H%M%S")
     command, folder = _with_run_folder(list(command), Path(run_dir).absolute(), name)
-    queue_s = float(queue) if isinstance(queue, (int, float)) else parse_duration(queue)
-    burst_s = float(burst) if isinstance(burst, (int, float)) else parse_duration(burst)
+    queue_s, burst_s = _seconds(queue), _seconds(burst)
     fleet = Fleet(hosts, rate_bps, prefix=prefix, queue_latency=queue_s, burst_seconds=burst_s)
     workers = _Workers()
     codes: list[int | None] = [None] * hosts
@@ -224,12 +223,17 @@ def _check_request(command: list[str], latency: str | float | None) -> float:
         raise FleetError(f"noloco-fleet: missing {', '.join(missing_tools())} (install iproute2)")
     delay = 0.0
     if latency not in (None, ""):
-        delay = float(latency) if isinstance(latency, (int, float)) else parse_duration(latency)
+        delay = _seconds(latency)
         if not delay >= 0:
             raise FleetError(f"noloco-fleet: latency must be >= 0, got {latency!r}")
     if not command:
         raise FleetError("noloco-fleet: no command given (put it after --)")
     return delay
+
+
+def _seconds(value: str | float) -> float:
+    """Seconds from a number or a duration such as ``"20ms"`` (ValueError for anything else)."""
+    return float(value) if isinstance(value, (int, float)) else parse_duration(value)
 
 
 def _rate_bps(rate: str | float | None) -> float | None:
