@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from noloco.collectives.codec import Codec, Fp32Codec, QuantCodec, get_codec
+from noloco.collectives.codec import Codec, Fp32Codec, QuantCodec, get_codec, side_information
 from noloco.collectives.gather import allgather_allreduce
 from noloco.collectives.protocol import DTYPE_CODES, NORM_FLOOR_RMS, CallInfo, Exchange, NormBound, NormRejections
 from noloco.collectives.residuals import ReductionErrorFeedback
@@ -96,7 +96,8 @@ def allreduce(
         group: ranks taking part, in the same order on every member.
         codec: wire format (``"fp32"`` is exact; any :mod:`noloco.quant` spec string, or a Codec).
         reduction: ``"two_phase"``, ``"ring"``, ``"naive_ring"`` or ``"allgather"`` (the schedule of messages);
-            a sparse codec turns ``"two_phase"`` of two members into ``"allgather"`` and is refused by the rings.
+            a sparse codec turns ``"two_phase"`` of two members into ``"allgather"`` and is refused by the rings;
+            a coset code always runs as ``"allgather"``.
         algorithm: deprecated name of ``reduction`` (warns once; removed in 0.3).
         op: ``"mean"`` or ``"sum"``.
         timeout: seconds to wait for any one peer message.
@@ -139,6 +140,8 @@ def allreduce(
     n = len(group)
     if _sparse(requested) and reduction == "two_phase" and n == 2:
         reduction = "allgather"  # the same bytes as two-phase for two members, and no re-sparsified sum
+    if side_information(requested):
+        reduction = "allgather"  # a coset code decodes against the receiver's own value: never a partial sum
     wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
     tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
     # A bounded ring puts an input count in front of its reduce-scatter messages: members must agree on it.

@@ -9,6 +9,10 @@ so all return bit-identical results. There is no second encoding, so nothing is 
 own encoding, which its error feedback pays back (``contribution <- v - decoded``; the ``result`` residual
 is not used and stays as it is).
 
+A coset code (:class:`~noloco.collectives.codec.CosetCodec`) is decoded against the receiving member's own
+value: while no peer's grid index wraps, every member decodes each peer's grid value exactly and the results stay
+bit-identical; :func:`~noloco.collectives.allreduce` carries such codecs by this schedule only.
+
 Bytes sent per member: ``(n - 1)`` × the encoded vector (two-phase: ``2 (n - 1) / n`` ×), plus one 32-byte
 header per message. For n = 2 both send one encoded vector, so :func:`~noloco.collectives.allreduce` runs
 sparse codecs' two-phase calls of two members this way (docs/collectives.md, "Sparse codecs").
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from noloco.collectives.codec import Codec
+from noloco.collectives.codec import Codec, side_information
 from noloco.collectives.protocol import PHASE_GATHER, Exchange
 
 
@@ -58,7 +62,11 @@ def allgather_allreduce(
             if j == me:
                 term = decoded
             else:
-                term = codec.decode(ex.recv(j, PHASE_GATHER, j, device=flat.device), numel, flat.device)
+                payload = ex.recv(j, PHASE_GATHER, j, device=flat.device)
+                if side_information(codec):  # a coset code: decoded against this member's own value
+                    term = codec.decode(payload, numel, flat.device, side=value)
+                else:
+                    term = codec.decode(payload, numel, flat.device)
                 ex.check_finite(term, j, j, codec)
                 if not ex.admits(j, j, term, own_norm):
                     continue

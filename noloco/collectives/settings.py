@@ -1,8 +1,9 @@
 """The codec and reduction keys of the ``comm`` config section, checked by the package that uses them.
 
 ``comm.codec`` and ``comm.slow_codec`` must parse (:func:`~noloco.collectives.codec.get_codec`), ``comm.reduction``
-must be a known reduction, and a reduction that re-quantizes partial sums hop by hop (``ring``, ``naive_ring``)
-cannot carry a sparse (top-k) payload. The timeouts and bounds of ``comm`` are the outer algorithm's to check.
+must be a known reduction, a coset code is for ``comm.slow_codec`` only, and a reduction that re-quantizes partial
+sums hop by hop (``ring``, ``naive_ring``) cannot carry a sparse (top-k) payload. The timeouts and bounds of
+``comm`` are the outer algorithm's to check.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from noloco.collectives.base import REDUCTIONS
-from noloco.collectives.codec import get_codec
+from noloco.collectives.codec import get_codec, side_information
 
 #: reductions that sum partial results hop by hop, each hop re-encoding them: dense codecs only
 HOP_BY_HOP = ("ring", "naive_ring")
@@ -29,6 +30,9 @@ def check_reduction_settings(comm: Mapping) -> None:
             codec = get_codec(value)
         except ValueError as err:
             raise ValueError(f"comm.{key}={value!r} is not a codec: {err}") from None
+        if key == "codec" and side_information(codec):
+            raise ValueError(f"comm.codec={value!r}: a coset code decodes against the receiver's own values, so it "
+                             "carries only NoLoCo's slow-weight term (comm.slow_codec)")  # fmt: skip
         if reduction in HOP_BY_HOP and codec.name.startswith("topk"):
             raise ValueError(f"comm.reduction={reduction} cannot carry the top-k codec comm.{key}={value!r}; use "
                              "two_phase or allgather")  # fmt: skip

@@ -56,6 +56,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from noloco.collectives import Codec, NormRejections, ReductionErrorFeedback, allreduce, get_codec
+from noloco.collectives.codec import side_information
 from noloco.comm import faults
 from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
@@ -64,7 +65,9 @@ from noloco.optim.diloco import AveragingRule, DiLoCoRule
 from noloco.optim.fragments import Fragment, split_fragments
 from noloco.optim.noloco import NoLoCoRule
 from noloco.optim.overlap import InFlight, OverlappedRounds, check_overlap_steps, overlap_rule
+from noloco.optim.spread import SpreadHistory
 from noloco.optim.stagger import SliceFeedback, stagger_index, stagger_slices
+from noloco.quant.coset import steps as coset_steps
 from noloco.state import StateError, all_finite, check_keys, check_tensor, is_count
 
 logger = logging.getLogger(__name__)
@@ -617,6 +620,13 @@ class OuterAlgorithm(Algorithm):
         self.slow_codec: Codec = self.codec if slow_codec is None else get_codec(slow_codec)
         self.reference = self.slow.clone()
         self.slow_feedback = self._new_feedback() if error_feedback and not self.slow_codec.exact else None
+        if side_information(self.codec):
+            raise ValueError(f"comm.codec={self.codec.name}: a coset code decodes against the receiver's own values, "
+                             "so it carries only the slow-weight term (comm.slow_codec), whose partners' copies are "
+                             "close to this worker's")  # fmt: skip
+        # a coset-coded slow term: how far partners' φ − φ_0 were, block by block, when last exchanged (its grids)
+        self.slow_spread = SpreadHistory(self.slow.numel(), self.slow.device) if side_information(
+            self.slow_codec) and rule.needs_slow_mean else None  # fmt: skip
         # the slow-weight term crosses the link every `slow_every`-th cycle of rounds only (docs/design.md §3.2)
         self.slow_every = slow_every
         # staggered: 1/k of the term every round, a rotating slice of each fragment (noloco.optim.stagger)
@@ -740,6 +750,8 @@ class OuterAlgorithm(Algorithm):
         yield self, "slow"
         yield self, "reference"
         yield self.rule, "velocity"
+        if self.slow_spread is not None:
+            yield self.slow_spread, "blocks"
         for fragment in self.fragment_states:
             for feedback in fragment.feedbacks:
                 if feedback is not None:
@@ -875,17 +887,30 @@ class OuterAlgorithm(Algorithm):
         mean_delta = reduce(delta, "delta", self.codec, feedback, progress if guarded else None)
         if not self.rule.needs_slow_mean:
             return mean_delta, None
+        base = 0 if part is None else part.start
+
+        def reduce_slow(x: torch.Tensor, piece: slice, feedback, scale) -> torch.Tensor:
+            """The group mean of the slow term's ``piece`` (of this fragment); a coset code's grids from history."""
+            where = slice(base + piece.start, base + piece.stop)
+            if self.slow_spread is None:
+                return reduce(x, "slow", self.slow_codec, feedback, scale)
+            codec = self.slow_codec.with_spread(self.slow_spread.spread_for(where))
+            mean = reduce(x, "slow", codec, feedback, scale)
+            step = coset_steps(codec.exponents(x), x.numel())  # the grids of x itself: close to those sent
+            self.slow_spread.update(where, x, mean, len(group.members), step)
+            return mean
+
         if self.slow_stagger:  # the round's slice of φ − φ_0; φ itself elsewhere, whose pull term is exactly zero
             piece = self._stagger[fragment][stagger_index(group.round, len(self.fragments), self.slow_every)]
             scale = torch.hypot(progress[piece], delta[piece]) if self.max_norm_ratio is not None else None
             sliced = None if slow_feedback is None else SliceFeedback(slow_feedback, piece, progress.numel())
             mean_slow = slow.clone()
-            mean_slow[piece] = reference[piece] + reduce(progress[piece], "slow", self.slow_codec, sliced, scale)
+            mean_slow[piece] = reference[piece] + reduce_slow(progress[piece], piece, sliced, scale)
             return mean_delta, mean_slow
         if not self.slow_round(group.round):
             return mean_delta, slow  # φ itself: no pull this round (the rule skips the pull term for an alias of φ)
         scale = torch.hypot(progress, delta) if self.max_norm_ratio is not None else None
-        return mean_delta, reference + reduce(progress, "slow", self.slow_codec, slow_feedback, scale)
+        return mean_delta, reference + reduce_slow(progress, slice(0, progress.numel()), slow_feedback, scale)
 
     def _fused_exchange(self) -> bool:
         """One exchange of θ instead of Δ and φ: exact only for rules with β = γ and lossless codecs."""
@@ -964,6 +989,8 @@ class OuterAlgorithm(Algorithm):
             "norm_rejections": self.norm_rejections.state_dict(),
             **overlapped,
         }
+        if self.slow_spread is not None:
+            state["slow_spread"] = self.slow_spread.state_dict()
         return state
 
     @classmethod
@@ -973,8 +1000,11 @@ class OuterAlgorithm(Algorithm):
         the counts, and an overlapped round's exchange and partners' shares. ``rebuilt``: entries (``slow``,
         ``reference``) the caller stores otherwise and checks itself."""
         check_keys(state, where, {"inner_step", "slow", "rule", "reference", "feedback"},
-                   {"slow_feedback", "nonfinite_events", "norm_rejections", "in_flight", "partners"})  # fmt: skip
+                   {"slow_feedback", "nonfinite_events", "norm_rejections", "in_flight", "partners",
+                    "slow_spread"})  # fmt: skip
         cls._check_common(state, numel, where)
+        if "slow_spread" in state:
+            SpreadHistory.check_state(state["slow_spread"], numel, f"{where}/slow_spread")
         for key in ("slow", "reference"):
             if key not in rebuilt:
                 check_tensor(state[key], f"{where}/{key}", (numel,))
@@ -1002,6 +1032,8 @@ class OuterAlgorithm(Algorithm):
         Fragment.load_joined(self.fragment_states, "slow_feedback", state.get("slow_feedback"))
         if "norm_rejections" in state:
             self.norm_rejections.load_state_dict(state["norm_rejections"])
+        if self.slow_spread is not None and state.get("slow_spread") is not None:  # older checkpoints: unknown
+            self.slow_spread.load_state_dict(state["slow_spread"])
         if self.offload:
             self._move_outer_state(torch.device("cpu"))
         pending, partners = _in_flight_from(state.get("in_flight"), self.slow, self._split_of), state.get("partners")

@@ -16,7 +16,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from noloco.collectives import known_codecs
+from noloco.collectives import get_codec, known_codecs
+from noloco.collectives.codec import side_information
 from noloco.collectives.settings import check_reduction_settings
 from noloco.data.settings import check_data_settings
 from noloco.models.settings import check_model_settings
@@ -347,6 +348,8 @@ def _validate_inner(cfg: DictConfig) -> None:
         "of a worker)",
     )
     _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
+    _require(not side_information(get_codec(inner.grad_codec)),
+             f"inner.grad_codec={inner.grad_codec!r}: a coset code carries only NoLoCo's slow-weight term")  # fmt: skip
 
 
 def _validate_exchange_schedule(cfg: DictConfig) -> None:

@@ -1,0 +1,130 @@
+"""NoLoCo's slow-weight term through a coset code (``comm.slow_codec=coset3``, docs/design.md §3.2): fewer bytes than
+int4, grids learned from the last exchange, exact resume, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from noloco.comm import LocalFabric
+from noloco.optim import NoLoCo
+from noloco.optim.spread import UNKNOWN, SpreadHistory
+from noloco.state import StateError
+
+WORKERS, EVERY, N = 4, 3, 3 * 8192
+
+
+class Flat(torch.nn.Module):
+    def __init__(self, start: torch.Tensor):
+        super().__init__()
+        self.a = torch.nn.Parameter(start[: N // 3].float().clone())
+        self.b = torch.nn.Parameter(start[N // 3 :].float().clone())
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([self.a, self.b])
+
+
+def _build(transport, start, **kw):
+    model = Flat(start)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algo = NoLoCo(model, opt, transport, every=EVERY, timeout=10.0, lr=0.7, pull=0.7, momentum=0.5, group_size=2,
+                  seed=5, **kw)  # fmt: skip
+    return model, algo
+
+
+def _steps(model, algo, target, steps):
+    sent = []
+    for _ in range(steps):
+        (0.5 * (model.flat().double() - target).pow(2).sum()).backward()
+        if algo.step() is not None:
+            sent.append(algo.counter.bytes_sent)
+    return sent
+
+
+COSET = dict(codec="topk:64/4096+int2", slow_codec="coset3", slow_every=3, slow_stagger=True)
+
+
+def test_a_cycle_sends_fewer_bytes_than_int4_and_learns_every_blocks_spread():
+    start, targets = torch.randn(N, dtype=torch.float64), torch.randn(WORKERS, N, dtype=torch.float64)
+
+    def worker(kw):
+        def run(t):
+            model, algo = _build(t, start, **kw)
+            sent = _steps(model, algo, targets[t.rank], 6 * EVERY)
+            return sent[-1], algo.slow_spread
+
+        return run
+
+    coset = LocalFabric(WORKERS).run(worker(COSET))
+    int4 = LocalFabric(WORKERS).run(worker({**COSET, "slow_codec": "int4"}))
+    for (coset_bytes, spread), (int4_bytes, none) in zip(coset, int4):
+        assert none is None and coset_bytes < int4_bytes
+        assert bool((spread.blocks >= 0).all())  # every block exchanged at least once: a distance is known
+        assert float(spread.blocks.max()) > 0
+
+
+def test_a_state_saved_inside_a_cycle_resumes_exactly_with_its_grids():
+    start, targets = torch.randn(N, dtype=torch.float64), torch.randn(WORKERS, N, dtype=torch.float64)
+    half = 4 * EVERY
+
+    def straight(t):
+        model, algo = _build(t, start, **COSET)
+        _steps(model, algo, targets[t.rank], half + 4 * EVERY)
+        return algo.slow
+
+    def first(t):
+        model, algo = _build(t, start, **COSET)
+        _steps(model, algo, targets[t.rank], half)
+        state = algo.state_dict()
+        NoLoCo.check_state(state, N)
+        return state, model.state_dict()
+
+    saved = LocalFabric(WORKERS).run(first)
+    assert bool((saved[0][0]["slow_spread"]["blocks"] >= 0).any())
+
+    def second(t):
+        model, algo = _build(t, start, **COSET)
+        model.load_state_dict(saved[t.rank][1])
+        algo.load_state_dict(saved[t.rank][0])
+        _steps(model, algo, targets[t.rank], 4 * EVERY)
+        return algo.slow
+
+    for a, b in zip(LocalFabric(WORKERS).run(straight), LocalFabric(WORKERS).run(second)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "blocks, match",
+    [
+        (torch.zeros(3), "shape"),
+        (torch.full((N // 128,), -2.0), "negative"),
+        (torch.zeros(N // 128, dtype=torch.float64), "dtype"),
+    ],
+)
+def test_a_bad_spread_history_is_refused(blocks, match):
+    with pytest.raises(StateError, match=match):
+        SpreadHistory.check_state({"version": 1, "blocks": blocks}, N)
+    with pytest.raises(StateError, match="spread history"):
+        SpreadHistory.check_state({"blocks": blocks}, N)
+
+
+def test_the_history_reads_the_blocks_a_slice_overlaps():
+    history = SpreadHistory(1000)
+    assert torch.isnan(history.spread_for(slice(0, 300))).all()
+    history.update(slice(100, 400), torch.zeros(300), torch.arange(300.0) / 100, members=2, step=torch.zeros(300))
+    assert history.blocks[0] == 2 * 27 / 100 and history.blocks[3] == 2 * 2.99 and history.blocks[4] == UNKNOWN
+    spread = history.spread_for(slice(200, 460))  # the slice's blocks from 200 overlap history blocks 1-2, 2-3, 3
+    assert spread.tolist() == pytest.approx([2 * 2.83, 2 * 2.99, 2 * 2.99])
+
+
+def test_the_coding_noise_is_taken_out_of_a_measured_distance():
+    history = SpreadHistory(256)
+    history.update(slice(0, 256), torch.zeros(256), torch.full((256,), 0.5), members=2, step=torch.full((256,), 0.25))
+    assert history.blocks.tolist() == [0.5, 0.5]  # 2 × 0.5 seen, less two steps of 0.25
+    history.update(slice(0, 256), torch.zeros(256), torch.full((256,), 0.1), members=2, step=torch.full((256,), 0.25))
+    assert history.blocks.tolist() == [0.0, 0.0]  # all of it noise
+
+
+def test_a_coset_code_for_the_pseudo_gradient_is_refused():
+    with pytest.raises(ValueError, match="slow-weight term"):
+        LocalFabric(2).run(lambda t: _build(t, torch.zeros(N), codec="coset3"))
