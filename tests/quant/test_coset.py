@@ -161,3 +161,28 @@ def test_cuda_encodes_and_decodes_the_same_bits_as_the_cpu():
     assert bytes(gpu_body.cpu().numpy()) == cpu_body and torch.equal(gpu_value.cpu(), cpu_value)
     on_gpu = codec.decode(gpu_body, 100_000, "cuda", side=y.cuda()).cpu()
     assert torch.equal(on_gpu, codec.decode(cpu_body, 100_000, side=y))
+
+
+def test_random_payloads_decode_to_finite_values_or_are_refused():
+    gen = torch.Generator().manual_seed(11)
+    codec = get_codec("coset3")
+    outcomes = {"decoded": 0, "refused": 0}
+    for trial in range(300):
+        numel = int(torch.randint(1, 700, (1,), generator=gen))
+        body = torch.randint(0, 256, (codec.nbytes(numel),), generator=gen, dtype=torch.uint8)
+        if trial % 2:  # a plausible body: exponents in range and zero padding, random codes
+            exps, ncodes, _ = coset.layout(numel, 3)
+            start = -(-exps // 16) * 16
+            body[:exps] = torch.randint(-20, 20, (exps,), generator=gen, dtype=torch.int8).view(torch.uint8)
+            body[exps:start] = 0
+            body[start + ncodes :] = 0
+            body[start + ncodes - 1] &= (1 << ((numel * 3) % 8 or 8)) - 1
+        side = torch.randn(numel, generator=gen)
+        try:
+            out = codec.decode(bytes(body.numpy()), numel, side=side)
+        except PayloadMismatch:
+            outcomes["refused"] += 1
+            continue
+        assert out.shape == (numel,) and bool(torch.isfinite(out).all())
+        outcomes["decoded"] += 1
+    assert outcomes["decoded"] >= 100 and outcomes["refused"] >= 100
