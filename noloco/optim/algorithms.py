@@ -894,7 +894,7 @@ class OuterAlgorithm(Algorithm):
             where = slice(base + piece.start, base + piece.stop)
             if self.slow_spread is None:
                 return reduce(x, "slow", self.slow_codec, feedback, scale)
-            codec = self.slow_codec.with_spread(self.slow_spread.spread_for(where))
+            codec = self.slow_codec.with_spread(self.slow_spread.spread_for(where, x))
             mean = reduce(x, "slow", codec, feedback, scale)
             step = coset_steps(codec.exponents(x), x.numel())  # the grids of x itself: close to those sent
             self.slow_spread.update(where, x, mean, len(group.members), step)

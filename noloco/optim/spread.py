@@ -8,8 +8,12 @@ positions of the flat vector, the largest distance to a partner seen the last ti
 (``members × |group mean − own|``: exact for a pair, where the mean is halfway, an estimate in larger groups), less
 the coding noise in it (two grid steps: each side's rounding and the residual its error feedback added). Left in,
 that noise would widen the next grid, whose noise widens the one after: the grid would grow without end.
-A block never exchanged is unknown (stored as -1; NaN to the codec): its grid then covers twice its own range. The
-codec widens the guess by its margin; a partner further away than the grid covers decodes a wrapped, bounded value.
+A block never exchanged (stored as -1) is guessed from the blocks that were: their distance over their largest
+value, the 90th percentile over the last exchange (``ratio``), times the block's own largest value. With the slow
+term staggered over k rounds each block is exchanged only every k-th round, and over a short run that first
+exchange is a large share of all of them: a block with no guess at all (NaN to the codec: a grid twice its own
+range) sends next to nothing. The codec widens the guess by its margin; a partner further away than the grid
+covers decodes a wrapped, bounded value.
 
 The history is part of the outer algorithm's checkpoint (``slow_spread``); partners come and go, so a restored
 history is a guess like any other and nothing depends on it being a particular partner's.
@@ -26,21 +30,32 @@ from noloco.state import StateError, all_finite, check_tensor
 UNKNOWN = -1.0
 
 
+def _block_max(values: torch.Tensor, pad: int) -> torch.Tensor:
+    """max |values| over each block of 128 counted from the first value (``pad`` zeros complete the last)."""
+    a = values.abs()
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad)])
+    return a.view(-1, BLOCK).amax(dim=1)
+
+
 class SpreadHistory:
     """One expected distance per block of :data:`BLOCK` positions of a flat vector of ``numel`` values."""
 
     def __init__(self, numel: int, device: torch.device | str = "cpu") -> None:
         self.numel = int(numel)
         self.blocks = torch.full((-(-self.numel // BLOCK),), UNKNOWN, dtype=torch.float32, device=device)
+        #: distance over the block's largest value, 90th percentile over the last exchange's blocks (-1: none yet)
+        self.ratio = UNKNOWN
 
     def _span(self, part: slice) -> tuple[int, int, int]:
         """(first block, blocks covered, positions before ``part.start`` in the first block)."""
         first, lead = divmod(part.start, BLOCK)
         return first, -(-(lead + part.stop - part.start) // BLOCK), lead
 
-    def spread_for(self, part: slice) -> torch.Tensor:
+    def spread_for(self, part: slice, values: torch.Tensor | None = None) -> torch.Tensor:
         """The expected distance of each 128-value block of the slice ``part`` (blocks counted from its start):
-        the largest known of the history blocks it overlaps (NaN where none is known)."""
+        the largest known of the history blocks it overlaps; where none is known, :attr:`ratio` times the block's
+        largest ``|values|`` (the slice's values, when given and a ratio is known), else NaN."""
         first, count, lead = self._span(part)
         length = part.stop - part.start
         per_value = self.blocks[first : first + count].repeat_interleave(BLOCK)[lead : lead + length]
@@ -48,7 +63,10 @@ class SpreadHistory:
         if pad:
             per_value = torch.cat([per_value, per_value[-1:].expand(pad)])
         spread = per_value.view(-1, BLOCK).amax(dim=1)
-        return torch.where(spread < 0, torch.full_like(spread, float("nan")), spread)
+        guess = torch.full_like(spread, float("nan"))
+        if values is not None and self.ratio >= 0:
+            guess = self.ratio * _block_max(values.detach().float().reshape(-1), pad).to(spread.device)
+        return torch.where(spread < 0, guess, spread)
 
     def update(self, part: slice, own: torch.Tensor, mean: torch.Tensor, members: int, step: torch.Tensor) -> None:
         """Record the exchange of ``part``: this worker's values ``own``, the group's ``mean`` of ``members``, and
@@ -61,20 +79,30 @@ class SpreadHistory:
         padded = distance.new_zeros(count * BLOCK)
         padded[lead : lead + distance.numel()] = distance
         self.blocks[first : first + count] = padded.view(-1, BLOCK).amax(dim=1).to(self.blocks.device)
+        top = _block_max(own.detach().float().reshape(-1), -own.numel() % BLOCK)
+        near = distance.new_zeros(-(-own.numel() // BLOCK) * BLOCK)
+        near[: distance.numel()] = distance
+        ratios = near.view(-1, BLOCK).amax(dim=1)[top > 0] / top[top > 0]
+        if ratios.numel():
+            self.ratio = float(torch.quantile(ratios.double().cpu(), 0.9))
 
     def to(self, device: torch.device | str) -> SpreadHistory:
         self.blocks = self.blocks.to(device)
         return self
 
     def state_dict(self) -> dict:
-        return {"version": 1, "blocks": self.blocks.detach().cpu().clone()}
+        return {"version": 1, "blocks": self.blocks.detach().cpu().clone(), "ratio": self.ratio}
 
     @staticmethod
     def check_state(state, numel: int, where: str = "slow_spread") -> None:
         """:class:`StateError` unless ``state`` is a history of a flat vector of ``numel`` values: one fp32 distance
         per block, each non-negative or -1 (unknown); finiteness is the checkpoint reader's check."""
-        if not isinstance(state, dict) or state.get("version") != 1 or set(state) != {"version", "blocks"}:
-            raise StateError(f"{where}: not a spread history (version 1 with 'blocks')")
+        if not isinstance(state, dict) or state.get("version") != 1 or set(state) != {"version", "blocks", "ratio"}:
+            raise StateError(f"{where}: not a spread history (version 1 with 'blocks' and 'ratio')")
+        ratio = state["ratio"]
+        if isinstance(ratio, bool) or not isinstance(ratio, float | int) or not (ratio >= 0 or ratio == UNKNOWN) or (
+                ratio != ratio or ratio == float("inf")):  # fmt: skip
+            raise StateError(f"{where}/ratio: {ratio!r} is not a ratio >= 0 (or {UNKNOWN:g}, unknown)")
         blocks = state["blocks"]
         check_tensor(blocks, f"{where}/blocks", (-(-numel // BLOCK),))
         if bool(((blocks < 0) & (blocks != UNKNOWN)).any()) or not all_finite(blocks):
@@ -83,3 +111,4 @@ class SpreadHistory:
     def load_state_dict(self, state: dict) -> None:
         self.check_state(state, self.numel)
         self.blocks = state["blocks"].to(self.blocks.device, torch.float32).clone()
+        self.ratio = float(state["ratio"])

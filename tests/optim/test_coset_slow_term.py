@@ -103,9 +103,15 @@ def test_a_state_saved_inside_a_cycle_resumes_exactly_with_its_grids():
 )
 def test_a_bad_spread_history_is_refused(blocks, match):
     with pytest.raises(StateError, match=match):
-        SpreadHistory.check_state({"version": 1, "blocks": blocks}, N)
+        SpreadHistory.check_state({"version": 1, "blocks": blocks, "ratio": UNKNOWN}, N)
     with pytest.raises(StateError, match="spread history"):
-        SpreadHistory.check_state({"blocks": blocks}, N)
+        SpreadHistory.check_state({"version": 1, "blocks": blocks}, N)
+
+
+@pytest.mark.parametrize("ratio", [-0.5, float("nan"), float("inf"), True, "0.3", None])
+def test_a_bad_ratio_is_refused(ratio):
+    with pytest.raises(StateError, match="ratio"):
+        SpreadHistory.check_state({"version": 1, "blocks": torch.zeros(N // 128), "ratio": ratio}, N)
 
 
 def test_the_history_reads_the_blocks_a_slice_overlaps():
@@ -115,6 +121,20 @@ def test_the_history_reads_the_blocks_a_slice_overlaps():
     assert history.blocks[0] == 2 * 27 / 100 and history.blocks[3] == 2 * 2.99 and history.blocks[4] == UNKNOWN
     spread = history.spread_for(slice(200, 460))  # the slice's blocks from 200 overlap history blocks 1-2, 2-3, 3
     assert spread.tolist() == pytest.approx([2 * 2.83, 2 * 2.99, 2 * 2.99])
+
+
+def test_a_block_never_exchanged_is_guessed_from_the_ratio_of_those_that_were():
+    history = SpreadHistory(1024)
+    own = torch.zeros(512)
+    own[::128] = 10.0  # each block's largest value: 10
+    mean = own + torch.linspace(0, 2, 512)  # distances up to 2 × 2: blocks' ratios 0.1 .. 0.4
+    history.update(slice(0, 512), own, mean, members=2, step=torch.zeros(512))
+    assert history.ratio == pytest.approx(float(torch.quantile(history.blocks[:4].double() / 10, 0.9)))
+    values = torch.zeros(512)
+    values[::128] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    spread = history.spread_for(slice(512, 1024), values)
+    assert spread.tolist() == pytest.approx([history.ratio * v for v in (1, 2, 3, 4)])
+    assert torch.isnan(SpreadHistory(1024).spread_for(slice(0, 512), values)).all()  # no ratio yet: no guess
 
 
 def test_the_coding_noise_is_taken_out_of_a_measured_distance():
