@@ -138,10 +138,7 @@ def allreduce(
     if len(group) == 1:
         return _reduce_alone(x, flat, error_feedback, residuals)
     n = len(group)
-    if _sparse(requested) and reduction == "two_phase" and n == 2:
-        reduction = "allgather"  # the same bytes as two-phase for two members, and no re-sparsified sum
-    if side_information(requested):
-        reduction = "allgather"  # a coset code decodes against the receiver's own value: never a partial sum
+    reduction = _schedule(requested, reduction, n)
     wire = requested if requested.exact or -(-flat.numel() // n) >= threshold else Fp32Codec()
     tag = tag if tag is not None else _next_auto_tag(transport, tuple(group))
     # A bounded ring puts an input count in front of its reduce-scatter messages: members must agree on it.
@@ -152,6 +149,15 @@ def allreduce(
     if error_feedback is not None:
         error_feedback.commit(*residuals)
     return out.reshape(x.shape).to(x.device)
+
+
+def _schedule(codec: Codec, reduction: str, n: int) -> str:
+    """The reduction that runs for ``codec`` among ``n`` members when ``reduction`` is asked for."""
+    if _sparse(codec) and reduction == "two_phase" and n == 2:
+        return "allgather"  # the same bytes as two-phase for two members, and no re-sparsified sum
+    if side_information(codec):
+        return "allgather"  # a coset code decodes against the receiver's own value: never a partial sum
+    return reduction
 
 
 def _sparse(codec: Codec) -> bool:

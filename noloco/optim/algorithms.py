@@ -620,13 +620,7 @@ class OuterAlgorithm(Algorithm):
         self.slow_codec: Codec = self.codec if slow_codec is None else get_codec(slow_codec)
         self.reference = self.slow.clone()
         self.slow_feedback = self._new_feedback() if error_feedback and not self.slow_codec.exact else None
-        if side_information(self.codec):
-            raise ValueError(f"comm.codec={self.codec.name}: a coset code decodes against the receiver's own values, "
-                             "so it carries only the slow-weight term (comm.slow_codec), whose partners' copies are "
-                             "close to this worker's")  # fmt: skip
-        # a coset-coded slow term: how far partners' φ − φ_0 were, block by block, when last exchanged (its grids)
-        self.slow_spread = SpreadHistory(self.slow.numel(), self.slow.device) if side_information(
-            self.slow_codec) and rule.needs_slow_mean else None  # fmt: skip
+        self.slow_spread = self._spread_history()
         # the slow-weight term crosses the link every `slow_every`-th cycle of rounds only (docs/design.md §3.2)
         self.slow_every = slow_every
         # staggered: 1/k of the term every round, a rotating slice of each fragment (noloco.optim.stagger)
@@ -654,6 +648,18 @@ class OuterAlgorithm(Algorithm):
             raise ValueError("outer.offload does not run with outer.overlap (the exchange in flight needs the state)")
         if self.offload:
             self._move_outer_state(torch.device("cpu"))
+
+    def _spread_history(self) -> SpreadHistory | None:
+        """A coset-coded slow term's grids: how far partners' φ − φ_0 were, block by block, when last exchanged
+        (None for any other codec). A coset ``comm.codec`` is refused: it decodes against the receiver's own
+        values, and only the slow-weight term has partners' copies close to this worker's."""
+        if side_information(self.codec):
+            raise ValueError(f"comm.codec={self.codec.name}: a coset code decodes against the receiver's own values, "
+                             "so it carries only the slow-weight term (comm.slow_codec), whose partners' copies are "
+                             "close to this worker's")  # fmt: skip
+        if not (side_information(self.slow_codec) and self.rule.needs_slow_mean):
+            return None
+        return SpreadHistory(self.slow.numel(), self.slow.device)
 
     @property
     def counter(self) -> ByteCounter:

@@ -6,40 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+# the flat two-parameter model of the staggered slow term's tests, and its outer settings (group of 2, μ = 0.5)
+from test_slow_stagger import EVERY, WORKERS, N, _build, _steps  # tests/optim is on the path
+
 from noloco.comm import LocalFabric
 from noloco.optim import NoLoCo
 from noloco.optim.spread import UNKNOWN, SpreadHistory
 from noloco.state import StateError
-
-WORKERS, EVERY, N = 4, 3, 3 * 8192
-
-
-class Flat(torch.nn.Module):
-    def __init__(self, start: torch.Tensor):
-        super().__init__()
-        self.a = torch.nn.Parameter(start[: N // 3].float().clone())
-        self.b = torch.nn.Parameter(start[N // 3 :].float().clone())
-
-    def flat(self) -> torch.Tensor:
-        return torch.cat([self.a, self.b])
-
-
-def _build(transport, start, **kw):
-    model = Flat(start)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    algo = NoLoCo(model, opt, transport, every=EVERY, timeout=10.0, lr=0.7, pull=0.7, momentum=0.5, group_size=2,
-                  seed=5, **kw)  # fmt: skip
-    return model, algo
-
-
-def _steps(model, algo, target, steps):
-    sent = []
-    for _ in range(steps):
-        (0.5 * (model.flat().double() - target).pow(2).sum()).backward()
-        if algo.step() is not None:
-            sent.append(algo.counter.bytes_sent)
-    return sent
-
 
 COSET = dict(codec="topk:64/4096+int2", slow_codec="coset3", slow_every=3, slow_stagger=True)
 
