@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from noloco.collectives.codec import Codec, Fp32Codec, QuantCodec, get_codec, side_information
+from noloco.collectives.codec import Codec, Fp32Codec, QuantCodec, get_codec
 from noloco.collectives.gather import allgather_allreduce
 from noloco.collectives.protocol import DTYPE_CODES, NORM_FLOOR_RMS, CallInfo, Exchange, NormBound, NormRejections
 from noloco.collectives.residuals import ReductionErrorFeedback
@@ -155,7 +155,7 @@ def _schedule(codec: Codec, reduction: str, n: int) -> str:
     """The reduction that runs for ``codec`` among ``n`` members when ``reduction`` is asked for."""
     if _sparse(codec) and reduction == "two_phase" and n == 2:
         return "allgather"  # the same bytes as two-phase for two members, and no re-sparsified sum
-    if side_information(codec):
+    if codec.side_information:
         return "allgather"  # a coset code decodes against the receiver's own value: never a partial sum
     return reduction
 

@@ -70,6 +70,8 @@ class Codec(ABC):
     """Encodes a flat fp32 tensor segment to a message body and decodes it back."""
 
     name: str
+    #: decoded against the receiving member's own values (``decode(..., side=)``): the coset codes
+    side_information: bool = False
 
     @abstractmethod
     def nbytes(self, numel: int) -> int:
@@ -282,7 +284,7 @@ class CosetCodec(Codec):
         exps, _, nbytes = coset.layout(flat.numel(), self.bits)
         body = torch.zeros(nbytes, dtype=torch.uint8, device=flat.device)
         body[:exps] = exponents.view(torch.uint8)
-        start = -(-exps // 16) * 16
+        start = coset.codes_offset(flat.numel())
         body[start : start + codes.numel()] = codes
         return body, value
 
@@ -311,7 +313,7 @@ class CosetCodec(Codec):
         if size != nbytes:
             raise PayloadMismatch(f"{self.name} message of {size} bytes; {numel} values need {nbytes}")
         body = as_uint8(payload).to(side.device)
-        start = -(-exps // 16) * 16
+        start = coset.codes_offset(numel)
         if bool(body[exps:start].any()) or bool(body[start + ncodes :].any()):
             raise PayloadMismatch(f"{self.name} message of {numel} values has non-zero alignment padding")
         try:
@@ -321,11 +323,6 @@ class CosetCodec(Codec):
 
 
 _COSET = re.compile(r"coset(\d)(?::m([0-9]*\.?[0-9]+))?")
-
-
-def side_information(codec: Codec) -> bool:
-    """Whether ``codec`` decodes against the receiver's own values (the coset codes)."""
-    return bool(getattr(codec, "side_information", False))
 
 
 def message_of(packed: Packed, head: int = 0) -> torch.Tensor:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from noloco.collectives.codec import Codec, side_information
+from noloco.collectives.codec import Codec
 from noloco.collectives.protocol import PHASE_GATHER, Exchange
 
 
@@ -63,7 +63,7 @@ def allgather_allreduce(
                 term = decoded
             else:
                 payload = ex.recv(j, PHASE_GATHER, j, device=flat.device)
-                if side_information(codec):  # a coset code: decoded against this member's own value
+                if codec.side_information:  # a coset code: decoded against this member's own value
                     term = codec.decode(payload, numel, flat.device, side=value)
                 else:
                     term = codec.decode(payload, numel, flat.device)

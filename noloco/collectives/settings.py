@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from noloco.collectives.base import REDUCTIONS
-from noloco.collectives.codec import get_codec, side_information
+from noloco.collectives.codec import get_codec
 
 #: reductions that sum partial results hop by hop, each hop re-encoding them: dense codecs only
 HOP_BY_HOP = ("ring", "naive_ring")
@@ -30,7 +30,7 @@ def check_reduction_settings(comm: Mapping) -> None:
             codec = get_codec(value)
         except ValueError as err:
             raise ValueError(f"comm.{key}={value!r} is not a codec: {err}") from None
-        if key == "codec" and side_information(codec):
+        if key == "codec" and codec.side_information:
             raise ValueError(f"comm.codec={value!r}: a coset code decodes against the receiver's own values, so it "
                              "carries only NoLoCo's slow-weight term (comm.slow_codec)")  # fmt: skip
         if reduction in HOP_BY_HOP and codec.name.startswith("topk"):

@@ -56,7 +56,6 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from noloco.collectives import Codec, NormRejections, ReductionErrorFeedback, allreduce, get_codec
-from noloco.collectives.codec import side_information
 from noloco.comm import faults
 from noloco.comm.base import ByteCounter, CommAborted, CommError, Transport
 from noloco.gossip import GroupSource, ScheduledGroups
@@ -653,11 +652,11 @@ class OuterAlgorithm(Algorithm):
         """A coset-coded slow term's grids: how far partners' φ − φ_0 were, block by block, when last exchanged
         (None for any other codec). A coset ``comm.codec`` is refused: it decodes against the receiver's own
         values, and only the slow-weight term has partners' copies close to this worker's."""
-        if side_information(self.codec):
+        if self.codec.side_information:
             raise ValueError(f"comm.codec={self.codec.name}: a coset code decodes against the receiver's own values, "
                              "so it carries only the slow-weight term (comm.slow_codec), whose partners' copies are "
                              "close to this worker's")  # fmt: skip
-        if not (side_information(self.slow_codec) and self.rule.needs_slow_mean):
+        if not (self.slow_codec.side_information and self.rule.needs_slow_mean):
             return None
         return SpreadHistory(self.slow.numel(), self.slow.device)
 

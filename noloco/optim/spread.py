@@ -23,19 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from noloco.quant.coset import BLOCK
+from noloco.quant.coset import BLOCK, block_max
 from noloco.state import StateError, all_finite, check_tensor
 
 #: a block whose distance is not known yet (checkpoints hold finite values only)
 UNKNOWN = -1.0
-
-
-def _block_max(values: torch.Tensor, pad: int) -> torch.Tensor:
-    """max |values| over each block of 128 counted from the first value (``pad`` zeros complete the last)."""
-    a = values.abs()
-    if pad:
-        a = torch.cat([a, a.new_zeros(pad)])
-    return a.view(-1, BLOCK).amax(dim=1)
 
 
 class SpreadHistory:
@@ -65,7 +57,7 @@ class SpreadHistory:
         spread = per_value.view(-1, BLOCK).amax(dim=1)
         guess = torch.full_like(spread, float("nan"))
         if values is not None and self.ratio >= 0:
-            guess = self.ratio * _block_max(values.detach().float().reshape(-1), pad).to(spread.device)
+            guess = self.ratio * block_max(values).float().to(spread.device)
         return torch.where(spread < 0, guess, spread)
 
     def update(self, part: slice, own: torch.Tensor, mean: torch.Tensor, members: int, step: torch.Tensor) -> None:
@@ -79,10 +71,8 @@ class SpreadHistory:
         padded = distance.new_zeros(count * BLOCK)
         padded[lead : lead + distance.numel()] = distance
         self.blocks[first : first + count] = padded.view(-1, BLOCK).amax(dim=1).to(self.blocks.device)
-        top = _block_max(own.detach().float().reshape(-1), -own.numel() % BLOCK)
-        near = distance.new_zeros(-(-own.numel() // BLOCK) * BLOCK)
-        near[: distance.numel()] = distance
-        ratios = near.view(-1, BLOCK).amax(dim=1)[top > 0] / top[top > 0]
+        top = block_max(own).float()  # per block of the slice, as the codec's grids are
+        ratios = block_max(distance).float()[top > 0] / top[top > 0]
         if ratios.numel():
             self.ratio = float(torch.quantile(ratios.double().cpu(), 0.9))
 

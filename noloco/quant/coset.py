@@ -62,7 +62,12 @@ def layout(numel: int, bits: int) -> tuple[int, int, int]:
     return exps, codes, _aligned(exps) + _aligned(codes)
 
 
-def _block_max(x: torch.Tensor) -> torch.Tensor:
+def codes_offset(numel: int) -> int:
+    """Where the codes start in the message of ``numel`` values (after the 16-aligned exponents)."""
+    return _aligned(blocks(numel))
+
+
+def block_max(x: torch.Tensor) -> torch.Tensor:
     """max |x| over each block (the last one may be short), float64."""
     n = x.numel()
     pad = -n % BLOCK
@@ -81,7 +86,7 @@ def grid_exponents(x: torch.Tensor, spread: torch.Tensor | None, bits: int, marg
         raise ValueError(f"coset codes have {MIN_BITS}..{MAX_BITS} bits, got {bits}")
     if not (math.isfinite(margin) and margin > 0):
         raise ValueError(f"coset margin must be a positive number, got {margin!r}")
-    top = _block_max(x)
+    top = block_max(x)
     distance = 2.0 * top
     if spread is not None:
         spread = spread.detach().reshape(-1).to(device=top.device, dtype=torch.float64)
@@ -99,11 +104,6 @@ def grid_exponents(x: torch.Tensor, spread: torch.Tensor | None, bits: int, marg
 
 def steps(exponents: torch.Tensor, numel: int) -> torch.Tensor:
     """Each of ``numel`` values' grid step ``2**e`` (float64) from its block's exponent."""
-    return _steps(exponents, numel)
-
-
-def _steps(exponents: torch.Tensor, numel: int) -> torch.Tensor:
-    """Each value's grid step ``2**e`` (float64)."""
     s = torch.ldexp(torch.ones_like(exponents, dtype=torch.float64), exponents.to(torch.int32))
     return s.repeat_interleave(BLOCK)[:numel]
 
@@ -116,7 +116,7 @@ def encode(x: torch.Tensor, exponents: torch.Tensor, bits: int) -> tuple[torch.T
         raise ValueError("coset code: the input holds NaN or Inf")
     if exponents.numel() != blocks(flat.numel()):
         raise ValueError(f"{exponents.numel()} grid exponents for {flat.numel()} values")
-    s = _steps(exponents.to(flat.device), flat.numel())
+    s = steps(exponents.to(flat.device), flat.numel())
     index = torch.round(flat.double() / s)
     value = (index * s).float()
     if not bool(torch.isfinite(value).all()):
@@ -143,7 +143,7 @@ def decode(exponents: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, bit
     if bad is not None and bool(bad):
         raise PayloadError(f"coset{bits} payload has non-zero padding bits")
     modulus = 1 << bits
-    s = _steps(exponents.to(y.device), n)
+    s = steps(exponents.to(y.device), n)
     own = torch.round(y.double() / s)
     q = unpack_bits(codes.to(y.device), n, bits).double()
     d = torch.remainder(q - own + modulus // 2, modulus) - modulus // 2

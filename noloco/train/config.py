@@ -17,7 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from noloco.collectives import get_codec, known_codecs
-from noloco.collectives.codec import side_information
 from noloco.collectives.settings import check_reduction_settings
 from noloco.data.settings import check_data_settings
 from noloco.models.settings import check_model_settings
@@ -348,7 +347,7 @@ def _validate_inner(cfg: DictConfig) -> None:
         "of a worker)",
     )
     _require(inner.grad_codec in known_codecs(), f"inner.grad_codec={inner.grad_codec!r} is not a codec")
-    _require(not side_information(get_codec(inner.grad_codec)),
+    _require(not get_codec(inner.grad_codec).side_information,
              f"inner.grad_codec={inner.grad_codec!r}: a coset code carries only NoLoCo's slow-weight term")  # fmt: skip
 
 

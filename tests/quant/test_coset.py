@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from noloco.collectives.codec import CosetCodec, PayloadMismatch, get_codec, side_information
+from noloco.collectives.codec import CosetCodec, PayloadMismatch, get_codec
 from noloco.quant import coset
 
 SIZES = [1, 127, 128, 129, 1000, 4096 + 5]
@@ -67,8 +67,8 @@ def test_the_bytes_are_the_bits_and_one_exponent_per_block():
 def test_names_margins_and_refusals():
     assert get_codec("coset3") == CosetCodec(3) and get_codec("coset3:m2").margin == 2.0
     assert get_codec("coset3:m2").name == "coset3:m2" and get_codec("coset3:m1").name == "coset3"
-    assert side_information(get_codec("coset4"))
-    assert not side_information(get_codec("int4"))
+    assert get_codec("coset4").side_information
+    assert not get_codec("int4").side_information
     for bad in ("coset9", "coset2", "coset3:m0", "coset3:mx"):
         with pytest.raises(ValueError):
             get_codec(bad)
