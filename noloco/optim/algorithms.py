@@ -160,7 +160,7 @@ def _in_flight_from(state: dict | None, like: torch.Tensor, split) -> InFlight |
         raise ValueError(f"checkpoint's in-flight exchange is of the slice {stored} of the parameters, this "
                          f"run's round {state['round']} exchanges {part} (was outer.fragments changed?)")  # fmt: skip
     shape = like.shape if part is None else torch.Size([part.stop - part.start])
-    for key in ("snapshot", "mean_delta", "mean_slow", "slow"):
+    for key in ("snapshot", "mean_delta", "mean_slow", "slow", "start"):
         tensor = state.get(key)
         if tensor is not None and (tensor.shape != shape or not torch.isfinite(tensor).all()):
             raise ValueError(f"checkpoint's in-flight exchange has a bad {key}")
@@ -172,7 +172,7 @@ def _in_flight_from(state: dict | None, like: torch.Tensor, split) -> InFlight |
     result = _RoundResult(OuterRoundInfo(**state["info"], fragment=fragment), means, bool(state["guarded"]))
     rule = state.get("rule", "delayed")  # checkpoints from before the eager and provisional rules: delayed
     return InFlight(int(state["round"]), to(state["snapshot"]), None, result, part, to(state.get("slow")),
-                    None if share is None else float(share), str(rule))  # fmt: skip
+                    None if share is None else float(share), str(rule), to(state.get("start")))  # fmt: skip
 
 
 @dataclass
@@ -532,10 +532,10 @@ class OuterAlgorithm(Algorithm):
     Rounds are numbered by exchange (every ``every/k`` steps), and NoLoCo draws a group for each.
 
     ``overlap`` (default False): each exchange runs in the background while the next round trains, and the rule
-    it names says what is applied at each round boundary: ``"provisional"`` (also True), ``"eager"`` or
-    ``"delayed"`` (:mod:`noloco.optim.overlap`, docs/design.md §3.1). In a worker of several processes the
+    it names says what is applied at each round boundary: ``"provisional"`` (also True), ``"coded"``, ``"eager"``
+    or ``"delayed"`` (:mod:`noloco.optim.overlap`, docs/design.md §3.1). In a worker of several processes the
     leader relays what it applied to the others. ``overlap_steps`` (τ; default None: the whole round,
-    ``every / fragments`` steps): the provisional and delayed rules apply an exchange τ inner steps after it
+    ``every / fragments`` steps): the provisional, coded and delayed rules apply an exchange τ inner steps after it
     was sent, waiting for it there if it has not arrived: a smaller τ hides less of the exchange and delays
     its means less.
 
@@ -636,7 +636,7 @@ class OuterAlgorithm(Algorithm):
                                     for part in self.fragments]  # fmt: skip
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
         # overlap: round r's exchange runs in the background during round r + 1, under the rule it names
-        # (noloco.optim.overlap: "provisional", "eager", "delayed"; True: the default, provisional); False: None
+        # (noloco.optim.overlap: "provisional", "coded", "eager", "delayed"; True: provisional); False: None
         self.overlap = overlap_rule(overlap)
         self._overlapped = None if self.overlap is None else OverlappedRounds(self, self.overlap)
         # inner steps an exchange may take: it lands (is waited for and applied) that many steps after it was sent

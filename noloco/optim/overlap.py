@@ -18,6 +18,14 @@ momentum only ever take real steps, so DiLoCo's φ stays the same on every worke
 for bit at the merge (φ and the momentum of its fragment have not changed since). A failed exchange takes the
 provisional step back: θ ← θ + (s_r−1 − R̂), so its progress goes into the next pseudo-gradient.
 
+``coded`` is ``provisional`` with this worker's pseudo-gradient *as its codec sends it*: R̂(φ, C(Δ_r + e)),
+C the codec's encode and decode, e the error feedback's residual the exchange adds to Δ_r, so that the step
+stands in for the group mean with the very quantity the partners average. With a sparse Δ (top-k) the
+provisional step then moves θ where the mean can move φ and leaves it at φ elsewhere, as the blocking round
+does, instead of keeping a whole round of unsent progress that the merge takes back a round later. With an
+exact codec (fp32) it is ``provisional`` bit for bit. The checkpoint of an exchange in flight keeps its step
+(``start``): the residual it was coded with is gone once the exchange has run.
+
 ``eager`` implements the eager updates of that paper as written: the outer step of round r is taken at once
 and kept, with this worker's own share w = 1/ñ of round r's means (ñ: its group's size), which it knows
 exactly, and its partners' shares taken from round r − 1's means, which have just arrived::
@@ -49,7 +57,7 @@ import torch
 from noloco.state import StateError, all_finite, check_keys, check_tensor, is_int
 
 #: the rules ``overlap=`` (``outer.overlap``) names; ``True`` means :data:`DEFAULT_RULE`
-OVERLAP_RULES = ("provisional", "eager", "delayed")
+OVERLAP_RULES = ("provisional", "coded", "eager", "delayed")
 DEFAULT_RULE = "provisional"
 
 
@@ -65,7 +73,9 @@ def check_overlap_steps(steps: int | None, rule: str | None, period: int) -> int
         raise ValueError(f"outer.overlap_steps must be an integer in [1, {period}] (the inner steps between two "
                          f"exchanges), got {steps!r}")  # fmt: skip
     if rule == "eager" and steps < period:
-        raise ValueError("outer.overlap_steps is for the provisional and delayed rules (eager steps at the send)")
+        raise ValueError(
+            "outer.overlap_steps is for the provisional, coded and delayed rules (eager steps at the send)"
+        )
     return None if steps == period else steps
 
 
@@ -95,7 +105,7 @@ class InFlight:
     slow: torch.Tensor | None = None
     share: float | None = None
     rule: str = "delayed"  # the rule that sent it (a checkpoint of one rule is refused by another)
-    start: torch.Tensor | None = None  # provisional: the step L taken at the send (not checkpointed: recomputed)
+    start: torch.Tensor | None = None  # the step L taken at the send (provisional: recomputed after a resume)
 
 
 def in_flight_state(pending: InFlight | None) -> dict | None:
@@ -118,6 +128,8 @@ def in_flight_state(pending: InFlight | None) -> dict | None:
         state["part"] = [pending.part.start, pending.part.stop]
     if pending.slow is not None:  # the eager rule's: what the contribution was measured against, and its share
         state["slow"], state["share"] = pending.slow.clone(), float(pending.share)
+    if pending.rule == "coded" and pending.start is not None:  # its step cannot be recomputed after a resume
+        state["start"] = pending.start.clone()
     return state
 
 
@@ -133,12 +145,12 @@ def check_in_flight_state(pending, numel: int, where: str = "in_flight") -> None
     """:class:`~noloco.state.StateError` unless ``pending`` is an :func:`in_flight_state` entry for ``numel``
     parameters: its round, the info logged, the tensors of its slice, the eager rule's share."""
     check_keys(pending, where, {"round", "snapshot", "info", "mean_delta", "mean_slow", "guarded"},
-               {"part", "slow", "share", "rule"})  # fmt: skip
+               {"part", "slow", "share", "rule", "start"})  # fmt: skip
     if not isinstance(pending.get("rule", "delayed"), str):
         raise StateError(f"{where}/rule: not the name of an overlap rule")
     size = _slice_size(pending["part"], numel, f"{where}/part") if "part" in pending else (numel,)
     check_tensor(pending["snapshot"], f"{where}/snapshot", size)
-    for key in ("mean_delta", "mean_slow", "slow"):  # slow and share: the eager rule's
+    for key in ("mean_delta", "mean_slow", "slow", "start"):  # slow and share: the eager rule's; start: coded's
         if pending.get(key) is not None:
             check_tensor(pending[key], f"{where}/{key}", size)
     share = pending.get("share")
@@ -258,9 +270,10 @@ class OverlappedRounds:
             info = self._merge_delayed()
             self._send(round_index)
             return info
-        if self.rule == "provisional":
+        if self.rule in ("provisional", "coded"):
             info = self._merge_provisional()
-            self._provisional_start(*self._send(round_index))
+            coded = self._coded_delta(round_index) if self.rule == "coded" else None  # before the exchange runs
+            self._provisional_start(*self._send(round_index), coded)
             return info
         info = self._arrive()
         self._eager_step(*self._send(round_index))
@@ -283,7 +296,7 @@ class OverlappedRounds:
     @torch.no_grad()
     def land(self):
         """τ steps after a send (``overlap_steps``): apply the exchange in flight now, waiting for it if needed
-        (provisional and delayed rules); the next round boundary then only sends."""
+        (provisional, coded and delayed rules); the next round boundary then only sends."""
         return self._merge_delayed() if self.rule == "delayed" else self._merge_provisional()
 
     def settle(self) -> None:
@@ -396,13 +409,35 @@ class OverlappedRounds:
         return result.info
 
     # --- the provisional rule --------------------------------------------------------------------------------
-    def _provisional_start(self, sent: InFlight, guarded: bool) -> None:
+    def _coded_delta(self, round_index: int) -> torch.Tensor | None:
+        """The coded rule's pseudo-gradient of round ``round_index``: Δ as this worker's codec sends it, C(Δ + e)
+        (the fused exchange's: C(θ − φ₀ + e) − (φ − φ₀)); None where that is Δ itself or not this process's to
+        take (an exact codec, θ non-finite, a worker's non-leading process). Read before the exchange is sent:
+        the exchange replaces the residual e it reads here."""
+        algo = self.algo
+        if not self._leads() or algo.codec.exact:
+            return None
+        part = algo.part_of(round_index)
+        fast, slow = algo.read_fast(part), self._slow(part)
+        if not all_finite(fast):
+            return None
+        feedback = algo.fragment_states[0 if part is None else algo.fragments.index(part)].feedback
+        reference = (algo.reference if part is None else algo.reference[part]) if algo._fused_exchange() else slow
+        sent = fast - reference
+        if feedback is not None:
+            sent += feedback.residuals_for(sent.numel(), sent.device)[0]
+        _, value = algo.codec.encode_message(sent, with_value=True)
+        return value.add_(reference).sub_(slow)
+
+    def _provisional_start(self, sent: InFlight, guarded: bool, coded: torch.Tensor | None = None) -> None:
         """θ ← the provisional step of the round just sent: φ[part] stepped by the rule with this worker's own
-        pseudo-gradient as its group's mean (φ and the momentum unchanged: :func:`provisional_step`)."""
+        pseudo-gradient (``coded``: as sent, the coded rule's) as its group's mean (φ and the momentum unchanged:
+        :func:`provisional_step`)."""
         algo, part = self.algo, sent.part
         slow = self._slow(part)
         if self._leads():
-            start = provisional_step(algo.rule, slow, sent.snapshot - slow, part)
+            delta = sent.snapshot - slow if coded is None or guarded else coded
+            start = provisional_step(algo.rule, slow, delta, part)
             sent.start = start  # the merge needs it again: kept rather than recomputed (bit for bit the same)
         else:
             start = torch.empty_like(slow)

@@ -166,14 +166,62 @@ def test_overlap_true_is_the_provisional_rule():
         assert torch.equal(theta, ref_theta) and torch.equal(slow, ref_slow)
 
 
+@pytest.mark.parametrize("pull", [BETA, 0.4], ids=["fused", "two-vector"])
+def test_the_coded_rule_is_the_provisional_rule_for_an_exact_codec(pull):
+    provisional = LocalFabric(2).run(lambda t: _train(t, overlap="provisional", codec="fp32", pull=pull))
+    coded = LocalFabric(2).run(lambda t: _train(t, overlap="coded", codec="fp32", pull=pull))
+    for (theta, slow), (ref_theta, ref_slow) in zip(coded, provisional):
+        assert torch.equal(theta, ref_theta) and torch.equal(slow, ref_slow)
+
+
+@pytest.mark.parametrize("codec,slow_codec,pull", [("int4", "int4", BETA), ("topk:64/4096+int2", "int8", 0.4)],
+                         ids=["fused-int4", "two-vector-topk"])  # fmt: skip
+def test_the_coded_rule_steps_with_the_pseudo_gradient_its_codec_sends(codec, slow_codec, pull):
+    """16,384 weights, a lossy codec: after each send the coded rule's θ is φ stepped by the rule with
+    decode(encode(Δ + e)) as the group mean (e: the error feedback's residual before the exchange; for the fused
+    exchange the code of θ − φ₀ + e, less φ − φ₀), and not the provisional rule's θ, stepped with Δ itself."""
+    from noloco.optim.overlap import provisional_step
+
+    def worker(transport):
+        torch.manual_seed(transport.rank)
+        model = torch.nn.Linear(128, 128, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        algo = NoLoCo(model, opt, transport, every=EVERY, momentum=MU, lr=BETA, pull=pull, group_size=2,
+                      overlap="coded", codec=codec, slow_codec=slow_codec, slow_every=1, timeout=5.0)  # fmt: skip
+        target = torch.randn(128, 128, generator=torch.Generator().manual_seed(10 + transport.rank))
+        seen = []
+        for step in range(1, 4 * EVERY + 1):
+            (0.5 * (model.weight - target).pow(2).sum()).backward()
+            boundary = step % EVERY == 0
+            if boundary:  # the residual the send codes with: the exchange in flight has committed its own first
+                algo._overlapped.settle()
+                numel = algo.slow.numel()
+                residual = algo.feedback.residuals_for(numel)[0] if algo.feedback.numel else torch.zeros(numel)
+            algo.step()
+            if boundary:
+                sent, slow = algo._overlapped.in_flight.snapshot, algo.slow.clone()
+                reference = algo.reference if algo._fused_exchange() else slow
+                _, value = algo.codec.encode_message(sent - reference + residual, with_value=True)
+                coded = provisional_step(algo.rule, slow, value + reference - slow, None)
+                dense = provisional_step(algo.rule, slow, sent - slow, None)
+                theta = algo.read_fast(None)
+                seen.append((torch.equal(theta, coded), torch.equal(theta, dense)))
+        algo.finish()
+        return seen, algo._fused_exchange()
+
+    for seen, fused in LocalFabric(2).run(worker):
+        assert fused == (codec == slow_codec)
+        assert seen == [(True, False)] * 4, seen
+
+
 def test_an_unknown_overlap_rule_is_refused():
-    with pytest.raises(ValueError, match="overlap='streaming' is not one of false, true, provisional, eager, delayed"):
+    with pytest.raises(ValueError, match="'streaming' is not one of false, true, provisional, coded, eager, delayed"):
         LocalFabric(1).run(lambda t: _train(t, overlap="streaming"))
 
 
 @pytest.mark.parametrize("cls", [NoLoCo, DiLoCo])
 @pytest.mark.parametrize("rule,tau", [("provisional", None), ("eager", None), ("delayed", None), ("provisional", 2),
-                                      ("delayed", 2)])  # fmt: skip
+                                      ("delayed", 2), ("coded", None), ("coded", 2)])  # fmt: skip
 def test_a_state_saved_with_an_exchange_in_flight_resumes_exactly(rule, tau, cls):
     """Saved after step 7 (round 1's exchange left at step 6 and lands at step 9, or at step 8 with
     ``overlap_steps=2``): a fresh worker that loads the model, optimizer and algorithm states ends bit-identical
@@ -408,7 +456,7 @@ def test_overlap_steps_of_a_whole_round_is_the_default():
 
 @pytest.mark.parametrize("overlap,steps,message", [
     (True, 0, r"must be an integer in \[1, 3\]"), (True, EVERY + 1, r"must be an integer in \[1, 3\]"),
-    (True, 1.5, "must be an integer"), ("eager", 1, "for the provisional and delayed rules"),
+    (True, 1.5, "must be an integer"), ("eager", 1, "for the provisional, coded and delayed rules"),
     (False, 1, "needs outer.overlap"),
 ])  # fmt: skip
 def test_a_bad_overlap_steps_is_refused(overlap, steps, message):

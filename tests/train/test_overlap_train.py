@@ -14,7 +14,7 @@ def _losses(run_dir):
     return {(r["worker"], r["step"]): (r.get("loss"), r.get("eval_loss")) for r in read_metrics(run_dir)}
 
 
-@pytest.mark.parametrize("rule", ["provisional", "eager", "delayed"])
+@pytest.mark.parametrize("rule", ["provisional", "coded", "eager", "delayed"])
 def test_resume_with_an_exchange_in_flight_reproduces_the_uninterrupted_run(tiny_config, tmp_path, rule):
     # outer.every=4: round 0's exchange leaves at step 4 and lands at step 8; the checkpoint at step 6 holds it
     common = ("steps=16", "outer.every=4", "checkpoint.every=6", f"outer.overlap={rule}", "comm.codec=int4")
@@ -82,7 +82,7 @@ def test_workers_of_two_processes_overlap_and_keep_one_replica(tiny_config, tmp_
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["outer.overlap=eager", "outer.overlap_steps=1"], "for the provisional and delayed rules"),
+    (["outer.overlap=eager", "outer.overlap_steps=1"], "for the provisional, coded and delayed rules"),
     (["outer.overlap=true", "outer.every=8", "outer.fragments=4", "outer.overlap_steps=3"], r"in \[1, 2\]"),
     (["outer.overlap_steps=2"], "needs outer.overlap"),
 ])  # fmt: skip
