@@ -850,6 +850,21 @@ class OuterAlgorithm(Algorithm):
                               fragment=fragment)  # fmt: skip
         return _RoundResult(info, means, guarded)
 
+    def coded_pseudo_gradient(self, fast: torch.Tensor, part: slice | None = None) -> torch.Tensor:
+        """This worker's pseudo-gradient of ``part`` as its exchange would send it now: C(θ − φ + e), or with a
+        fused exchange C(θ − φ₀ + e) − (φ − φ₀) (``fast``: θ of ``part``, finite; e: the fragment's
+        error-feedback residual, read and left as it is). What the overlap's coded rule steps with (§3.1); it
+        must be called before the exchange that consumes e."""
+        fragment = 0 if part is None else self.fragments.index(part)
+        feedback = self.fragment_states[fragment].feedback
+        slow = self.slow if part is None else self.slow[part]
+        reference = (self.reference if part is None else self.reference[part]) if self._fused_exchange() else slow
+        sent = fast - reference
+        if feedback is not None:
+            sent += feedback.residuals_for(sent.numel(), sent.device)[0]
+        _, value = self.codec.encode_message(sent, with_value=True)
+        return value.add_(reference).sub_(slow)
+
     def _exchange(self, group, fast: torch.Tensor, guarded: bool, part: slice | None = None,
                   slow: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Group means of the pseudo-gradient and (if the rule needs it) the slow weights, of ``part``.

@@ -272,8 +272,9 @@ class OverlappedRounds:
             return info
         if self.rule in ("provisional", "coded"):
             info = self._merge_provisional()
-            coded = self._coded_delta(round_index) if self.rule == "coded" else None  # before the exchange runs
-            self._provisional_start(*self._send(round_index), coded)
+            taken = self._snapshot(round_index)
+            coded = self._coded_delta(*taken) if self.rule == "coded" else None  # before the exchange consumes e
+            self._provisional_start(*self._submit(*taken), coded)
             return info
         info = self._arrive()
         self._eager_step(*self._send(round_index))
@@ -316,11 +317,20 @@ class OverlappedRounds:
     def _send(self, round_index: int) -> tuple[InFlight, bool]:
         """Start round ``round_index``'s exchange of θ (of its fragment) in the background; returns it and whether
         θ was non-finite (then φ is contributed: a zero pseudo-gradient, as a blocking round does)."""
+        return self._submit(*self._snapshot(round_index))
+
+    def _snapshot(self, round_index: int) -> tuple[int, slice | None, torch.Tensor, bool]:
+        """Round ``round_index``, its fragment, θ there (a new tensor: training goes on in the parameters) and
+        whether θ is non-finite."""
+        part = self.algo.part_of(round_index)
+        snapshot = self.algo.read_fast(part)
+        return round_index, part, snapshot, not all_finite(snapshot)
+
+    def _submit(self, round_index: int, part: slice | None, snapshot: torch.Tensor,
+                guarded: bool) -> tuple[InFlight, bool]:  # fmt: skip
+        """:meth:`_send` with θ taken (:meth:`_snapshot`)."""
         algo = self.algo
-        part = algo.part_of(round_index)
-        snapshot = algo.read_fast(part)  # a new tensor: training goes on in the parameters
         slow = self._slow(part)
-        guarded = not all_finite(snapshot)
         pending = InFlight(round_index, slow.clone() if guarded else snapshot, part=part, rule=self.rule)
         if self.rule == "eager":
             pending.slow, pending.share = slow.clone(), 1.0 / self._group_size()
@@ -409,25 +419,14 @@ class OverlappedRounds:
         return result.info
 
     # --- the provisional rule --------------------------------------------------------------------------------
-    def _coded_delta(self, round_index: int) -> torch.Tensor | None:
-        """The coded rule's pseudo-gradient of round ``round_index``: Δ as this worker's codec sends it, C(Δ + e)
-        (the fused exchange's: C(θ − φ₀ + e) − (φ − φ₀)); None where that is Δ itself or not this process's to
-        take (an exact codec, θ non-finite, a worker's non-leading process). Read before the exchange is sent:
-        the exchange replaces the residual e it reads here."""
-        algo = self.algo
-        if not self._leads() or algo.codec.exact:
+    def _coded_delta(self, round_index: int, part: slice | None, snapshot: torch.Tensor,
+                     guarded: bool) -> torch.Tensor | None:  # fmt: skip
+        """The coded rule's pseudo-gradient of the round whose θ is ``snapshot``: Δ as this worker's codec sends it
+        (:meth:`~noloco.optim.algorithms.OuterAlgorithm.coded_pseudo_gradient`); None where that is Δ itself or
+        not this process's to take (an exact codec, θ non-finite, a worker's non-leading process)."""
+        if guarded or not self._leads() or self.algo.codec.exact:
             return None
-        part = algo.part_of(round_index)
-        fast, slow = algo.read_fast(part), self._slow(part)
-        if not all_finite(fast):
-            return None
-        feedback = algo.fragment_states[0 if part is None else algo.fragments.index(part)].feedback
-        reference = (algo.reference if part is None else algo.reference[part]) if algo._fused_exchange() else slow
-        sent = fast - reference
-        if feedback is not None:
-            sent += feedback.residuals_for(sent.numel(), sent.device)[0]
-        _, value = algo.codec.encode_message(sent, with_value=True)
-        return value.add_(reference).sub_(slow)
+        return self.algo.coded_pseudo_gradient(snapshot, part)
 
     def _provisional_start(self, sent: InFlight, guarded: bool, coded: torch.Tensor | None = None) -> None:
         """θ ← the provisional step of the round just sent: φ[part] stepped by the rule with this worker's own
