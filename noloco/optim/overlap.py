@@ -5,7 +5,7 @@ What a worker does at the end of round r, instead of waiting for round r's group
 weights, Δ_r = θ − φ the pseudo-gradient it sends for round r, s_r = φ + Δ_r, R(φ, means) the outer rule's
 step (NoLoCo, DiLoCo, averaging) with its momentum.
 
-``provisional`` (the default, ``True``): the eager-update idea of Kale, Douillard and Donchev, "Eager Updates
+``provisional``: the eager-update idea of Kale, Douillard and Donchev, "Eager Updates
 For Overlapped Communication and Computation in DiLoCo" (arXiv 2502.12996) — this worker's own pseudo-gradient
 stands in for the group mean it has not received — taken as a provisional step that the real one replaces
 when the means arrive, one round later::
@@ -18,13 +18,14 @@ momentum only ever take real steps, so DiLoCo's φ stays the same on every worke
 for bit at the merge (φ and the momentum of its fragment have not changed since). A failed exchange takes the
 provisional step back: θ ← θ + (s_r−1 − R̂), so its progress goes into the next pseudo-gradient.
 
-``coded`` is ``provisional`` with this worker's pseudo-gradient *as its codec sends it*: R̂(φ, C(Δ_r + e)),
-C the codec's encode and decode, e the error feedback's residual the exchange adds to Δ_r, so that the step
-stands in for the group mean with the very quantity the partners average. With a sparse Δ (top-k) the
+``coded`` (the default, ``True``) is ``provisional`` with this worker's pseudo-gradient *as its codec sends it*:
+R̂(φ, C(Δ_r + e)), C the codec's encode and decode, e the error feedback's residual the exchange adds to Δ_r, so
+that the step stands in for the group mean with the very quantity the partners average. With a sparse Δ (top-k) the
 provisional step then moves θ where the mean can move φ and leaves it at φ elsewhere, as the blocking round
 does, instead of keeping a whole round of unsent progress that the merge takes back a round later. With an
 exact codec (fp32) it is ``provisional`` bit for bit. The checkpoint of an exchange in flight keeps its step
-(``start``): the residual it was coded with is gone once the exchange has run.
+(``start``): the residual it was coded with is gone once the exchange has run. The two rules share the merge, so
+such a checkpoint resumes under either.
 
 ``eager`` implements the eager updates of that paper as written: the outer step of round r is taken at once
 and kept, with this worker's own share w = 1/ñ of round r's means (ñ: its group's size), which it knows
@@ -58,7 +59,7 @@ from noloco.state import StateError, all_finite, check_keys, check_tensor, is_in
 
 #: the rules ``overlap=`` (``outer.overlap``) names; ``True`` means :data:`DEFAULT_RULE`
 OVERLAP_RULES = ("provisional", "coded", "eager", "delayed")
-DEFAULT_RULE = "provisional"
+DEFAULT_RULE = "coded"
 
 
 def check_overlap_steps(steps: int | None, rule: str | None, period: int) -> int | None:
@@ -88,6 +89,13 @@ def overlap_rule(overlap: bool | str | None) -> str | None:
     if isinstance(overlap, str) and overlap in OVERLAP_RULES:
         return overlap
     raise ValueError(f"overlap={overlap!r} is not one of false, true, {', '.join(OVERLAP_RULES)}")
+
+
+def _merge_of(rule: str) -> str:
+    """The rule whose merge lands an exchange ``rule`` sent: the provisional and coded rules share theirs (an
+    exchange in flight carries the step it started from, or is recomputed as the provisional one), so a checkpoint
+    of one resumes under the other (``outer.overlap=true`` named provisional before it named coded)."""
+    return "provisional" if rule == "coded" else rule
 
 
 @dataclass
@@ -252,10 +260,11 @@ class OverlappedRounds:
     caller's thread only, where an exchange is sent or applied.
     """
 
-    def __init__(self, algo, rule: str):
+    def __init__(self, algo, rule: str, by_default: bool = False):
         if rule not in OVERLAP_RULES:
             raise ValueError(f"overlap rule {rule!r} is not one of {OVERLAP_RULES}")
         self.algo, self.rule = algo, rule
+        self.by_default = by_default  # the rule is DEFAULT_RULE because overlap=True named no rule (see load)
         self.in_flight: InFlight | None = None
         self.partners: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # by fragment index
         self._last_size: int | None = None  # the size of the last group that arrived (group sources of no schedule)
@@ -562,9 +571,14 @@ class OverlappedRounds:
 
     def load(self, pending: InFlight | None, partners: list[dict] | None) -> None:
         """Adopt a checkpoint's exchange in flight and partners' shares, checked against this run's rule and split."""
-        if pending is not None and (pending.rule != self.rule or (pending.slow is None) == (self.rule == "eager")):
+        if pending is not None and (_merge_of(pending.rule) != _merge_of(self.rule)
+                                    or (pending.slow is None) == (self.rule == "eager")):  # fmt: skip
             raise ValueError(f"checkpoint's in-flight exchange is of the {pending.rule} overlap rule, this run's is "
                              f"{self.rule} (was outer.overlap changed?)")  # fmt: skip
+        if pending is not None and self.by_default and pending.rule != self.rule:
+            # overlap=True named provisional before it named coded: a run saved then goes on as it was trained, so
+            # that it ends where it would have without the interruption
+            self.rule = self.algo.overlap = pending.rule
         loaded = {}
         parts, like = self._parts(), self.algo.slow
         for entry in partners or []:

@@ -258,6 +258,49 @@ def test_a_state_saved_with_an_exchange_in_flight_resumes_exactly(rule, tau, cls
         assert torch.equal(theta, ref_theta) and torch.equal(slow, ref_slow)
 
 
+@pytest.mark.parametrize("saved_rule,resumed_rule", [("provisional", "coded"), ("coded", "provisional"),
+                                                     ("provisional", True)])  # fmt: skip
+def test_a_provisional_checkpoint_resumes_under_the_coded_rule_and_back(saved_rule, resumed_rule):
+    """``outer.overlap=true`` named the provisional rule before it named the coded one: a checkpoint with an
+    exchange in flight under one resumes under the other, that exchange landing as its own rule sent it (int4,
+    error feedback): bit-identical to an uninterrupted run whose rule changes at the same step. Resumed with
+    ``True`` (the setting that named provisional then), it stays provisional: it ends as if never interrupted."""
+
+    def worker(transport, stop_at, save):
+        def build(start, rule):
+            model = torch.nn.Linear(4, 1, bias=False)
+            with torch.no_grad():
+                model.weight.copy_(start.float())
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            return model, opt, NoLoCo(model, opt, transport, every=EVERY, momentum=MU, overlap=rule, codec="int4",
+                                      timeout=5.0, lr=BETA, pull=BETA, group_size=2)  # fmt: skip
+
+        model, opt, algo = build(START, saved_rule)
+        for step in range(1, STEPS + 1):
+            loss = 0.5 * (model.weight.double().reshape(-1) - TARGETS[transport.rank]).pow(2).sum()
+            loss.backward()
+            algo.step()
+            if step == stop_at and save:  # a fresh worker of the other rule loads the checkpoint
+                saved = copy.deepcopy((model.state_dict(), opt.state_dict(), algo.state_dict()))
+                assert saved[2]["in_flight"]["rule"] == saved_rule
+                model, opt, algo = build(START * 0, resumed_rule)
+                model.load_state_dict(saved[0])
+                opt.load_state_dict(saved[1])
+                algo.load_state_dict(saved[2])
+            elif step == stop_at and resumed_rule is not True:  # the same worker changes its rule there
+                algo.overlap = algo._overlapped.rule = resumed_rule
+        algo.finish()
+        return model.weight.detach().clone(), algo.slow.clone()
+
+    switched = LocalFabric(2).run(lambda t: worker(t, 7, save=False))
+    resumed = LocalFabric(2).run(lambda t: worker(t, 7, save=True))
+    unswitched = LocalFabric(2).run(lambda t: worker(t, None, save=False))
+    for (theta, slow), (ref_theta, ref_slow) in zip(resumed, switched):
+        assert torch.equal(theta, ref_theta) and torch.equal(slow, ref_slow)
+    # the rules differ with int4: the switch was taken, or (True) not
+    assert torch.equal(resumed[0][0], unswitched[0][0]) == (resumed_rule is True)
+
+
 def test_a_checkpoint_of_one_rule_is_refused_by_the_other():
     def worker(transport):
         model = torch.nn.Linear(4, 1, bias=False)
