@@ -636,8 +636,7 @@ class OuterAlgorithm(Algorithm):
                                     for part in self.fragments]  # fmt: skip
         self.max_norm_ratio = None if max_norm_ratio is None else float(max_norm_ratio)
         # overlap: round r's exchange runs in the background during round r + 1, under the rule it names
-        # (noloco.optim.overlap: "provisional", "coded", "eager", "delayed"; True: coded, or the rule of a loaded
-        # checkpoint's exchange in flight that shares its merge); False: None
+        # (noloco.optim.overlap.OVERLAP_RULES; True: DEFAULT_RULE, see OverlappedRounds.load); False: None
         self.overlap = overlap_rule(overlap)
         self._overlapped = None if self.overlap is None else OverlappedRounds(self, self.overlap, overlap is True)
         # inner steps an exchange may take: it lands (is waited for and applied) that many steps after it was sent
