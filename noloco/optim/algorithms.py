@@ -532,7 +532,7 @@ class OuterAlgorithm(Algorithm):
     Rounds are numbered by exchange (every ``every/k`` steps), and NoLoCo draws a group for each.
 
     ``overlap`` (default False): each exchange runs in the background while the next round trains, and the rule
-    it names says what is applied at each round boundary: ``"provisional"`` (also True), ``"coded"``, ``"eager"``
+    it names says what is applied at each round boundary: ``"coded"`` (also True), ``"provisional"``, ``"eager"``
     or ``"delayed"`` (:mod:`noloco.optim.overlap`, docs/design.md §3.1). In a worker of several processes the
     leader relays what it applied to the others. ``overlap_steps`` (τ; default None: the whole round,
     ``every / fragments`` steps): the provisional, coded and delayed rules apply an exchange τ inner steps after it

@@ -112,7 +112,7 @@ class InFlight:
     part: slice | None = None
     slow: torch.Tensor | None = None
     share: float | None = None
-    rule: str = "delayed"  # the rule that sent it (a checkpoint of one rule is refused by another)
+    rule: str = "delayed"  # the rule that sent it (a checkpoint is refused by a rule of another merge)
     start: torch.Tensor | None = None  # the step L taken at the send (provisional: recomputed after a resume)
 
 
@@ -444,7 +444,7 @@ class OverlappedRounds:
         algo, part = self.algo, sent.part
         slow = self._slow(part)
         if self._leads():
-            delta = sent.snapshot - slow if coded is None or guarded else coded
+            delta = sent.snapshot - slow if coded is None else coded  # None where θ was non-finite
             start = provisional_step(algo.rule, slow, delta, part)
             sent.start = start  # the merge needs it again: kept rather than recomputed (bit for bit the same)
         else:
