@@ -18,10 +18,14 @@ shares one machine's cores here, so both also measure the machine's load: N beyo
 sleeps ``S`` seconds (its compute time, emulated), so N peers beyond the cores do not slow each other's training;
 the model, and so the exchange, stay the same.
 
+``--peers-per-bucket K`` spreads each N's announcements over ``peer.buckets = max(1, N // K)`` keys (about K peers
+a key, whatever N), the setting docs/swarm.md recommends as N grows; without it every N uses one key.
+
 Usage: ``python -m benchmarks.swarm_scale --peers 8 16 [--steps 60] [--every 10] [--reps 5] [--sleep-step S]
-[--out DIR] [-- KEY=VALUE ...]`` (the keys: ``train.py`` overrides for every peer, such as ``peer.buckets=4``);
-writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default ``runs/benchmarks/swarm_scale/``; ``--name`` renames
-them); the peers' run folders go under ``runs/benchmarks/swarm_scale/``.
+[--peers-per-bucket K] [--out DIR] [-- KEY=VALUE ...]`` (the keys: ``train.py`` overrides for every peer, such as
+``peer.buckets=4``); writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default
+``runs/benchmarks/swarm_scale/``; ``--name`` renames them); the peers' run folders go under
+``runs/benchmarks/swarm_scale/``.
 """
 
 from __future__ import annotations
@@ -180,19 +184,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="emulate compute: each peer computes one 8-token sequence per step and sleeps S "
                              "seconds (same model and exchange; the cores stay free); 0: real compute")  # fmt: skip
     common.add_out(parser, "swarm_scale")
+    parser.add_argument("--peers-per-bucket", type=int, default=0, metavar="K",
+                        help="peer.buckets = max(1, N // K) for each N (about K peers a key); 0: one key")  # fmt: skip
     parser.add_argument("--name", default="swarm_scale", help="report file names (swarm_scale)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="train.py keys for every peer, after '--' (-- peer.buckets=4)")  # fmt: skip
     args = parser.parse_args(argv)
-    if min(args.peers) < 2 or args.steps < 2 * args.every or args.every < 1 or args.reps < 1 or args.sleep_step < 0:
-        parser.error("need --peers >= 2, --every >= 1, --steps >= 2 x --every, --reps >= 1, --sleep-step >= 0")
+    if (min(args.peers) < 2 or args.steps < 2 * args.every or args.every < 1 or args.reps < 1 or args.sleep_step < 0
+            or args.peers_per_bucket < 0):  # fmt: skip
+        parser.error("need --peers >= 2, --every >= 1, --steps >= 2 x --every, --reps >= 1, --sleep-step >= 0, "
+                     "--peers-per-bucket >= 0")  # fmt: skip
     fds = _raise_fd_limit()
     out = common.out_dir(args.out)
     # the peers' run folders (logs, metrics) stay under runs/, whatever --out is
     work = Path(tempfile.mkdtemp(prefix="swarm_scale-", dir=common.out_dir(common.RUNS / "swarm_scale")))
     rows = []
     for n in args.peers:
-        row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout, args.sleep_step, args.overrides)
+        buckets = max(1, n // args.peers_per_bucket) if args.peers_per_bucket else None
+        keys = [f"peer.buckets={buckets}"] if buckets else []
+        row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout, args.sleep_step,
+                          [*args.overrides, *keys])  # fmt: skip
+        row["buckets"] = buckets or 1
         row["gloo_seconds"] = gloo_point(n, row["params"], args.reps)["seconds"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "per_peer"}), flush=True)
@@ -223,15 +235,17 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
             else ""
         )
         + (f"Every peer also ran `{' '.join(args.overrides)}`. " if args.overrides else "")
+        + (f"Keys: `peer.buckets` = max(1, N // {args.peers_per_bucket}) for each N. " if args.peers_per_bucket else "")
         + f"gloo: N processes all-reduce the same number of fp32 values, median of {args.reps} (slowest process).",
         "",
-        "| N | swarm sync (s) | matchmaking (s) | exchange (s) | loop s / round | rounds formed (median, worst) | "
-        "gloo all-reduce (s) | gloo ÷ swarm sync |",
-        "|---|---|---|---|---|---|---|---|",
+        "| N | keys | swarm sync (s) | matchmaking (s) | exchange (s) | loop s / round | "
+        "rounds formed (median, worst) | gloo all-reduce (s) | gloo ÷ swarm sync |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["gloo_seconds"] / r["sync_seconds"] if r["sync_seconds"] else None
-        lines.append(f"| {r['peers']} | {fmt(r['sync_seconds'])} | {fmt(r['matchmaking_seconds'])} | "
+        lines.append(f"| {r['peers']} | {r.get('buckets', 1)} | {fmt(r['sync_seconds'])} | "
+                     f"{fmt(r['matchmaking_seconds'])} | "
                      f"{fmt(r['exchange_seconds'])} | {fmt(r['loop_seconds_per_round'])} | {r['formed']:.0%}, "
                      f"{r['formed_worst']:.0%} | {fmt(r['gloo_seconds'], '.4f')} | {fmt(ratio, '.2f')} |")  # fmt: skip
     swarm = [r for r in rows if r["sync_seconds"]]
