@@ -29,6 +29,14 @@ class CommTimeout(CommError, TimeoutError):
     """A ``recv`` waited longer than its timeout: the peer is dead, partitioned or too slow."""
 
 
+class CommUnreachable(CommError):
+    """The peer could not be reached at all (no route to it, the connection failed): absent, not slow.
+
+    Raised where a transport can tell the two apart (the swarm's p2p daemon answers at once when it finds no
+    route); a peer that answered and refused, or took too long, raises :class:`CommError` or :class:`CommTimeout`.
+    """
+
+
 class CommAborted(CommError):
     """The transport was shut down on purpose because the run is failing (e.g. another in-process rank raised).
 

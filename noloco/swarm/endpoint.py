@@ -61,7 +61,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from noloco.comm.base import ByteCounter, CommError, CommTimeout, Transport
+from noloco.comm.base import ByteCounter, CommError, CommTimeout, CommUnreachable, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -644,7 +644,8 @@ class SwarmEndpoint:
         return reply
 
     def _call(self, dst: str, frame: bytes, max_reply: int, timeout: float, what: str):
-        """One frame to ``dst`` and its reply ``(status, reply)``; failures become CommTimeout/CommError."""
+        """One frame to ``dst`` and its reply ``(status, reply)``; failures become CommTimeout/CommError
+        (CommUnreachable where the daemon could not reach ``dst`` at all)."""
         try:
             return self._loop.call(self._exchange(dst, frame, max_reply), timeout)
         except TimeoutError:
@@ -653,7 +654,7 @@ class SwarmEndpoint:
             self.count_rejection(exc.reason, f"reply: {exc}", dst)
             raise CommError(f"reply from {dst[:12]} refused: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - p2pd errors of every kind mean "peer unreachable"
-            raise CommError(f"{what} failed: {type(exc).__name__}: {exc}") from None
+            raise CommUnreachable(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
     def send_control(self, group: str, round_index: int, dst: str, tag: str, payload: bytes, timeout: float):
         self.send_frame("ctl", round_index, group, dst, tag, payload, timeout)

@@ -93,7 +93,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from noloco.comm.base import ByteCounter, CommError
+from noloco.comm.base import ByteCounter, CommError, CommUnreachable
 from noloco.gossip.base import Group, GroupSource
 from noloco.swarm.deadline import AdaptiveDeadline, PeerPace, window_need
 from noloco.swarm.endpoint import RunKey, SwarmEndpoint, SwarmTransport
@@ -598,6 +598,7 @@ class SwarmMatchmaking(GroupSource):
         self._banned_until: dict[str, int] = {}  # peer -> last swarm round it is left out of
         self.penalties: dict[str, int] = {}  # reason -> penalties this peer imposed for it (a peer's summary)
         self._silent: list[tuple[str, int]] = []  # (peer, round) it sent nothing in; settled next round
+        self._unreachable: set[tuple[str, int]] = set()  # of those, the ones that could not be reached at all
         self._heard: set[tuple[str, int]] = set()  # (peer, round) whose join this peer took
         self._excluded: set[tuple[str, int]] = set()  # (peer, round) exclusions already counted
         self._window_excluded: list[str] = []  # penalized peers of the window being drawn
@@ -630,7 +631,10 @@ class SwarmMatchmaking(GroupSource):
 
         Two kinds: no ``join`` (``no_confirm``) and no data after confirming (``no_data``, noted by
         :meth:`release`). Each strike is counted; from the ``strikes_before_penalty``-th of a kind in a row
-        each one also leaves the peer out of the draws (:meth:`_strike`).
+        each one also leaves the peer out of the draws (:meth:`_strike`). A silent member that this peer could
+        not reach at all (no route: an identity without a daemon, or a peer that died) is left out from its first
+        strike: the strikes before a penalty spare a slow honest peer, and an absent one is not slow (a peer that
+        restarts comes back under a new identity).
         """
         for peer, round_index in dict.fromkeys(self._silent):
             if (peer, round_index) in self._heard:
@@ -639,9 +643,13 @@ class SwarmMatchmaking(GroupSource):
                 self._late[peer] = self._late.get(peer, 0) + 1
                 if self._late[peer] < 2:  # late once: a slow honest peer; late every time: a strike too
                     continue
-            self._strike(self._strikes, peer, round_index, "no_confirm", f"ready in round {round_index} but did "
-                         "not confirm")  # fmt: skip
+            absent = (peer, round_index) in self._unreachable
+            if absent:
+                self._strikes[peer] = max(self._strikes.get(peer, 0), self.strikes_before_penalty - 1)
+            self._strike(self._strikes, peer, round_index, "no_confirm", f"ready in round {round_index} but "
+                         + ("could not be reached" if absent else "did not confirm"))  # fmt: skip
         self._silent.clear()
+        self._unreachable.clear()
         self._heard.clear()
         with self._penalty_lock:
             mute, self._mute = self._mute, []
@@ -1108,6 +1116,8 @@ class SwarmMatchmaking(GroupSource):
                                            max(0.1, confirm_by - time.monotonic()))  # fmt: skip
             except CommError as exc:
                 self._silent.append((member, round_index))  # unreachable: gone, or refusing us
+                if isinstance(exc, CommUnreachable):
+                    self._unreachable.add((member, round_index))
                 unreachable.append(exc)
         if unreachable:
             raise unreachable[0]

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from noloco.comm.base import CommError, CommTimeout
+from noloco.comm.base import CommError, CommTimeout, CommUnreachable
 from noloco.gossip.base import Group
 from noloco.swarm.dht import RunRecordValidator, start_peer_dht
 from noloco.swarm.endpoint import (
@@ -440,6 +440,29 @@ def test_a_member_that_confirms_and_then_sends_no_data_is_struck_and_left_out(en
     assert counts()["no_data"] == 3
     assert [r for r in range(20) if mm.penalized(other.peer_id, r)] == list(range(0, 12))
     assert mm._strikes == {}  # confirmation strikes are another count
+
+
+def test_a_member_that_cannot_be_reached_is_left_out_from_its_first_strike(endpoints):
+    """Real endpoints: a drawn member without a daemon (a sybil identity of a key holder, or a peer that died)
+    fails the confirmation at once as unreachable and is left out from its first strike, where a member that
+    answers and stays silent keeps the strikes before a penalty (a slow honest peer). Before, an identity without a
+    daemon failed two of its drawn rounds before its first penalty, like a silent one."""
+    target, other = endpoints
+    mm = SwarmMatchmaking(None, target, "target", penalty_rounds=4, strikes_before_penalty=2)
+    absent = PeerIdentity.generate().peer_id
+    members = sorted([target.peer_id, absent])
+    started = time.monotonic()
+    with pytest.raises(CommUnreachable):
+        mm._confirm(3, "g-absent", members, {m: m for m in members}, time.monotonic() + 20, fast_mismatch=False)
+    assert time.monotonic() - started < 15  # told at once, not after the confirmation deadline
+    mm._settle()  # the next round begins
+    assert [r for r in range(16) if mm.penalized(absent, r)] == list(range(0, 8))  # to the end of the next block of 4
+    assert target.rejection_counts().get("no_confirm", 0) >= 1
+    members = sorted([target.peer_id, other.peer_id])  # there, but never confirms: one strike, no penalty yet
+    with pytest.raises(TimeoutError):
+        mm._confirm(4, "g-silent", members, {m: m for m in members}, time.monotonic() + 0.5, fast_mismatch=False)
+    mm._settle()
+    assert mm._strikes.get(other.peer_id) == 1 and not any(mm.penalized(other.peer_id, r) for r in range(16))
 
 
 def test_the_limits_are_peer_config_keys_with_one_line_errors():
