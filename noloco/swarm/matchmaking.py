@@ -898,7 +898,7 @@ class SwarmMatchmaking(GroupSource):
             except Exception as exc:  # noqa: BLE001 - unreachable, refused or silent member: draw again without it
                 self.endpoint.close_group(group_id)
                 record.outcome = f"confirm failed: {exc}"
-                return self._fallback(round_index, record, deadline, names, start, members,
+                return self._fallback(round_index, record, deadline, names, members,
                                       unreachable=isinstance(exc, CommError))  # fmt: skip
             record.outcome = "joined"
             return Group(transport, list(range(len(members))), round_index, [names[m] for m in members])
@@ -906,12 +906,14 @@ class SwarmMatchmaking(GroupSource):
             self.endpoint.close_group(stale)
         return None
 
-    def _fallback(self, round_index: int, record: RoundRecord, deadline: float, names: dict[str, str], start: float,
+    def _fallback(self, round_index: int, record: RoundRecord, deadline: float, names: dict[str, str],
                   failed_group: list[str], unreachable: bool = False) -> Group | None:  # fmt: skip
         """A second draw in the same window among the peers whose first group failed to confirm too.
 
-        The members of this peer's group that sent nothing at all are left out; to every other peer of the window
-        this peer posts ``retry/<window>``, waits until its first confirmation deadline plus ``max(0.5, slack)``
+        The members of this peer's group that sent nothing at all (after an unreachable member: the unreachable
+        ones) are left out; to every other peer of the window this peer posts ``retry/<round>`` (the round's, so
+        that peers whose penalties differ, and so whose windows start at different times, find each other's), waits
+        until its first confirmation deadline plus ``max(0.5, slack)``
         (so that a peer whose group timed out is in as well; if the failure was a member that could not be reached,
         which fails every group at once, only ``max(1, 2 slack) + max(0.5, slack)`` seconds after the window's
         last read, when every member has read it and tried its group; if less than
@@ -921,13 +923,20 @@ class SwarmMatchmaking(GroupSource):
         retry sets differ compute different group ids and skip the round, as before.
         """
         channel = f"r{round_index}"
-        tag = "retry/" + _digest("retry", self.run_id, round_index, repr(start), size=8)
-        failed = {
-            m
-            for m in failed_group
-            if m != self.peer_id and (m, round_index) not in self._heard and not self.endpoint.control_tags(channel, m)
-        }  # sent nothing at all (a join for another group is
-        # something: an honest member whose view of the window differed falls back too)
+        # the round's, not the window's: peers whose penalties differ see windows that start at different times
+        # (a penalized identity that announced first opens no window), and must still find each other's retry
+        tag = "retry/" + _digest("retry", self.run_id, round_index, size=8)
+        if unreachable:  # at once, when others of the group may not have read the window yet: only the unreached
+            failed = {m for m, r in self._silent if r == round_index and m in failed_group and m != self.peer_id}
+        else:
+            failed = {
+                m
+                for m in failed_group
+                if m != self.peer_id
+                and (m, round_index) not in self._heard
+                and not self.endpoint.control_tags(channel, m)
+            }  # sent nothing at all by the confirmation deadline (a join for another group is
+            # something: an honest member whose view of the window differed falls back too)
         # the retry lists the peers this one leaves out (penalized): a peer that does not penalize them yet
         # leaves them out of this redraw too, so that both draw the same group (a claim counts for this redraw only)
         left_out = json.dumps(sorted(failed | set(self._window_excluded))[:MAX_CLAIMED]).encode()
@@ -958,7 +967,7 @@ class SwarmMatchmaking(GroupSource):
             return None
         members = next(g for g in draw_groups(sorted(back | {self.peer_id}), self.group_size, self.seed, round_index)
                        if self.peer_id in g)  # fmt: skip
-        group_id = _digest("group", self.run_id, round_index, repr(start), "retry", *members)
+        group_id = _digest("group", self.run_id, round_index, "retry", *members)  # one group a round per peer
         transport = self.endpoint.open_group(group_id, round_index, members)
         try:
             self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=False)
