@@ -75,7 +75,7 @@ def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float
             f"peer.wait_for_peers={peers - 1}", "peer.live_timeout=60",
             *(SLEEP_DATA if sleep_step > 0 else []), *(overrides or [])]  # fmt: skip
     env = {"NOLOCO_FAULTS": slow_steps(steps, sleep_step)} if sleep_step > 0 else None
-    started = time.monotonic()
+    started, busy = time.monotonic(), _cpu_times()
     with PeerSwarm(folder, args) as swarm:
         swarm.peer(names[0], "peer.worker=0", env=env)
         join = f'peer.initial_peers=["{swarm.maddr(names[0], timeout)}"]'
@@ -93,6 +93,7 @@ def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float
                              "sync_seconds": statistics.median(sync) if sync else None,
                              "matchmaking_seconds": joined_seconds(rounds, "matchmaking_seconds"),
                              "exchange_seconds": joined_seconds(rounds, "exchange_seconds"),
+                             **{k: joined_seconds(rounds, k) for k in PHASES},
                              "loop_seconds_per_round": s["loop_seconds_by_worker"][0] / max(1, s["rounds"]),
                              "outcomes": s["round_outcomes"], "params": s["params"]})  # fmt: skip
     synced = [p["sync_seconds"] for p in per_peer if p["sync_seconds"] is not None]
@@ -101,9 +102,31 @@ def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float
             "sync_seconds": statistics.median(synced) if synced else None,
             "matchmaking_seconds": med("matchmaking_seconds") if synced else None,
             "exchange_seconds": med("exchange_seconds") if synced else None,
+            **{k: med(k) if synced else None for k in PHASES}, "cpu_busy": _busy_since(busy),
             "loop_seconds_per_round": med("loop_seconds_per_round"),
             "formed": statistics.median(p["joined"] / p["rounds"] for p in per_peer),
             "formed_worst": min(p["joined"] / p["rounds"] for p in per_peer), "per_peer": per_peer}  # fmt: skip
+
+
+PHASES = ("listing_seconds", "dht_seconds", "confirm_seconds")  # where matchmaking went (RoundRecord)
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all cores from /proc/stat; None where there is none."""
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _busy_since(before: tuple[float, float] | None) -> float | None:
+    """Share of the machine's cores busy since ``before`` (:func:`_cpu_times`)."""
+    after = _cpu_times()
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _free_port() -> int:
@@ -238,16 +261,21 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
         + (f"Keys: `peer.buckets` = max(1, N // {args.peers_per_bucket}) for each N. " if args.peers_per_bucket else "")
         + f"gloo: N processes all-reduce the same number of fp32 values, median of {args.reps} (slowest process).",
         "",
-        "| N | keys | swarm sync (s) | matchmaking (s) | exchange (s) | loop s / round | "
-        "rounds formed (median, worst) | gloo all-reduce (s) | gloo ÷ swarm sync |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Of matchmaking: registry = reading the live peers, DHT = announcing and reading the round's announcements, "
+        "confirm = confirming the group (the rest waits for the window). CPU = share of the machine's cores busy "
+        "while the N peers ran.",
+        "",
+        "| N | keys | swarm sync (s) | matchmaking (s) | registry, DHT, confirm (s) | exchange (s) | loop s / round | "
+        "rounds formed (median, worst) | CPU | gloo all-reduce (s) | gloo ÷ swarm sync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["gloo_seconds"] / r["sync_seconds"] if r["sync_seconds"] else None
         lines.append(f"| {r['peers']} | {r.get('buckets', 1)} | {fmt(r['sync_seconds'])} | "
-                     f"{fmt(r['matchmaking_seconds'])} | "
+                     f"{fmt(r['matchmaking_seconds'])} | {', '.join(fmt(r.get(k), '.2f') for k in PHASES)} | "
                      f"{fmt(r['exchange_seconds'])} | {fmt(r['loop_seconds_per_round'])} | {r['formed']:.0%}, "
-                     f"{r['formed_worst']:.0%} | {fmt(r['gloo_seconds'], '.4f')} | {fmt(ratio, '.2f')} |")  # fmt: skip
+                     f"{r['formed_worst']:.0%} | {fmt(r.get('cpu_busy'), '.0%')} | {fmt(r['gloo_seconds'], '.4f')} | "
+                     f"{fmt(ratio, '.2f')} |")  # fmt: skip
     swarm = [r for r in rows if r["sync_seconds"]]
     if len(swarm) > 1:
         lines += ["", f"Swarm sync from N = {swarm[0]['peers']} to {swarm[-1]['peers']}: "

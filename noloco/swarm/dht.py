@@ -28,6 +28,7 @@ DHT runs in a forked child) and read with :meth:`RunRecordValidator.counts`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import multiprocessing
 import os
@@ -181,6 +182,14 @@ def start_peer_dht(initial_peers: list[str] | None, host_maddrs: list[str], anno
                         **kwargs).result()  # fmt: skip
 
 
+@functools.lru_cache(maxsize=16384)
+def _signed_record(owner: str, signed: bytes, signature: bytes) -> bool:
+    """Whether ``owner`` signed the record ``signed`` (cached: a DHT search returns the same record from each of the
+    ~20 nodes it visits, and the same records again at every read until they change; an Ed25519 check costs
+    ~80 us, so a read of the registry of N peers cost N x 20 of them, and one wave of reads N x N x 20)."""
+    return verify(owner, b"noloco-dht-sig/2" + signed, signature)
+
+
 _TRAILER = b"NLV2"
 _SIGNED = len(_TRAILER) + SIGNATURE_BYTES + 32  # trailer ‖ Ed25519 signature ‖ HMAC
 _REFUSALS = ("dht_unauthenticated", "dht_expiry", "dht_forged")
@@ -255,7 +264,7 @@ class RunRecordValidator:
         if not hmac.compare_digest(self._key.mac(b"noloco-dht/2", signed), value[-32:]):
             return self._count("dht_unauthenticated")
         owner = record_owner(record.subkey)
-        if owner is None or not verify(owner, b"noloco-dht-sig/2" + signed, value[-SIGNATURE_BYTES - 32 : -32]):
+        if owner is None or not _signed_record(owner, signed, value[-SIGNATURE_BYTES - 32 : -32]):
             return self._count("dht_forged")
         if record.expiration_time > get_dht_time() + self.max_ttl:
             return self._count("dht_expiry")

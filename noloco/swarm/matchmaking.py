@@ -81,6 +81,7 @@ also drops, for a joiner, sources further ahead than the other live peers' media
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -473,6 +474,19 @@ class RoundRecord:
     retried: bool = False  # exchanged again among the members that delivered, after one failed (SwarmMatchmaking.retry)
     window_width: float = 0.0  # seconds of the window this peer's (first) announcement of the round asked for
     why: str = ""  # outcome ``late``: which rule told this peer the round formed without it
+    # where matchmaking_seconds went (the rest: waiting for the window to fill or close, and for a redraw)
+    listing_seconds: float = 0.0  # reading the registry of live peers (who is expected, the front, anyone left)
+    dht_seconds: float = 0.0  # announcing and reading the round's announcements
+    confirm_seconds: float = 0.0  # confirming the drawn group with its members
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Add the seconds of the ``with`` block to ``<phase>_seconds``."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            setattr(self, f"{phase}_seconds", getattr(self, f"{phase}_seconds") + time.monotonic() - started)
 
 
 def _check_options(group_size: int | None, buckets: int, cycle: int, penalty_rounds: int, strikes_before_penalty: int,
@@ -801,14 +815,14 @@ class SwarmMatchmaking(GroupSource):
         that is congruent to its own modulo the cycle (:meth:`target`). ``Group.round`` is the swarm round.
         """
         started = time.monotonic()
-        ahead = self.next_round
+        ahead, listed = self.next_round, time.monotonic()
         if self.front is not None:
             try:
                 ahead = max(ahead, self.front())
             except Exception:  # noqa: BLE001 - the registry is a hint
                 pass
         target = self.target(round_index, ahead)
-        record = RoundRecord(target)
+        record = RoundRecord(target, listing_seconds=time.monotonic() - listed)
         self.rounds.append(record)
         self._by_own[int(round_index)] = record
         for old in [r for r in self._by_own if r < round_index - 8]:  # the training side reads the latest only
@@ -837,13 +851,15 @@ class SwarmMatchmaking(GroupSource):
     def _form(self, round_index: int, record: RoundRecord, deadline: float) -> Group | None:
         deadline = min(deadline, time.monotonic() + self.timeout)
         self._settle()
-        if self.others is not None:
-            if self.others() > 0:
+        with record.timed("listing"):
+            others = self.others() if self.others is not None else None
+            expected = self.expected(round_index) if self.expected is not None else set()
+        if others is not None:
+            if others > 0:
                 self._others_seen = time.monotonic()
             elif time.monotonic() - self._others_seen > self.alone_after:
                 record.outcome = "no live peers"
                 return None
-        expected = self.expected(round_index) if self.expected is not None else set()
         if self.buckets > 1:  # only the peers of this peer's bucket announce where it reads
             bucket = self._bucket(round_index)
             mates = {p for p in expected if self._bucket(round_index, p) == bucket}
@@ -851,7 +867,8 @@ class SwarmMatchmaking(GroupSource):
                 record.outcome = "alone in its bucket"
                 return None
             expected = mates
-        mine = self._announce(round_index)
+        with record.timed("dht"):
+            mine = self._announce(round_index)
         record.window_width = self._width
         claimed: frozenset[str] = frozenset()
         stale: str | None = None  # the group of a draw whose members disagreed, closed once the redraw differs
@@ -886,8 +903,10 @@ class SwarmMatchmaking(GroupSource):
                 # peer announced (early: they no longer wait for a peer that missed a round), so their silence is
                 # no evidence against them: no strike
                 late = self._behind and len(in_window) > 2 and mine >= max(e.time for e in in_window)
-                self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0,
-                              window_peers=outside, strike=not (self.adaptive and late), read_by=read_by)  # fmt: skip
+                with record.timed("confirm"):
+                    self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=attempt == 0,
+                                  window_peers=outside, strike=not (self.adaptive and late),
+                                  read_by=read_by)  # fmt: skip
             except _Mismatch as exc:
                 claimed = self._claimed_exclusions(round_index, members, names)
                 # kept open until the redraw: if it draws the same group, a member that confirmed it meanwhile
@@ -970,7 +989,8 @@ class SwarmMatchmaking(GroupSource):
         group_id = _digest("group", self.run_id, round_index, "retry", *members)  # one group a round per peer
         transport = self.endpoint.open_group(group_id, round_index, members)
         try:
-            self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=False)
+            with record.timed("confirm"):
+                self._confirm(round_index, group_id, members, names, deadline, fast_mismatch=False)
         except Exception as exc:  # noqa: BLE001 - the retry failed as well: skip the round
             self.endpoint.close_group(group_id)
             record.outcome = f"redraw failed: {exc}"
@@ -1013,7 +1033,8 @@ class SwarmMatchmaking(GroupSource):
         mates_expected = bool(expected)  # with buckets: peers expected in this peer's bucket (before a re-announce)
         observed = expected  # whose pace the window read tells (the first announcement's window only)
         while True:
-            entries = [e for e in self._ready(round_index) if e.peer != self.peer_id]
+            with record.timed("dht"):
+                entries = [e for e in self._ready(round_index) if e.peer != self.peer_id]
             entries.append(Announcement(self.peer_id, mine, self.name, self._width, self._gap))
             cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
             start, end = next(w for w in cut if w[0] <= mine <= w[1])
@@ -1075,7 +1096,8 @@ class SwarmMatchmaking(GroupSource):
             if time.monotonic() + self.slack > deadline:
                 record.outcome = "no partner"
                 return None
-            mine = self._announce(round_index)
+            with record.timed("dht"):
+                mine = self._announce(round_index)
             observed = set()
             if not self.adaptive:  # adaptive: still read at once when every peer it waits for is in the new window
                 expected = set()

@@ -253,3 +253,21 @@ def test_peers_drawn_with_unreachable_identities_redraw_together_whatever_they_r
     for round_index, result in results.items():
         for i in (0, 1):
             assert result[i][:2] == (["p0", "p1"], "joined"), (round_index, i, result)
+
+
+def test_a_rounds_record_tells_where_its_matchmaking_time_went(swarm):
+    """``rounds.jsonl`` splits matchmaking into reading the registry, the DHT's announcements and the confirmation
+    (how the 64-peer sweep found its registry reads growing as N x N): a registry that answers in 0.3 s shows as
+    0.3 s of ``listing_seconds``, and the phases never add up to more than the whole."""
+    makers, ids = _makers(swarm, behind=None)
+    for maker in makers:
+        expected = maker.expected
+        maker.expected = lambda r, expected=expected: (time.sleep(0.3), expected(r))[1]
+    results = _form_all(makers, 40, {0: 0.0, 1: 0.0, 2: 0.0})
+    for i, maker in enumerate(makers):
+        record = maker.rounds[-1]
+        assert results[i][1] == "joined", results
+        assert 0.3 <= record.listing_seconds < record.matchmaking_seconds, record
+        assert record.dht_seconds > 0 and record.confirm_seconds > 0, record
+        phases = record.listing_seconds + record.dht_seconds + record.confirm_seconds
+        assert phases <= record.matchmaking_seconds, record

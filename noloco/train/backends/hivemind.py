@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import resource
 import sys
 import time
@@ -137,15 +138,25 @@ class HivemindBackend(Backend):
         self._said_alone = False  # the line that says why a round waited for partners in vain, said once
         self._implausible: set = set()  # registry claims already counted as implausible
         self.period = exchange_period(cfg)  # inner steps per swarm round
+        self._listing: tuple[float, list[dict]] = (-math.inf, [])  # (monotonic time read, _fresh()) of this round
 
     # --- what matchmaking asks of the registry -------------------------------------------------------
     def _fresh(self) -> list[dict]:
         """Live peers that published recently, one per name (not this peer's earlier incarnation: it resumed),
-        without those listing a round the swarm cannot be in."""
+        without those listing a round the swarm cannot be in.
+
+        Read once for the questions of one round (the front, anyone left, who is expected): each read is a DHT
+        search that visits up to ~20 nodes and returns every live peer's entry, so three a round grew the swarm's
+        DHT traffic as N x N for nothing."""
+        read_at, cached = self._listing
+        if time.monotonic() - read_at < LISTING_REUSE:
+            return cached
         now = time.time()
         live = latest_incarnations(self.registry.live(), self.peer_name)
         fresh = [e for e in live if now - e["t"] <= self.cfg.peer.live_timeout]
-        return implausible_rounds(fresh, self.cfg.steps, self.period, self.endpoint, self._implausible)
+        fresh = implausible_rounds(fresh, self.cfg.steps, self.period, self.endpoint, self._implausible)
+        self._listing = (time.monotonic(), fresh)
+        return fresh
 
     def _expected(self, round_index: int) -> set[str]:
         """Peers that published recently and will match next in this round or the one before."""
@@ -430,6 +441,7 @@ def _worker_and_name(cfg: DictConfig, endpoint: SwarmEndpoint, run: Run) -> tupl
 
 #: Seconds of clock difference between peers that a DHT record's expiration may carry.
 CLOCK_SKEW_SECONDS = 120.0
+LISTING_REUSE = 1.0  # seconds a read of the registry answers the questions of one round (HivemindBackend._fresh)
 
 
 def record_ttl_bound(cfg: DictConfig) -> float:
