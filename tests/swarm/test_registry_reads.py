@@ -8,6 +8,7 @@ cores; docs/results/scale.md section 3).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -16,6 +17,15 @@ from noloco.train.backends.hivemind import LISTING_REUSE, HivemindBackend
 from noloco.train.config import load_config
 
 RUN = "registry-reads-test"
+
+
+@dataclasses.dataclass
+class _Steps:
+    """What the backend reads of the outer algorithm after a step: its round period, inner steps, the round landed."""
+
+    period: int
+    inner_step: int = 0
+    last_round: object = None
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +40,7 @@ def backend(in_process_peers):
         ours.publish(0, next_round=0)
         reads = []
         live = ours.registry.live
-        ours.registry.live = lambda: (reads.append(time.monotonic()), live())[1]
+        ours.registry.live = lambda fetched=None: (reads.append(time.monotonic()), live(fetched))[1]
         yield ours, other.endpoint.peer_id, reads
 
 
@@ -45,3 +55,22 @@ def test_a_round_reads_the_registry_once_for_all_its_questions(backend):
     time.sleep(LISTING_REUSE)
     assert ours._expected(0) == {other}
     assert len(reads) == 2  # a later round reads it afresh
+
+
+def test_the_registry_is_read_a_step_before_the_round_that_asks(backend):
+    """After the step before a round the read is under way, and the round's matchmaking takes its answer instead of
+    searching the DHT again (it waits only for what is left of that search)."""
+    ours, other, reads = backend
+    fetches = []
+    fetch = ours.registry.fetch
+    ours.registry.fetch = lambda: (fetches.append(time.monotonic()), fetch())[1]
+    time.sleep(LISTING_REUSE)
+    algo = _Steps(period=ours.period)
+    for step in range(1, ours.period):  # inner steps 1 .. period - 1: the next one ends round 0
+        algo.inner_step = step
+        ours.after_step(step, algo)
+    assert len(fetches) == 1, fetches
+    before = len(reads)
+    assert ours.matchmaking.form(0, timeout=1.0) is None  # peer 1 never announces
+    assert len(reads) == before + 1 and len(fetches) == 1  # the round read the early search, and no other
+    assert ours._fetched[1] is None  # taken

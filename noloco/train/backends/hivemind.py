@@ -139,6 +139,7 @@ class HivemindBackend(Backend):
         self._implausible: set = set()  # registry claims already counted as implausible
         self.period = exchange_period(cfg)  # inner steps per swarm round
         self._listing: tuple[float, list[dict]] = (-math.inf, [])  # (monotonic time read, _fresh()) of this round
+        self._fetched: tuple[float, object] = (-math.inf, None)  # (asked at, PeerRegistry.fetch) for the next round
 
     # --- what matchmaking asks of the registry -------------------------------------------------------
     def _fresh(self) -> list[dict]:
@@ -147,12 +148,22 @@ class HivemindBackend(Backend):
 
         Read once for the questions of one round (the front, anyone left, who is expected): each read is a DHT
         search that visits up to ~20 nodes and returns every live peer's entry, so three a round grew the swarm's
-        DHT traffic as N x N for nothing."""
+        DHT traffic as N x N for nothing. The read starts a step before the round (:meth:`after_step`), so the
+        round waits for it only if that step was shorter than the search."""
         read_at, cached = self._listing
         if time.monotonic() - read_at < LISTING_REUSE:
             return cached
+        (asked_at, fetched), self._fetched = self._fetched, (-math.inf, None)
+        if fetched is not None and time.monotonic() - asked_at > self.cfg.peer.live_timeout:
+            fetched = None  # a read that old no longer tells who is live
+        try:
+            live = self.registry.live(fetched)
+        except Exception:  # noqa: BLE001 - the early read failed (the DHT was busy then): read now
+            if fetched is None:
+                raise
+            live = self.registry.live()
         now = time.time()
-        live = latest_incarnations(self.registry.live(), self.peer_name)
+        live = latest_incarnations(live, self.peer_name)
         fresh = [e for e in live if now - e["t"] <= self.cfg.peer.live_timeout]
         fresh = implausible_rounds(fresh, self.cfg.steps, self.period, self.endpoint, self._implausible)
         self._listing = (time.monotonic(), fresh)
@@ -218,6 +229,16 @@ class HivemindBackend(Backend):
         if info is not None or time.monotonic() - self._heartbeat > self.cfg.peer.live_timeout / 3:
             self._heartbeat = time.monotonic()
             self.publish(step)
+        every = getattr(algo, "period", 0)
+        if every and (algo.inner_step + 1) % every == 0:  # the next step ends a round: its matchmaking reads the
+            self._fetch_listing()  # registry
+
+    def _fetch_listing(self) -> None:
+        """Start the registry read of the next round's matchmaking (:meth:`_fresh`); best effort."""
+        try:
+            self._fetched = (time.monotonic(), self.registry.fetch())
+        except Exception:  # noqa: BLE001 - the round reads it itself then
+            self._fetched = (-math.inf, None)
 
     def barrier(self, step: int) -> bool:
         return True
