@@ -263,7 +263,7 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
         "",
         "Of matchmaking: registry = reading the live peers, DHT = announcing and reading the round's announcements, "
         "confirm = confirming the group (the rest waits for the window). CPU = share of the machine's cores busy "
-        "while the N peers ran.",
+        "from the N peers' start to their end (their start-up, N imports of torch and hivemind at once, included).",
         "",
         "| N | keys | swarm sync (s) | matchmaking (s) | registry, DHT, confirm (s) | exchange (s) | loop s / round | "
         "rounds formed (median, worst) | CPU | gloo all-reduce (s) | gloo ÷ swarm sync |",
