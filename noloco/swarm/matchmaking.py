@@ -477,6 +477,7 @@ class RoundRecord:
     # where matchmaking_seconds went (the rest: waiting for the window to fill or close, and for a redraw)
     listing_seconds: float = 0.0  # reading the registry of live peers (who is expected, the front, anyone left)
     dht_seconds: float = 0.0  # announcing and reading the round's announcements
+    dht_reads: int = 0  # reads of the round's announcements (each a DHT search)
     confirm_seconds: float = 0.0  # confirming the drawn group with its members
 
     @contextlib.contextmanager
@@ -1035,6 +1036,7 @@ class SwarmMatchmaking(GroupSource):
         while True:
             with record.timed("dht"):
                 entries = [e for e in self._ready(round_index) if e.peer != self.peer_id]
+            record.dht_reads += 1
             entries.append(Announcement(self.peer_id, mine, self.name, self._width, self._gap))
             cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
             start, end = next(w for w in cut if w[0] <= mine <= w[1])
