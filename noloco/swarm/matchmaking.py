@@ -659,10 +659,8 @@ class SwarmMatchmaking(GroupSource):
                 if self._late[peer] < 2:  # late once: a slow honest peer; late every time: a strike too
                     continue
             absent = (peer, round_index) in self._unreachable
-            if absent:
-                self._strikes[peer] = max(self._strikes.get(peer, 0), self.strikes_before_penalty - 1)
             self._strike(self._strikes, peer, round_index, "no_confirm", f"ready in round {round_index} but "
-                         + ("could not be reached" if absent else "did not confirm"))  # fmt: skip
+                         + ("could not be reached" if absent else "did not confirm"), at_once=absent)  # fmt: skip
         self._silent.clear()
         self._unreachable.clear()
         self._heard.clear()
@@ -676,9 +674,12 @@ class SwarmMatchmaking(GroupSource):
                 self._strike(self._invalid_strikes, peer, round_index, "invalid_data", f"sent an invalid payload "
                              f"in round {round_index}")  # fmt: skip
 
-    def _strike(self, strikes_of: dict[str, int], peer: str, round_index: int, reason: str, what: str) -> None:
-        """Count one strike of ``peer`` in ``strikes_of``; from ``strikes_before_penalty`` in a row, leave it out."""
-        strikes = strikes_of[peer] = strikes_of.get(peer, 0) + 1
+    def _strike(self, strikes_of: dict[str, int], peer: str, round_index: int, reason: str, what: str,
+                at_once: bool = False) -> None:  # fmt: skip
+        """Count one strike of ``peer`` in ``strikes_of``; from ``strikes_before_penalty`` in a row (``at_once``:
+        from this one), leave it out."""
+        least = self.strikes_before_penalty if at_once else 1
+        strikes = strikes_of[peer] = max(strikes_of.get(peer, 0) + 1, least)
         if strikes < self.strikes_before_penalty or self.penalty_rounds <= 0:
             self.endpoint.count_rejection(reason, f"{what} (strike {strikes}, no penalty)", peer)
             return
@@ -739,7 +740,12 @@ class SwarmMatchmaking(GroupSource):
         """Seconds of the windows this peer opens now: ``window``, or with ``adaptive`` its adaptive deadline."""
         return self.window_deadline.value() if self.adaptive else self.window
 
-    def _announce(self, round_index: int) -> float:
+    def _announce(self, round_index: int, record: RoundRecord | None = None) -> float:
+        """Store this peer's announcement for ``round_index``; its time (seconds in ``record.dht_seconds``)."""
+        with record.timed("dht") if record is not None else contextlib.nullcontext():
+            return self._store_announcement(round_index)
+
+    def _store_announcement(self, round_index: int) -> float:
         now = get_dht_time()
         width = self._width = self.window_width
         gap = self._gap = self.window_deadline.floor if self.adaptive else None
@@ -758,7 +764,15 @@ class SwarmMatchmaking(GroupSource):
         key = f"{self.run_id}/ready/{round_index}"
         return key if self.buckets == 1 else f"{key}/{self._bucket(round_index)}"
 
-    def _ready(self, round_index: int) -> list[Announcement]:
+    def _ready(self, round_index: int, record: RoundRecord | None = None) -> list[Announcement]:
+        """The valid announcements of ``round_index`` (a read counted, and its seconds added, in ``record``)."""
+        if record is None:
+            return self._read_announcements(round_index)
+        record.dht_reads += 1
+        with record.timed("dht"):
+            return self._read_announcements(round_index)
+
+    def _read_announcements(self, round_index: int) -> list[Announcement]:
         def text(peer: str, value) -> bytes:
             float(value["t"])  # a time that does not parse is malformed
             return self._text(round_index, peer, value["t"], str(value["name"]), value.get("w"), value.get("g"))
@@ -868,8 +882,7 @@ class SwarmMatchmaking(GroupSource):
                 record.outcome = "alone in its bucket"
                 return None
             expected = mates
-        with record.timed("dht"):
-            mine = self._announce(round_index)
+        mine = self._announce(round_index, record)
         record.window_width = self._width
         claimed: frozenset[str] = frozenset()
         stale: str | None = None  # the group of a draw whose members disagreed, closed once the redraw differs
@@ -1034,9 +1047,7 @@ class SwarmMatchmaking(GroupSource):
         mates_expected = bool(expected)  # with buckets: peers expected in this peer's bucket (before a re-announce)
         observed = expected  # whose pace the window read tells (the first announcement's window only)
         while True:
-            with record.timed("dht"):
-                entries = [e for e in self._ready(round_index) if e.peer != self.peer_id]
-            record.dht_reads += 1
+            entries = [e for e in self._ready(round_index, record) if e.peer != self.peer_id]
             entries.append(Announcement(self.peer_id, mine, self.name, self._width, self._gap))
             cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
             start, end = next(w for w in cut if w[0] <= mine <= w[1])
@@ -1098,8 +1109,7 @@ class SwarmMatchmaking(GroupSource):
             if time.monotonic() + self.slack > deadline:
                 record.outcome = "no partner"
                 return None
-            with record.timed("dht"):
-                mine = self._announce(round_index)
+            mine = self._announce(round_index, record)
             observed = set()
             if not self.adaptive:  # adaptive: still read at once when every peer it waits for is in the new window
                 expected = set()
@@ -1276,12 +1286,16 @@ class PeerRegistry:
         text = self._text(self.endpoint.peer_id, int(step), int(next_round), now, self.name)
         value = {"step": int(step), "round": int(next_round), "t": now, "name": self.name,
                  **sign_record(self.endpoint, text)}  # fmt: skip
-        self.dht.store(f"{self.endpoint.run_id}/peers", value, now + self.ttl, subkey=self.endpoint.peer_id)
+        self.dht.store(self.key, value, now + self.ttl, subkey=self.endpoint.peer_id)
+
+    @property
+    def key(self) -> str:
+        return f"{self.endpoint.run_id}/peers"
 
     def fetch(self):
         """The DHT search of :meth:`live`, started: its future, for ``live(fetched)`` (a peer reads the registry a
         step before its round, so that the round's matchmaking does not wait for a search of ~20 nodes)."""
-        return self.dht.get(f"{self.endpoint.run_id}/peers", latest=True, return_future=True)
+        return self.dht.get(self.key, latest=True, return_future=True)
 
     def live(self, fetched=None) -> list[dict]:
         """Valid entries of other peers, most advanced first: ``{"peer", "name", "step", "round", "t"}``.
@@ -1298,7 +1312,7 @@ class PeerRegistry:
                     return f"{key} is a {type(value[key]).__name__}, not an integer"
             return record_time_error(value["t"], get_dht_time(), self.ttl) or name_error(value["name"])
 
-        found = self.dht.get(f"{self.endpoint.run_id}/peers", latest=True) if fetched is None else fetched.result()
+        found = (self.fetch() if fetched is None else fetched).result()
         entries = signed_entries(found, text, self.endpoint, self._bad_entries, "registry entry", check,
                                  self.on_invalid)  # fmt: skip
         self.endpoint.note_peers(peer for peer, _ in entries)
