@@ -194,7 +194,8 @@ class TorchDistTransport(Transport):
         """Post now the receive of the message rank ``src`` will send under ``tag`` with a payload of ``nbytes``
         bytes (module docstring: receives posted ahead). Nothing is posted if that message's frame has already
         arrived, if ``_MAX_AHEAD`` receives posted ahead for ``src`` are still unused, or if the link is closed
-        or lost; a message of another size takes the ordinary path. Gloo only: NCCL matches receives by order,
+        or lost (a link gloo finds closed while posting is marked lost); a message of another size takes the
+        ordinary path. Gloo only: NCCL matches receives by order,
         not by tag, so a receive posted before its frame's would take the frame."""
         self._check_peer(src)
         if self.backend != "gloo":
@@ -217,7 +218,12 @@ class TorchDistTransport(Transport):
             if self._ahead_count[src] >= _MAX_AHEAD:
                 return
             body = torch.empty(total, dtype=torch.uint8, device=self.device)
-            work = dist.irecv(body, src=self._global(src), group=self.group, tag=slot)
+            try:
+                work = dist.irecv(body, src=self._global(src), group=self.group, tag=slot)
+            except Exception as exc:  # noqa: BLE001 - the link closed before the receive was posted: recv reports it
+                self._lost.setdefault(src, f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+                self._cond.notify_all()
+                return
             self._ahead.setdefault((src, slot), collections.deque()).append((body, work))
             self._ahead_count[src] += 1
 

@@ -119,6 +119,29 @@ def test_dead_process_makes_survivors_raise_comm_timeout_within_timeout():
         assert kind in ("CommTimeout", "CommError")  # raised, not hung and not finished
 
 
+def _expect_after_peer_died(t):
+    if t.rank == 1:
+        t.send(0, "hello", b"x")
+        time.sleep(0.5)
+        os._exit(3)  # the link closes before rank 0 posts its receive ahead
+    assert t.recv(1, "hello", 30.0) == b"x"
+    with t._cond:  # the receiving thread, held off the lock, cannot note the loss before the post below sees it
+        time.sleep(3.0)
+        t.expect(1, "never", 100)  # gloo finds the pair closed while posting: the link is lost, nothing raised
+    start = time.monotonic()
+    try:
+        t.recv(1, "never", 20.0)
+    except CommError as exc:
+        return type(exc).__name__, time.monotonic() - start
+    return "received", time.monotonic() - start
+
+
+def test_a_receive_posted_ahead_on_a_closed_link_marks_it_lost_instead_of_raising():
+    results = launch_local(_expect_after_peer_died, 2, timeout=120, missing_ok=True)
+    kind, elapsed = results[0]
+    assert kind in ("CommTimeout", "CommError") and elapsed < 15.0, results[0]
+
+
 def _ping_pong(t, rounds: int):
     """Rank 0 sends, rank 1 answers; returns rank 0's round-trip times and the order rank 1 saw."""
     rtts, order = [], []
