@@ -93,7 +93,7 @@ def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float
                              "sync_seconds": statistics.median(sync) if sync else None,
                              "matchmaking_seconds": joined_seconds(rounds, "matchmaking_seconds"),
                              "exchange_seconds": joined_seconds(rounds, "exchange_seconds"),
-                             **{k: joined_seconds(rounds, k) for k in PHASES},
+                             **{k: joined_seconds(rounds, k) for k in (*PHASES, "dht_reads")},
                              "loop_seconds_per_round": s["loop_seconds_by_worker"][0] / max(1, s["rounds"]),
                              "outcomes": s["round_outcomes"], "params": s["params"]})  # fmt: skip
     synced = [p["sync_seconds"] for p in per_peer if p["sync_seconds"] is not None]
@@ -102,7 +102,7 @@ def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float
             "sync_seconds": statistics.median(synced) if synced else None,
             "matchmaking_seconds": med("matchmaking_seconds") if synced else None,
             "exchange_seconds": med("exchange_seconds") if synced else None,
-            **{k: med(k) if synced else None for k in PHASES}, "cpu_busy": _busy_since(busy),
+            **{k: med(k) if synced else None for k in (*PHASES, "dht_reads")}, "cpu_busy": _busy_since(busy),
             "loop_seconds_per_round": med("loop_seconds_per_round"),
             "formed": statistics.median(p["joined"] / p["rounds"] for p in per_peer),
             "formed_worst": min(p["joined"] / p["rounds"] for p in per_peer), "per_peer": per_peer}  # fmt: skip
@@ -262,19 +262,22 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
         + f"gloo: N processes all-reduce the same number of fp32 values, median of {args.reps} (slowest process).",
         "",
         "Of matchmaking: registry = reading the live peers, DHT = announcing and reading the round's announcements, "
-        "confirm = confirming the group (the rest waits for the window). CPU = share of the machine's cores busy "
-        "from the N peers' start to their end (their start-up, N imports of torch and hivemind at once, included).",
+        "confirm = confirming the group (the rest waits for the window); DHT reads = reads of the round's "
+        "announcements (median over rounds joined, then peers; 0: read from pushed announcements). CPU = share of "
+        "the machine's cores busy from the N peers' start to their end (their start-up, N imports of torch and "
+        "hivemind at once, included).",
         "",
-        "| N | keys | swarm sync (s) | matchmaking (s) | registry, DHT, confirm (s) | exchange (s) | loop s / round | "
-        "rounds formed (median, worst) | CPU | gloo all-reduce (s) | gloo ÷ swarm sync |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | keys | swarm sync (s) | matchmaking (s) | registry, DHT, confirm (s) | DHT reads | exchange (s) | "
+        "loop s / round | rounds formed (median, worst) | CPU | gloo all-reduce (s) | gloo ÷ swarm sync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["gloo_seconds"] / r["sync_seconds"] if r["sync_seconds"] else None
         lines.append(f"| {r['peers']} | {r.get('buckets', 1)} | {fmt(r['sync_seconds'])} | "
                      f"{fmt(r['matchmaking_seconds'])} | {', '.join(fmt(r.get(k), '.2f') for k in PHASES)} | "
-                     f"{fmt(r['exchange_seconds'])} | {fmt(r['loop_seconds_per_round'])} | {r['formed']:.0%}, "
-                     f"{r['formed_worst']:.0%} | {fmt(r.get('cpu_busy'), '.0%')} | {fmt(r['gloo_seconds'], '.4f')} | "
+                     f"{fmt(r.get('dht_reads'), '.1f')} | {fmt(r['exchange_seconds'])} | "
+                     f"{fmt(r['loop_seconds_per_round'])} | {r['formed']:.0%}, {r['formed_worst']:.0%} | "
+                     f"{fmt(r.get('cpu_busy'), '.0%')} | {fmt(r['gloo_seconds'], '.4f')} | "
                      f"{fmt(ratio, '.2f')} |")  # fmt: skip
     swarm = [r for r in rows if r["sync_seconds"]]
     if len(swarm) > 1:

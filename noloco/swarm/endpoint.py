@@ -590,6 +590,23 @@ class SwarmEndpoint:
             return [payload for (group, sender, _), (_, payload) in self._ctl.items() if group == group_id
                     and sender == src]  # fmt: skip
 
+    def control_from(self, group_id: str, tag: str) -> list[tuple[str, bytes]]:
+        """``(sender, payload)`` of every control message ``tag`` under ``group_id`` waiting to be taken (not taken)."""
+        with self._cond:
+            return [(sender, payload) for (group, sender, t), (_, payload) in self._ctl.items()
+                    if group == group_id and t == tag]  # fmt: skip
+
+    def wait_control(self, group_id: str, tag: str, known: int, timeout: float) -> None:
+        """Return once more than ``known`` control messages ``tag`` under ``group_id`` wait to be taken, or after
+        ``timeout`` seconds (or at once if the endpoint is closed)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while sum(1 for (group, _, t) in self._ctl if group == group_id and t == tag) <= known:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return
+                self._cond.wait(left)
+
     def take_control(self, group_id: str, src: str, tag: str, timeout: float) -> bytes | None:
         """A control message (e.g. a membership confirmation) or ``None`` after ``timeout``."""
         deadline = time.monotonic() + timeout

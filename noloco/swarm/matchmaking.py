@@ -19,6 +19,13 @@ docs/swarm.md):
    soon as every peer it *expects* (live in the registry, at most one round behind) has announced
    in it: so peers in step pay almost no waiting, and a peer ahead of the others waits for them (up
    to ``window``), which pulls clusters of peers back into one.
+   With ``push`` (the default), a peer also sends its announcement, the same signed record, straight to
+   the peers it expects (and to those whose announcements of the round it has seen) as a control message
+   over the endpoint, stores it in the DHT without waiting, and watches the records pushed to it: a window
+   whose expected peers are all in is read without touching the DHT, and any other outcome (the window
+   closed, a late or lone peer) is decided on a DHT read, so every member's draw still rests on what the
+   DHT holds. Polling the DHT was what grew with N: every peer of a key read it every ``poll`` while all
+   announced at once.
    A peer alone in its window re-announces (moving its entry to now, which changes no other
    peer's window) and tries the next window, until ``timeout``; this also re-synchronises a peer
    that runs ahead of the others, since all members of a window leave matchmaking together. With
@@ -93,6 +100,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from noloco.comm.base import ByteCounter, CommError, CommUnreachable
 from noloco.gossip.base import Group, GroupSource
@@ -270,6 +278,8 @@ PENALTY_ROUNDS = 4
 MAX_PENALTY_ROUNDS = 256
 #: Most peer ids a ``join`` lists as left out of the window (a control message is at most 4 KiB).
 MAX_CLAIMED = 64
+#: The control tag of an announcement pushed to a peer (its group: the round's DHT key, :meth:`_ready_key`).
+PUSH_TAG = "ready"
 #: How far above the median listed step of the other live, trained peers a joiner's source may be: this many
 #: rounds (× every), or a tenth of the run if that is more.
 TOLERANCE_ROUNDS = 4
@@ -583,6 +593,7 @@ class SwarmMatchmaking(GroupSource):
         deadline_spread: float = 4.0,
         deadline_rounds: int = 16,
         buckets: int = 1,
+        push: bool = True,
     ):
         _check_options(group_size, buckets, cycle, penalty_rounds, strikes_before_penalty, max_penalty_rounds)
         self.dht, self.endpoint, self.name = dht, endpoint, name
@@ -597,6 +608,9 @@ class SwarmMatchmaking(GroupSource):
         self.matching: int | None = None  # the swarm round form() is in now (None: none)
         self.cycle = cycle
         self.buckets = buckets
+        self.push = bool(push)
+        self._push_to: set[str] = set()  # the peers this peer's announcements of the round being formed go to
+        self._last_read: tuple[int, list[Announcement]] = (-1, [])  # the round's latest DHT read of announcements
         self.counter: ByteCounter = endpoint.counter
         self.rounds: list[RoundRecord] = []
         self._by_own: dict[int, RoundRecord] = {}  # this peer's own round index -> its record (record_of)
@@ -753,7 +767,16 @@ class SwarmMatchmaking(GroupSource):
         value = {"t": now, "name": self.name, **({"w": width, "g": gap} if self.adaptive else {}),
                  **sign_record(self.endpoint, text)}  # fmt: skip
         expiry = now + self.ready_ttl
-        self.dht.store(self._ready_key(round_index), value, expiry, subkey=self.peer_id)
+        if not self.push:
+            self.dht.store(self._ready_key(round_index), value, expiry, subkey=self.peer_id)
+            return now
+        payload = json.dumps(value, separators=(",", ":")).encode()
+        for peer in sorted(self._push_to - {self.peer_id}):  # in the background: a dead peer delays nobody
+            self.endpoint.post_control(self._ready_key(round_index), round_index, peer, PUSH_TAG, payload,
+                                       self.slack + self.poll)  # fmt: skip
+        # the DHT copy is for the peers not pushed to (a newcomer, one whose listing differs) and for the reads
+        # that decide a closed window: nobody's read of this round waits for it to land, so neither does this peer
+        self.dht.store(self._ready_key(round_index), value, expiry, subkey=self.peer_id, return_future=True)
         return now
 
     def _bucket(self, round_index: int, peer: str | None = None) -> int:
@@ -773,6 +796,44 @@ class SwarmMatchmaking(GroupSource):
             return self._read_announcements(round_index)
 
     def _read_announcements(self, round_index: int) -> list[Announcement]:
+        return self._announcements(round_index, self.dht.get(self._ready_key(round_index), latest=True),
+                                   "DHT announcement")  # fmt: skip
+
+    def _pushed(self, round_index: int) -> tuple[list[Announcement], int]:
+        """The valid announcements of ``round_index`` pushed to this peer (checked as the DHT's are, the sender
+        being the subkey), and how many were pushed."""
+        if not self.push:
+            return [], 0
+        found = self.endpoint.control_from(self._ready_key(round_index), PUSH_TAG)
+        values = {}
+        for sender, payload in found:
+            try:
+                value = json.loads(bytes(payload))
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                value = None  # refused below as unauthenticated, like a malformed DHT entry
+            values[sender] = SimpleNamespace(value=value)
+        return self._announcements(round_index, SimpleNamespace(value=values), "pushed announcement"), len(found)
+
+    def _entries(self, round_index: int, record: RoundRecord, read_dht: bool) -> tuple[list[Announcement], int]:
+        """Other peers' announcements of ``round_index``, each peer's latest: those pushed to this peer and the
+        round's latest DHT read (read now with ``read_dht``); and how many were pushed."""
+        if read_dht or self._last_read[0] != round_index:
+            self._last_read = (round_index, self._ready(round_index, record) if read_dht else [])
+        pushed, heard = self._pushed(round_index)
+        latest: dict[str, Announcement] = {}
+        for e in [*self._last_read[1], *pushed]:
+            if e.peer != self.peer_id and (e.peer not in latest or e.time > latest[e.peer].time):
+                latest[e.peer] = e
+        return list(latest.values()), heard
+
+    def _wait(self, round_index: int, seconds: float, heard: int) -> None:
+        """Sleep ``seconds``; with push, wake as soon as another announcement is pushed."""
+        if self.push:
+            self.endpoint.wait_control(self._ready_key(round_index), PUSH_TAG, heard, max(0.0, seconds))
+        else:
+            time.sleep(max(0.0, seconds))
+
+    def _announcements(self, round_index: int, found, what: str) -> list[Announcement]:
         def text(peer: str, value) -> bytes:
             float(value["t"])  # a time that does not parse is malformed
             return self._text(round_index, peer, value["t"], str(value["name"]), value.get("w"), value.get("g"))
@@ -782,8 +843,7 @@ class SwarmMatchmaking(GroupSource):
                     or ("w" in value and width_error(value["w"])) or ("g" in value and gap_error(value))
                     or None)  # fmt: skip
 
-        found = self.dht.get(self._ready_key(round_index), latest=True)
-        entries = signed_entries(found, text, self.endpoint, self._bad_entries, "DHT announcement", check,
+        entries = signed_entries(found, text, self.endpoint, self._bad_entries, what, check,
                                  functools.partial(self._strike_record, round_index))  # fmt: skip
         if self.buckets > 1:  # a peer announcing outside its own bucket (only it can sign there) is not drawn
             mine = self._bucket(round_index)
@@ -882,6 +942,7 @@ class SwarmMatchmaking(GroupSource):
                 record.outcome = "alone in its bucket"
                 return None
             expected = mates
+        self._push_to = set(expected)
         mine = self._announce(round_index, record)
         record.window_width = self._width
         claimed: frozenset[str] = frozenset()
@@ -1042,13 +1103,16 @@ class SwarmMatchmaking(GroupSource):
 
         ``also``: peers left out of the draw besides this peer's own penalties. With :attr:`adaptive`, raises
         :class:`_Late` when this peer is alone in its window and an earlier window of the round already drew
-        two or more other peers (the round formed without it: it skips it and joins the next one).
+        two or more other peers (the round formed without it: it skips it and joins the next one). With
+        :attr:`push`, polls see the announcements pushed here; outcomes but "all waited for are in" read the DHT.
         """
         mates_expected = bool(expected)  # with buckets: peers expected in this peer's bucket (before a re-announce)
         observed = expected  # whose pace the window read tells (the first announcement's window only)
+        read_dht = not self.push
         while True:
-            entries = [e for e in self._ready(round_index, record) if e.peer != self.peer_id]
-            entries.append(Announcement(self.peer_id, mine, self.name, self._width, self._gap))
+            others, heard = self._entries(round_index, record, read_dht)
+            fresh, read_dht = read_dht, not self.push  # fresh: this poll's entries include a DHT read
+            entries = [*others, Announcement(self.peer_id, mine, self.name, self._width, self._gap)]
             cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
             start, end = next(w for w in cut if w[0] <= mine <= w[1])
             now = get_dht_time()
@@ -1060,7 +1124,10 @@ class SwarmMatchmaking(GroupSource):
                 end = min(end, chain_end([e.time for e in inside], gap))
                 if mine > end:  # this peer came a gap after the others: out of the window for every reader alike
                     if now < end + self.slack:  # an announcement still on its way may bridge the gap
-                        time.sleep(max(0.0, min(self.poll, end + self.slack - now)))
+                        self._wait(round_index, min(self.poll, end + self.slack - now), heard)
+                        continue
+                    if not fresh:  # one the DHT holds and nobody pushed here may bridge it
+                        read_dht = True
                         continue
                     raise _Late(f"round {round_index} formed without this peer (it announced after the window's "
                                 "announcements had stopped)")  # fmt: skip
@@ -1069,32 +1136,27 @@ class SwarmMatchmaking(GroupSource):
             eligible = {p for p in expected if not self.penalized(p, round_index)}
             wanted = {p for p in eligible if not self.adaptive or self.pace.waited_for(p)}
             alone = len(in_window) == 1
-            if self.adaptive:
-                announced = [(e.peer, e.time) for e in entries]
-                if alone and formed_without(announced, cut, start, eligible):
-                    raise _Late(f"round {round_index} formed without this peer (every peer expected drew before)")
-                # nobody is due in this round any more (the peers listed have moved on to a later one) and a group
-                # of it drew before: a peer that is behind in phase, not in pace (it started late), otherwise waited
-                # its whole window out alone in every round and never caught up with the others
-                if alone and not eligible and formed_before([t for _, t in announced], cut, start):
-                    raise _Late(f"round {round_index} formed without this peer (nobody else is due in it)")
-                # a lone peer is waited for if expected (listed, in step) and at most one miss behind: one that
-                # announces alone and never comes (a key holder delaying every round) is absent from the window,
-                # so _note_window counts a miss each round, and from its second it is no longer waited for
-                lone = waiting_alone(announced, cut, start, now, self.slack + 2 * self.poll)
-                wanted |= {p for p in lone & eligible if p not in also and self.pace.level(p) <= 1}
+            late, lone = (self._skip_or_wait(round_index, entries, cut, start, now, alone, eligible, also)
+                          if self.adaptive else (None, set()))  # fmt: skip
+            wanted |= lone
             everyone = bool(wanted) and wanted <= present
-            # alone, and a later window has opened: re-announce into it now rather than a slack later (its peers,
-            # above, wait for a peer whose lone window just closed; the slack is for announcements of the closed
-            # window still on their way, and one of those finds this peer's new announcement in its own window)
+            # alone, and a later window has opened: re-announce into it now, not a slack later (its peers wait for a
+            # peer whose lone window just closed; one of the closed window still on its way finds the new one in its)
             moved_on = self.adaptive and alone and now > end and any(e.time > end for e in entries)
-            if now < end + self.slack and not everyone and not moved_on:
+            if late is None and now < end + self.slack and not everyone and not moved_on:
                 if time.monotonic() > deadline:
                     record.outcome = "timeout"
                     return None
-                time.sleep(max(0.0, min(self.poll, end + self.slack - now)))
+                self._wait(round_index, min(self.poll, end + self.slack - now), heard)
                 continue
-            if len(in_window) > 1:
+            # skipping, a closed window, a lone peer, an expected peer not waited for and not pushed here (one that
+            # expects nobody pushes to nobody): decided on what the DHT holds
+            if not fresh and (late is not None or alone or not everyone or not eligible <= present):
+                read_dht = True
+                continue
+            if late is not None:
+                raise _Late(late)
+            if not alone:
                 self._note_window(round_index, in_window, start, observed)
                 # by when every member has read it (one that waits for a peer still out reads at the close and the
                 # slack), on this peer's clock: its confirmation wait counts from there
@@ -1109,10 +1171,29 @@ class SwarmMatchmaking(GroupSource):
             if time.monotonic() + self.slack > deadline:
                 record.outcome = "no partner"
                 return None
+            self._push_to |= {e.peer for e in entries}
             mine = self._announce(round_index, record)
             observed = set()
             if not self.adaptive:  # adaptive: still read at once when every peer it waits for is in the new window
                 expected = set()
+
+    def _skip_or_wait(self, round_index: int, entries: list[Announcement], cut: list[tuple[float, float]],
+                      start: float, now: float, alone: bool, eligible: set[str], also: frozenset[str]):  # fmt: skip
+        """Adaptive deadlines, for a window starting at ``start``: why this peer skips the round (it formed without
+        it), or None; and the lone peers it waits for besides those it expects."""
+        announced = [(e.peer, e.time) for e in entries]
+        if alone and formed_without(announced, cut, start, eligible):
+            return f"round {round_index} formed without this peer (every peer expected drew before)", set()
+        # nobody is due in this round any more (the peers listed have moved on to a later one) and a group
+        # of it drew before: a peer that is behind in phase, not in pace (it started late), otherwise waited
+        # its whole window out alone in every round and never caught up with the others
+        if alone and not eligible and formed_before([t for _, t in announced], cut, start):
+            return f"round {round_index} formed without this peer (nobody else is due in it)", set()
+        # a lone peer is waited for if expected (listed, in step) and at most one miss behind: one that
+        # announces alone and never comes (a key holder delaying every round) is absent from the window,
+        # so _note_window counts a miss each round, and from its second it is no longer waited for
+        lone = waiting_alone(announced, cut, start, now, self.slack + 2 * self.poll)
+        return None, {p for p in lone & eligible if p not in also and self.pace.level(p) <= 1}
 
     def _note_window(self, round_index: int, in_window: list[Announcement], start: float, expected: set[str]) -> None:
         """What the read window says for the adaptive deadlines: how late its peers in step announced after it

@@ -268,6 +268,6 @@ def test_a_rounds_record_tells_where_its_matchmaking_time_went(swarm):
         record = maker.rounds[-1]
         assert results[i][1] == "joined", results
         assert 0.3 <= record.listing_seconds < record.matchmaking_seconds, record
-        assert record.dht_seconds > 0 and record.confirm_seconds > 0 and record.dht_reads >= 1, record
+        assert record.dht_seconds > 0 and record.confirm_seconds > 0, record  # reads: test_push.py
         phases = record.listing_seconds + record.dht_seconds + record.confirm_seconds
         assert phases <= record.matchmaking_seconds, record

@@ -127,7 +127,7 @@ class HivemindBackend(Backend):
             retry_wait=float(cfg.comm.recv_timeout) + float(cfg.peer.confirm_timeout),
             adaptive=cfg.peer.deadlines == "adaptive", min_window=cfg.peer.min_window,
             min_confirm=cfg.peer.min_confirm, deadline_spread=cfg.peer.deadline_spread,
-            deadline_rounds=cfg.peer.deadline_rounds, buckets=int(cfg.peer.buckets),
+            deadline_rounds=cfg.peer.deadline_rounds, buckets=int(cfg.peer.buckets), push=cfg.peer.push,
         )  # fmt: skip
         self.registry.on_invalid = self.matchmaking.strike_record  # a bad registry entry strikes its signer
         self.state = StateServer(interval=cfg.peer.state_interval, concurrency=cfg.peer.state_concurrency,
