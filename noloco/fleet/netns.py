@@ -238,9 +238,9 @@ MAX_BURST_SECONDS = 10.0
 
 def _burst_bytes(rate_bps: float, seconds: float = DEFAULT_BURST_SECONDS) -> int:
     # tbf needs burst >= rate/HZ and >= one MTU-sized packet. The default is small so the link rate holds over
-    # short windows (5 ms of traffic, at least 16 KiB); TCP then moves a multi-megabyte message after an idle
-    # round at about 85% of the rate (docs/results/scale.md, "Calibration"); real access links often have deeper
-    # buckets (``--burst``).
+    # short windows (5 ms of traffic, at least 16 KiB); TCP then moves a multi-megabyte message one way at 96-98%
+    # of the rate and both ways at once at 87-90% (benchmarks/link_probe.py; docs/results/scale.md, "Calibration");
+    # real access links often have deeper buckets (``--burst``).
     return max(MIN_BURST_BYTES, int(rate_bps / 8 * seconds))
 
 

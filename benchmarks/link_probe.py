@@ -1,0 +1,157 @@
+"""One message through a fleet link, one way and both ways at once: how fast TCP moves it through the shaper.
+
+Two hosts of a fleet (``noloco.fleet.netns.Fleet``: network namespaces, ``tc tbf`` on every link, root needed)
+and one TCP connection between them. Each repetition waits ``--idle`` seconds (the link's bucket refills, as
+between two outer rounds), then sends a message of each ``--sizes`` value: *one way* (host 0 to host 1, a one-byte
+ack back) and *both ways* (each host sends it to the other at once, as the two halves of an all-reduce do).
+Efficiency = payload bits ÷ (link rate × seconds): the time model's link carries 1 ÷ 1.07 of its rate as payload
+(headers and ACKs), and its bucket passes the first ``burst`` bytes at once.
+
+    python -m benchmarks.link_probe --rate 50mbit --bursts 5ms 50ms --sizes 350000 2800000
+
+Every repetition but the first is reported (the first opens the connection's window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+from benchmarks import common
+
+#: One host's side (host 0 listens): ``role size reps idle`` on the command line; prints the seconds of each
+#: message as a JSON list. A rendezvous byte each way starts every repetition on both hosts together.
+PEER = r"""
+import json, socket, sys, threading, time
+me, address, size, reps, idle, both = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
+    float(sys.argv[5]), sys.argv[6] == "both"
+if me == 0:
+    server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((address, 5997)); server.listen(1); conn, _ = server.accept()
+else:
+    for _ in range(100):
+        try:
+            conn = socket.create_connection((address, 5997)); break
+        except OSError:
+            time.sleep(0.1)
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def take(n):
+    got = 0
+    while got < n:
+        chunk = conn.recv(min(1 << 20, n - got))
+        if not chunk:
+            raise SystemExit("connection closed")
+        got += len(chunk)
+message, seconds = bytes(size), []
+for _ in range(reps):
+    conn.sendall(b"s"); take(1)
+    time.sleep(idle)
+    start = time.monotonic()
+    if both:
+        reader = threading.Thread(target=take, args=(size,)); reader.start(); conn.sendall(message); reader.join()
+    elif me == 0:
+        conn.sendall(message); take(1)
+    else:
+        take(size); conn.sendall(b"k")
+    seconds.append(time.monotonic() - start)
+print(json.dumps(seconds))
+"""
+
+
+def _rate_bps(text: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, factor in units.items():
+        if text.lower().endswith(unit):
+            return float(text[: -len(unit)]) * factor
+    raise argparse.ArgumentTypeError(f"rate {text!r}: a number and kbit, mbit or gbit (50mbit)")
+
+
+def _seconds(text: str) -> float:
+    value = float(text[:-2]) / 1000 if text.endswith("ms") else float(text.rstrip("s"))
+    if not 0 < value <= 10:
+        raise argparse.ArgumentTypeError(f"burst {text!r}: seconds of traffic in (0, 10] (5ms, 0.05)")
+    return value
+
+
+def probe(rate_bps: float, burst: float, size: int, reps: int, idle: float, both: bool) -> list[float]:
+    """Seconds of each message after the first (host 0's clock), through a fresh 2-host fleet."""
+    from noloco.fleet.netns import Fleet
+
+    mode = "both" if both else "one"
+    with Fleet(2, rate_bps, burst_seconds=burst) as fleet:
+        peers = [fleet.popen(h, [sys.executable, "-c", PEER, str(h), fleet.ip(0), str(size), str(reps), str(idle),
+                                 mode], stdout=subprocess.PIPE, text=True) for h in (0, 1)]  # fmt: skip
+        out = [p.communicate(timeout=120 + reps * (idle + 60))[0] for p in peers]
+        if any(p.returncode != 0 for p in peers):
+            raise RuntimeError(f"probe peers exited {[p.returncode for p in peers]}")
+    return json.loads(out[0])[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.link_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--rate", type=_rate_bps, default=50e6, metavar="RATE", help="link rate (50mbit)")
+    parser.add_argument("--bursts", type=_seconds, nargs="+", default=[0.005, 0.05], metavar="B",
+                        help="tbf buckets as traffic time (5ms 50ms; the fleet's default is 5ms)")  # fmt: skip
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[350_000, 2_800_000],
+        metavar="BYTES",
+        help="message sizes in bytes (350000 2800000: an int4 and an fp32 half of a 1.4M model)",
+    )
+    parser.add_argument("--reps", type=int, default=7, help="messages per size and direction, the first dropped (7)")
+    parser.add_argument("--idle", type=float, default=1.0, help="seconds between messages (1)")
+    parser.add_argument("--name", default="link_probe", help="report file names (link_probe)")
+    common.add_out(parser, "link_probe")
+    args = parser.parse_args(argv)
+    if args.reps < 2 or args.idle < 0 or min(args.sizes) <= 0:
+        parser.error("--reps must be at least 2, --idle at least 0 and every size positive")
+    rows = []
+    for burst in args.bursts:
+        for size in args.sizes:
+            for both in (False, True):
+                seconds = probe(args.rate, burst, size, args.reps, args.idle, both)
+                median = statistics.median(seconds)
+                rows.append({"burst_seconds": burst, "bytes": size, "both_ways": both, "seconds": seconds,
+                             "median": median, "efficiency": size * 8 / args.rate / median})  # fmt: skip
+                print(
+                    f"burst {burst * 1000:g} ms, {size:,} B, {'both ways' if both else 'one way'}: "
+                    f"{median:.3f} s, efficiency {rows[-1]['efficiency']:.2f}",
+                    flush=True,
+                )
+    command, machine = common.command("link_probe", argv), common.machine()
+    lines = _report(args, rows, command, machine)
+    print("\n".join(lines))
+    common.write_report(args.out, args.name, lines, {"rate_bps": args.rate, "rows": rows}, command=command,
+                        machine=machine)  # fmt: skip
+    return 0
+
+
+def _report(args, rows: list[dict], command: str, machine: str) -> list[str]:
+    lines = [
+        "# One message through a fleet link, one way and both ways at once",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine}",
+        "",
+        f"Two fleet hosts, `tc tbf` at {args.rate / 1e6:g} Mbit/s on every link (queue 100 ms), one TCP connection; "
+        f"{args.reps - 1} messages per row ({args.idle:g} s idle before each). Efficiency = payload bits ÷ (rate × "
+        "seconds); the time model's link: 1 ÷ 1.07 = 0.93 (headers and ACKs), plus its bucket at once.",
+        "",
+        "| bucket | message | direction | median (s) | fastest, slowest (s) | efficiency |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['burst_seconds'] * 1000:g} ms | {r['bytes'] / 1e6:.2f} MB | "
+                     f"{'both ways' if r['both_ways'] else 'one way'} | {r['median']:.3f} | "
+                     f"{min(r['seconds']):.3f}, {max(r['seconds']):.3f} | {r['efficiency']:.2f} |")  # fmt: skip
+    return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
