@@ -458,6 +458,15 @@ def signed_entries(found, text: Callable[[str, dict], bytes], endpoint: SwarmEnd
     return good
 
 
+def _log_failed_store(round_index: int, future) -> None:
+    """A background store of an announcement that failed or found no DHT node: logged (the peers it was pushed to
+    still have it; the others find it only in the DHT)."""
+    error = future.exception() if not future.cancelled() else "cancelled"
+    if error is not None or future.result() is False:
+        logger.warning("swarm: storing the announcement of round %d in the DHT failed: %s", round_index,
+                       error or "no node took it")  # fmt: skip
+
+
 class _Mismatch(RuntimeError):
     """Members computed different groups (their views of the round's announcements differed)."""
 
@@ -776,7 +785,8 @@ class SwarmMatchmaking(GroupSource):
                                        self.slack + self.poll)  # fmt: skip
         # the DHT copy is for the peers not pushed to (a newcomer, one whose listing differs) and for the reads
         # that decide a closed window: nobody's read of this round waits for it to land, so neither does this peer
-        self.dht.store(self._ready_key(round_index), value, expiry, subkey=self.peer_id, return_future=True)
+        stored = self.dht.store(self._ready_key(round_index), value, expiry, subkey=self.peer_id, return_future=True)
+        stored.add_done_callback(functools.partial(_log_failed_store, round_index))
         return now
 
     def _bucket(self, round_index: int, peer: str | None = None) -> int:
