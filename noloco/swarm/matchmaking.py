@@ -615,9 +615,7 @@ class SwarmMatchmaking(GroupSource):
         self._others_seen = time.monotonic()  # when another live peer was last listed
         self.next_round = 0
         self.matching: int | None = None  # the swarm round form() is in now (None: none)
-        self.cycle = cycle
-        self.buckets = buckets
-        self.push = bool(push)
+        self.cycle, self.buckets, self.push = cycle, buckets, bool(push)
         self._push_to: set[str] = set()  # the peers this peer's announcements of the round being formed go to
         self._last_read: tuple[int, list[Announcement]] = (-1, [])  # the round's latest DHT read of announcements
         self.counter: ByteCounter = endpoint.counter
