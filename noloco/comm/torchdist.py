@@ -195,8 +195,8 @@ class TorchDistTransport(Transport):
         bytes (module docstring: receives posted ahead). Nothing is posted if that message's frame has already
         arrived, if ``_MAX_AHEAD`` receives posted ahead for ``src`` are still unused, or if the link is closed
         or lost (a link gloo finds closed while posting is marked lost); a message of another size takes the
-        ordinary path. Gloo only: NCCL matches receives by order,
-        not by tag, so a receive posted before its frame's would take the frame."""
+        ordinary path. Gloo only: NCCL matches receives by order, not by tag, so a receive posted before its
+        frame's would take the frame."""
         self._check_peer(src)
         if self.backend != "gloo":
             return

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +69,36 @@ def in_process_peers():
     """``in_process_peers(run, secret, count)``: a context manager of real DHT peers in this process (a module's
     fixture holds one open for its tests)."""
     return _in_process_peers
+
+
+def _form_rounds(makers, rounds: list[int], timeout: float, field: str, pause: float = 0.0,
+                 join: float = 180.0) -> dict[tuple[int, int], tuple]:  # fmt: skip
+    """Each of ``makers`` forms ``rounds`` in a thread of its own, pausing ``pause`` seconds after each round; its
+    groups are released. ``{(peer, round): (sorted members or None, outcome, that round's record.<field>)}``."""
+    results: dict[tuple[int, int], tuple] = {}
+
+    def run(i: int) -> None:
+        for r in rounds:
+            group = makers[i].form(r, timeout)
+            record = makers[i].rounds[-1]
+            results[i, r] = (None if group is None else sorted(group.peer_ids), record.outcome, getattr(record, field))
+            if group is not None:
+                makers[i].release(group)
+            time.sleep(pause)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(makers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(join)
+    return results
+
+
+@pytest.fixture(scope="session")
+def form_rounds():
+    """``form_rounds(makers, rounds, timeout, field, pause=0, join=180)``: every matchmaking instance
+    forms the rounds in its own thread; ``{(peer, round): (members or None, outcome, record.<field>)}``."""
+    return _form_rounds
 
 
 @pytest.fixture(scope="session")

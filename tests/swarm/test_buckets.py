@@ -7,8 +7,6 @@ within a key only, and a peer that nobody else drew into its key skips the round
 from __future__ import annotations
 
 import collections
-import threading
-import time
 
 import pytest
 
@@ -34,14 +32,13 @@ def swarm(in_process_peers):
         yield peers
 
 
-def test_groups_form_within_each_bucket_and_a_lone_peer_skips_at_once(swarm):
+def test_groups_form_within_each_bucket_and_a_lone_peer_skips_at_once(form_rounds, swarm):
     from noloco.swarm.matchmaking import SwarmMatchmaking
 
     ids = [endpoint.peer_id for _, endpoint in swarm]
     options = dict(group_size=2, window=1.5, slack=0.5, confirm_timeout=4, timeout=10, buckets=BUCKETS)
     makers = [SwarmMatchmaking(dht, endpoint, f"p{i}", expected=lambda r, me=ids[i]: set(ids) - {me}, **options)
               for i, (dht, endpoint) in enumerate(swarm)]  # fmt: skip
-    results: dict[tuple[int, int], tuple] = {}
 
     def split(r: int) -> list[int]:
         return sorted(collections.Counter(bucket_of(RUN, r, peer, BUCKETS) for peer in ids).values())
@@ -49,21 +46,8 @@ def test_groups_form_within_each_bucket_and_a_lone_peer_skips_at_once(swarm):
     # rounds whose buckets split the four peers 1 + 3, 2 + 2 and 4 + 0 (increasing: a peer's rounds only go on)
     rounds = sorted(next(r for r in range(200) if split(r) == want) for want in ([1, 3], [2, 2], [4]))
 
-    def run(i: int) -> None:
-        for r in rounds:
-            group = makers[i].form(r, 10)
-            members = None if group is None else sorted(group.peer_ids)
-            record = makers[i].rounds[-1]  # window_width stays 0 when the peer never announced in the round
-            results[i, r] = (members, record.outcome, record.window_width)
-            if group is not None:
-                makers[i].release(group)
-            time.sleep(0.2)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(PEERS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    # window_width stays 0 when the peer never announced in the round
+    results = form_rounds(makers, rounds, 10, "window_width", pause=0.2, join=120)
     assert len(results) == PEERS * len(rounds), results
 
     formed = 0

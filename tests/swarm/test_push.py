@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
 import time
 
 import pytest
@@ -26,7 +25,7 @@ def swarm(in_process_peers):
         yield peers
 
 
-def _rounds(swarm, rounds: list[int], push: bool, expects_nobody: int | None = None) -> dict:
+def _rounds(form_rounds, swarm, rounds: list[int], push: bool, expects_nobody: int | None = None) -> dict:
     """Every peer forms ``rounds`` in its own thread; ``{(peer, round): (members, outcome, dht reads)}``."""
     from noloco.swarm.matchmaking import SwarmMatchmaking
 
@@ -38,22 +37,7 @@ def _rounds(swarm, rounds: list[int], push: bool, expects_nobody: int | None = N
     options = dict(group_size=2, window=3.0, slack=1.0, confirm_timeout=5, timeout=15, push=push)
     makers = [SwarmMatchmaking(dht, endpoint, f"p{i}", expected=expected(i), **options)
               for i, (dht, endpoint) in enumerate(swarm)]  # fmt: skip
-    results: dict[tuple[int, int], tuple] = {}
-
-    def run(i: int) -> None:
-        for r in rounds:
-            group = makers[i].form(r, 15)
-            record = makers[i].rounds[-1]
-            results[i, r] = (None if group is None else sorted(group.peer_ids), record.outcome, record.dht_reads)
-            if group is not None:
-                makers[i].release(group)
-            time.sleep(0.3)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(PEERS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
+    results = form_rounds(makers, rounds, 15, "dht_reads", pause=0.3)
     assert len(results) == PEERS * len(rounds), results
     return results
 
@@ -67,22 +51,22 @@ def _joined_alike(results: dict, rounds: list[int]) -> None:
             assert f"p{i}" in members and all(groups[int(m[1:])] == members for m in members), (r, groups)
 
 
-def test_peers_in_step_form_their_rounds_from_pushed_announcements_without_reading_the_dht(swarm):
+def test_peers_in_step_form_their_rounds_from_pushed_announcements_without_reading_the_dht(form_rounds, swarm):
     rounds = [0, 1, 2]
-    pushed = _rounds(swarm, rounds, push=True)
+    pushed = _rounds(form_rounds, swarm, rounds, push=True)
     _joined_alike(pushed, rounds)
     reads = [pushed[key][2] for key in pushed]
     assert statistics.median(reads) == 0, pushed  # everyone it expects came by push: the DHT was not read
-    polled = _rounds(swarm, [3, 4], push=False)
+    polled = _rounds(form_rounds, swarm, [3, 4], push=False)
     _joined_alike(polled, [3, 4])
     assert min(polled[key][2] for key in polled) >= 1, polled  # without push every round reads the DHT
 
 
-def test_a_peer_that_nobody_pushes_to_is_found_in_the_dht_and_the_groups_agree(swarm):
+def test_a_peer_that_nobody_pushes_to_is_found_in_the_dht_and_the_groups_agree(form_rounds, swarm):
     """Peer 0 expects nobody (its registry read failed, say): it pushes to nobody, the others wait for it until
     their window closes and then find it in the DHT; it reads the DHT to decide its own window."""
     rounds = [10, 11]
-    results = _rounds(swarm, rounds, push=True, expects_nobody=0)
+    results = _rounds(form_rounds, swarm, rounds, push=True, expects_nobody=0)
     _joined_alike(results, rounds)
     assert all(results[0, r][2] >= 1 for r in rounds), results  # peer 0 decided on DHT reads
 
