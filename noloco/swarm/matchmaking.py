@@ -1110,10 +1110,9 @@ class SwarmMatchmaking(GroupSource):
         None; ``read by``: the monotonic time by which every member has read the window (its end and the slack).
 
         ``also``: peers left out of the draw besides this peer's own penalties. With :attr:`adaptive`, raises
-        :class:`_Late` when this peer is alone in its window and an earlier window of the round already drew
-        two or more other peers (the round formed without it: it skips it and joins the next one). With
-        :attr:`push`, polls see the announcements pushed here; outcomes but "all waited for are in" read the DHT.
-        """
+        :class:`_Late` when this peer is alone in its window and an earlier window of the round already drew two or
+        more others (the round formed without it: it skips it and joins the next one). With :attr:`push`, polls
+        see the announcements pushed here; outcomes but "all waited for are in" read the DHT."""
         mates_expected = bool(expected)  # with buckets: peers expected in this peer's bucket (before a re-announce)
         observed = expected  # whose pace the window read tells (the first announcement's window only)
         read_dht = not self.push
@@ -1124,9 +1123,10 @@ class SwarmMatchmaking(GroupSource):
             cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
             start, end = next(w for w in cut if w[0] <= mine <= w[1])
             now = get_dht_time()
-            # the chain is of the announcements this peer draws with: ones it leaves out (a penalized key holder's
-            # identities, ready at once in every round) would otherwise end the window before the others came
-            inside = [e for e in entries if start <= e.time <= end and not self._left_out(e.peer, round_index, also)]
+            # the chain and the formed-without-it tests are of the announcements this peer draws with: ones it leaves
+            # out (a key holder's penalized sybils, ready at once each round) would end its window or pass for a group
+            counted = [e for e in entries if not self._left_out(e.peer, round_index, also)]
+            inside = [e for e in counted if start <= e.time <= end]
             gap = min(inside, key=lambda e: (e.time, e.peer)).gap  # the window's opener's, as its width: alike for all
             if gap is not None and len(inside) > 1:  # the window ends where its chain of announcements does
                 end = min(end, chain_end([e.time for e in inside], gap))
@@ -1144,7 +1144,7 @@ class SwarmMatchmaking(GroupSource):
             eligible = {p for p in expected if not self.penalized(p, round_index)}
             wanted = {p for p in eligible if not self.adaptive or self.pace.waited_for(p)}
             alone = len(in_window) == 1
-            late, lone = (self._skip_or_wait(round_index, entries, cut, start, now, alone, eligible, also)
+            late, lone = (self._skip_or_wait(round_index, counted, cut, start, now, alone, eligible, also)
                           if self.adaptive else (None, set()))  # fmt: skip
             wanted |= lone
             everyone = bool(wanted) and wanted <= present
@@ -1169,7 +1169,7 @@ class SwarmMatchmaking(GroupSource):
                 # by when every member has read it (one that waits for a peer still out reads at the close and the
                 # slack), on this peer's clock: its confirmation wait counts from there
                 return in_window, start, mine, time.monotonic() + max(0.0, end + self.slack - now)
-            if self.adaptive and formed_before([e.time for e in entries], cut, start):
+            if self.adaptive and formed_before([e.time for e in counted], cut, start):
                 raise _Late(f"round {round_index} formed without this peer")
             if self.buckets > 1 and len(entries) == 1 and not mates_expected:  # nobody else drew this key this round
                 record.outcome = "alone in its bucket"
@@ -1187,8 +1187,9 @@ class SwarmMatchmaking(GroupSource):
 
     def _skip_or_wait(self, round_index: int, entries: list[Announcement], cut: list[tuple[float, float]],
                       start: float, now: float, alone: bool, eligible: set[str], also: frozenset[str]):  # fmt: skip
-        """Adaptive deadlines, for a window starting at ``start``: why this peer skips the round (it formed without
-        it), or None; and the lone peers it waits for besides those it expects."""
+        """Adaptive deadlines, for a window starting at ``start`` (``entries``: the announcements this peer draws
+        with): why this peer skips the round (it formed without it), or None; and the lone peers it waits for
+        besides those it expects."""
         announced = [(e.peer, e.time) for e in entries]
         if alone and formed_without(announced, cut, start, eligible):
             return f"round {round_index} formed without this peer (every peer expected drew before)", set()

@@ -212,6 +212,26 @@ def test_a_chain_of_penalized_announcements_does_not_end_the_window_of_the_peers
         assert results[i][:2] == (["p2", "p3"], "joined"), (i, results)
 
 
+def test_a_window_of_penalized_announcements_is_no_group_that_formed_without_the_peers_that_leave_them_out(
+    in_process_peers,
+):
+    """Two identities that peers 0 and 1 penalize announce first and draw their own pair; peers 0 and 1 expect
+    nobody (what a peer sees once the others are listed out of step) and come a window later, peer 1 a second after
+    peer 0. The penalized window is no group peer 0 would have joined: it waits its window and draws with peer 1.
+    Before, peer 0 read the penalized pair as the round formed without it and skipped the round at once, and so did
+    peer 1: what brought the sybil attack (tests/swarm/test_hostile_rounds.py) to 0 of 20 rounds."""
+    with in_process_peers(RUN + "-penalized-window", "catch-up-test-key-0123456789", 4) as peers:
+        makers, ids = _makers(peers, behind=None, slack=0.5)
+        for maker in makers[:2]:
+            maker.expected = lambda r: set()
+            for sybil in ids[2:]:
+                for _ in range(maker.strikes_before_penalty):
+                    maker._strike(maker._strikes, sybil, 79, "no_confirm", "ready but did not confirm")
+        results = _form_all(makers, 80, {2: 0.0, 3: 0.1, 0: 2 * WINDOW, 1: 2 * WINDOW + 1.0})
+    for i in (0, 1):
+        assert results[i][:2] == (["p0", "p1"], "joined"), (i, results)
+
+
 def test_a_member_that_read_the_window_early_waits_for_one_that_read_it_at_its_close(swarm):
     """Peer 0 waits for peer 1 only and reads the window as soon as peer 1 is in; peer 1 also waits for peer 2, who
     never comes, and reads it at its close plus the slack. Both draw the pair. Peer 0's confirmation wait, learned
