@@ -16,6 +16,9 @@ namespaces, each host's egress and ingress shaped with ``tc tbf`` at the given r
 0.9 and with NoLoCo's 0.5). Exact (fp32) exchanges use the ring all-reduce, the faster reduction on these
 links; quantized ones the two-phase reduction (:func:`method_overrides`).
 
+``--burst 50ms`` deepens every link's token bucket (default 5 ms of traffic, as ``noloco-fleet``): a deeper one
+lets each message start at line speed, as many access links do; the rows record it (``burst_seconds``).
+
 ``--to-target STEPS`` adds, at the slowest rate, one longer run per DiLoCo/NoLoCo method (a budget of STEPS
 inner steps, its LR schedule stretched to it): at an equal token budget the local methods rarely reach
 DDP's final loss, and these runs say when they do, in wall-clock and in bytes.
@@ -54,7 +57,7 @@ if not __package__:  # `python benchmarks/throttled.py`: rerun as `python -m ben
 
 from benchmarks import common
 from noloco.fleet.launcher import host_cpu_sets, launch
-from noloco.fleet.netns import FleetError, is_root, parse_rate
+from noloco.fleet.netns import MAX_BURST_SECONDS, FleetError, is_root, parse_duration, parse_rate
 from noloco.train.config import ConfigError, load_config
 from noloco.train.plots import eval_curves, plot_runs, reach
 
@@ -158,6 +161,7 @@ def measure(run_dir: Path) -> dict:
         "steps": summary.get("steps"),
         "hosts": fleet["hosts"],
         "rate_bps": fleet["rate_bps"],
+        "burst_seconds": fleet.get("burst_seconds"),
         "final_eval_loss": summary["final_eval_loss"],
         "wall_seconds": wall,
         "launch_seconds": fleet["wall_seconds"],
@@ -349,7 +353,8 @@ def check_plan(plan: list[tuple], every_run: list[str], show: bool = False) -> i
     return 0
 
 
-def run_plan(plan: list[tuple], folder: Path, every_run: list[str], steps: int, cpus_per_host: int | None) -> int:
+def run_plan(plan: list[tuple], folder: Path, every_run: list[str], steps: int, cpus_per_host: int | None,
+             burst: str = "5ms") -> int:  # fmt: skip
     """Run each ``(hosts, rate, method, steps)`` of ``plan`` as one fleet launch under ``folder``, printing a line
     per run; a run of more than ``steps`` inner steps is named ``…-long``, of fewer ``…-s<steps>``. Returns 0, or
     2 when a method's config is refused (checked for every run first) or a fleet cannot be built (not root, tools
@@ -370,7 +375,7 @@ def run_plan(plan: list[tuple], folder: Path, every_run: list[str], steps: int, 
         try:
             with open(os.devnull, "w") as quiet:
                 result = launch(command, hosts, rate=rate, run_dir=folder, name=name, out=quiet,
-                                cpus_per_host=cpus_per_host)  # fmt: skip
+                                cpus_per_host=cpus_per_host, burst=burst)  # fmt: skip
         except FleetError as exc:
             print(exc, file=sys.stderr)
             return 2
@@ -398,6 +403,7 @@ def rerun_args(args: argparse.Namespace) -> list[str]:
         "--hosts", args.hosts, "--rates", args.rates, "--methods", *args.methods, "--steps", str(args.steps),
         "--every", str(args.every), *(["--to-target", str(args.to_target)] if args.to_target else []),
         *(["--cpus-per-host", str(args.cpus_per_host)] if args.cpus_per_host else []),
+        *(["--burst", args.burst] if args.burst != "5ms" else []),
         *(["--runs", str(args.runs)] if args.runs != Path("runs/throttled") else []),
         *(["--name", args.name] if args.name != "throttled" else []),
         *(["--out", str(args.out)] if Path(args.out) != common.RUNS / "throttled" else []),
@@ -424,6 +430,8 @@ def main() -> int:
         metavar="N",
         help="pin each host's worker to N cores of its own (noloco-fleet --cpus-per-host)",
     )
+    parser.add_argument("--burst", default="5ms", help="tbf bucket per link as traffic time at the rate "
+                        "(noloco-fleet --burst; default 5ms)")  # fmt: skip
     parser.add_argument("--runs", type=Path, default=Path("runs/throttled"))
     common.add_out(parser, "throttled")
     parser.add_argument("--name", default="throttled")
@@ -445,15 +453,21 @@ def main() -> int:
         folder = args.runs / time.strftime("%Y%m%d-%H%M%S")
         hosts_list = [int(h) for h in args.hosts.split(",")]
         rates = [r.strip() for r in args.rates.split(",")]
-        for rate in rates:
-            parse_rate(rate)  # fail before any run on a typo
+        try:  # fail before any run on a typo
+            for rate in rates:
+                parse_rate(rate)
+            burst = parse_duration(args.burst)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if not 0 < burst <= MAX_BURST_SECONDS:
+            parser.error(f"--burst {args.burst}: not in (0, {MAX_BURST_SECONDS:g} s]")
         if args.cpus_per_host is not None:
             try:
                 host_cpu_sets(max(hosts_list), args.cpus_per_host)  # enough cores for the largest fleet?
             except FleetError as exc:
                 print(exc, file=sys.stderr)
                 return 2
-        code = run_plan(plan_of(args), folder, every_run, args.steps, args.cpus_per_host)
+        code = run_plan(plan_of(args), folder, every_run, args.steps, args.cpus_per_host, args.burst)
         if code:
             return code
     runs = finished_runs(folder, "benchmarks.throttled")
