@@ -185,18 +185,24 @@ def time_tables(data: dict) -> list[str]:
                      f"{row['ring_over_pairs']:.1f}× | {row['tree_over_swarm']:.1f}× |")  # fmt: skip
     lines += ["", "## Calibration against the throttled fleet (docs/results)", "",
               "Predicted = link time (full or half duplex) + a fixed seconds per outer exchange fitted on each "
-              "report's blocking noloco/int4 run (*fit*); transport: `full` posts receives ahead (now), `half` is the "
+              "report's blocking noloco/int4 run (*fit*). The link time takes the payload efficiency (payload bits ÷ "
+              "rate × seconds) a bare TCP stream of the exchange's size had through the fleet's links at that rate and "
+              "bucket, both ways at once for full duplex and one way for half (benchmarks/link_probe.py, "
+              "noloco.sim.wan.link_efficiency; 1 ÷ 1.07 for headers and ACKs where none was measured), less the "
+              "bucket's head start. Transport: `full` posts receives ahead (now), `half` is the "
               "transport before, whose directions took turns part of the time. Overlapped rounds: max(compute, "
               f"c × exchange), c = {_slowdown(data)} the exchange's slowdown beside training, fitted on one report's "
               "overlapped exchanges (noloco.sim.wan.overlap_slowdown).", "",
-              "| report | method | hosts | Mbit/s | transport | quantity | measured (s) | link full / half (s) | "
-              "fixed (s) "
+              "| report | method | hosts | Mbit/s | bucket (ms) | transport | quantity | measured (s) | "
+              "efficiency full / half | link full / half (s) | fixed (s) "
               "| predicted full (s) | error full | predicted half (s) | error half |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in data["calibration"]:
         fit = " (*fit*)" if p.get("fit") else ""
-        lines.append(f"| {p['report']} | {p['method']}{fit} | {p['hosts']} | {p['rate_mbit']:g} | {p['transport']} | "
-                     f"{p['quantity']} | {p['measured']:.3f} | {p['link_full']:.3f} / {p['link_half']:.3f} | "
+        lines.append(f"| {p['report']} | {p['method']}{fit} | {p['hosts']} | {p['rate_mbit']:g} | "
+                     f"{1000 * p['burst_seconds']:g} | {p['transport']} | {p['quantity']} | {p['measured']:.3f} | "
+                     f"{p['efficiency_full']:.3f} / {p['efficiency_half']:.3f} | "
+                     f"{p['link_full']:.3f} / {p['link_half']:.3f} | "
                      f"{p['fixed']:.3f} | {p['predicted_full']:.3f} | {p['error_full']:+.0%} | "
                      f"{p['predicted_half']:.3f} | {p['error_half']:+.0%} |")  # fmt: skip
     return lines

@@ -26,7 +26,9 @@ DiLoCo (arXiv 2311.08105) runs ``ring`` or ``tree`` once per outer round; DDP ru
 (``ddp-ring``: H all-reduces of the fp32 gradients per round). :func:`sync_times` gives one exchange started by
 every peer at once (the sync time the paper compares); :func:`simulate_rounds` runs rounds of compute and
 exchange with each peer's own clock and gives round time and idle fraction. :func:`calibration` checks the
-model against the throttled fleet's measured exchanges in ``docs/results``.
+model against the throttled fleet's measured exchanges in ``docs/results``, its links taken at the payload
+efficiency a bare TCP stream had through them (``benchmarks/link_probe.py``: both ways at once through the
+fleet's 5 ms bucket, 0.87–0.90 against the 0.93 of headers and ACKs).
 
 Not modelled: TCP slow start and loss, congestion inside the core (only access links limit), NAT relays.
 """
@@ -231,18 +233,19 @@ def tree_allreduce(peers: Peers, nbytes: float, ready: np.ndarray | None = None,
 
 
 def group_exchange(peers: Peers, members: list[int], nbytes: float, start: float,
-                   overhead: float = DEFAULT_OVERHEAD, duplex: str = "full") -> float:  # fmt: skip
+                   overhead: float = DEFAULT_OVERHEAD, duplex: str = "full",
+                   burst: float = 16 * 1024) -> float:  # fmt: skip
     """When a group's two-phase exchange of ``nbytes`` per member, started at ``start``, ends (every member).
 
     Each phase every member sends ``(n−1)/n`` of the payload to the others and receives as much, through its
-    own uplink and downlink (:class:`noloco.fleet.linkmodel.TokenBucket`, 16 KiB burst); a phase ends when the
+    own uplink and downlink (:class:`noloco.fleet.linkmodel.TokenBucket`, ``burst`` bytes); a phase ends when the
     slowest member has sent and received, plus the longest one-way latency in the group."""
     n = len(members)
     if n == 1:
         return start
     share = nbytes * (n - 1) / n * overhead
-    up = {m: TokenBucket(float(peers.rate[m])) for m in members}
-    down = {m: TokenBucket(float(peers.rate[m])) for m in members}
+    up = {m: TokenBucket(float(peers.rate[m]), burst) for m in members}
+    down = {m: TokenBucket(float(peers.rate[m]), burst) for m in members}
     lat = peers.latency[members]
     worst = float(lat.max() + np.sort(lat)[-2])
     now = start
@@ -435,6 +438,10 @@ FLEET_REPORTS = {
     "throttled-duplex-diloco-mu-1.json": "full",
     "throttled-duplex-diloco-mu-2.json": "full",
     "throttled-duplex-2hosts.json": "full",
+    "throttled-burst-5ms-1.json": "full",
+    "throttled-burst-50ms-1.json": "full",
+    "throttled-burst-5ms-2.json": "full",
+    "throttled-burst-50ms-2.json": "full",
     "overlap_fleet-2cores.json": "half",
     "overlap_fleet-16cores.json": "half",
     "overlap_fleet-h200.json": "half",
@@ -446,6 +453,28 @@ FLEET_REPORTS = {
 
 #: the report whose overlapped exchanges set the model's overlap slowdown (:func:`overlap_slowdown`)
 OVERLAP_FIT_REPORT = "overlap_fleet-h100-balanced-phi.json"
+#: the fleet's links measured alone (``benchmarks/link_probe.py``): one TCP stream one way and both ways at once
+LINK_PROBE_REPORT = "link-probe-50mbit.json"
+#: the fleet's token bucket before reports recorded it (``noloco.fleet.netns.DEFAULT_BURST_SECONDS``)
+FLEET_BURST_SECONDS = 0.005
+
+
+def link_efficiency(probe: dict | None, rate_bps: float, burst_seconds: float, nbytes: float,
+                    both_ways: bool) -> float | None:  # fmt: skip
+    """Payload bits over (rate × seconds) of a stream of ``nbytes`` through a fleet link of ``rate_bps`` and a bucket
+    of ``burst_seconds``, one way or ``both_ways`` at once, as the link probe measured it (``probe``: its report),
+    without the bucket's head start (its seconds added back: the model passes a bucket's bytes at once itself).
+    Interpolated in log size between the probe's messages, clamped at its smallest and largest; None where the
+    probe measured no such link (another rate or bucket)."""
+    if not probe or not math.isclose(float(probe.get("rate_bps") or 0), rate_bps, rel_tol=1e-6):
+        return None
+    same = [r for r in probe.get("rows", []) if r["both_ways"] == both_ways
+            and math.isclose(r["burst_seconds"], burst_seconds, rel_tol=1e-6)]  # fmt: skip
+    rows = sorted((r["bytes"], r["bytes"] * 8 / (rate_bps * (r["median"] + burst_seconds))) for r in same)
+    if not rows:
+        return None
+    sizes = [math.log(b) for b, _ in rows]
+    return float(np.interp(math.log(max(nbytes, 1.0)), sizes, [e for _, e in rows]))
 
 
 def overlap_slowdown(folder: Path | str | None = None) -> float:
@@ -471,16 +500,21 @@ def _results_folder(folder: Path | str | None) -> Path:
 
 
 def predict_exchange(method: str, codec: str, hosts: int, rate_bps: float, sent_per_exchange: float,
-                     duplex: str) -> float:  # fmt: skip
+                     duplex: str, overhead: float = DEFAULT_OVERHEAD, burst_seconds: float = 0.0) -> float:  # fmt: skip
     """The model's seconds for one exchange of a fleet run: exact (fp32) reductions are rings, quantized ones
     two-phase; NoLoCo's group is a pair, the others' every host. The payload M comes from the bytes one worker
-    sent per exchange (both send ``2(n−1)/n · M``). Identical peers at ``rate_bps``, no latency (namespaces)."""
+    sent per exchange (both send ``2(n−1)/n · M``). Identical peers at ``rate_bps``, no latency (namespaces),
+    wire bytes = payload × ``overhead``; each link's bucket of ``burst_seconds`` of traffic, full after the idle
+    time between exchanges, passes its bytes at once (the ring's first step; the two-phase exchange's buckets)."""
     n = 2 if method.startswith("noloco") else hosts
     payload = sent_per_exchange * n / (2 * (n - 1))
     peers = uniform_peers(n, rate_bps)
     if codec == "fp32":
-        return float(ring_allreduce(peers, payload, duplex=duplex).max())
-    return group_exchange(peers, list(range(n)), payload, 0.0, duplex=duplex)
+        ring = float(ring_allreduce(peers, payload, overhead=overhead, duplex=duplex).max())
+        step = payload / n * overhead * 8 / rate_bps
+        return ring - min(burst_seconds, step)
+    burst = max(16 * 1024, rate_bps / 8 * burst_seconds)
+    return group_exchange(peers, list(range(n)), payload, 0.0, overhead=overhead, duplex=duplex, burst=burst)
 
 
 def calibration(folder: Path | str | None = None) -> list[dict]:
@@ -489,13 +523,18 @@ def calibration(folder: Path | str | None = None) -> list[dict]:
 
     Measured: blocking runs' seconds blocked per exchange (the steady rounds' where reported, else idle × loop
     wall ÷ exchanges); overlapped runs' seconds per round. Predicted: the link time of the exchange
-    (:func:`predict_exchange`, full and half duplex), plus for outer exchanges one fixed seconds per exchange per
-    report, fitted on that report's blocking ``noloco/int4`` run (the point marked ``fit``): the waits that are
+    (:func:`predict_exchange`, full and half duplex, at the payload efficiency the link probe measured for the
+    run's rate, bucket and stream size (:func:`link_efficiency`, report :data:`LINK_PROBE_REPORT`; full duplex:
+    both ways at once), else headers and ACKs alone; the bucket's head start taken off), plus for outer exchanges
+    one fixed seconds per exchange per report, fitted on that report's blocking ``noloco/int4`` run (the point
+    marked ``fit``): the waits that are
     not the link's (compute skew between workers sharing cores, encoding, handshakes). DDP's per-step exchanges
     get no fixed term. Overlapped: ``max(compute of the blocking run, c · exchange)``, c the exchange's slowdown
     beside training (:func:`overlap_slowdown`, one figure fitted on one report and applied to every report)."""
     folder = _results_folder(folder)
     slowdown = overlap_slowdown(folder)
+    probe_path = folder / LINK_PROBE_REPORT
+    probe = json.loads(probe_path.read_text()) if probe_path.is_file() else None
     points = []
     for name, transport in FLEET_REPORTS.items():
         path = folder / name
@@ -507,21 +546,35 @@ def calibration(folder: Path | str | None = None) -> list[dict]:
         fixed: dict[tuple, dict] = {}
         compute: dict[tuple, float] = {}
         for row in rows:
-            point = _fleet_point(name, transport, row, fixed, compute, slowdown)
+            point = _fleet_point(name, transport, row, fixed, compute, slowdown, probe)
             if point is not None:
                 points.append(point)
     return points
 
 
+def _fleet_link(algo: str, codec: str, row: dict, sent: float, probe: dict | None) -> tuple[dict, dict]:
+    """The model's link seconds of one exchange of a fleet run, full and half duplex, and the payload efficiency
+    each used: the link probe's for the run's bucket (both ways at once for full duplex, one way for half), else
+    the headers-and-ACKs default (``1 / DEFAULT_OVERHEAD``)."""
+    burst = row.get("burst_seconds") or FLEET_BURST_SECONDS
+    link, efficiency = {}, {}
+    for d in ("full", "half"):
+        measured = link_efficiency(probe, row["rate_bps"], burst, sent, both_ways=d == "full")
+        efficiency[d] = measured if measured is not None else 1 / DEFAULT_OVERHEAD
+        link[d] = predict_exchange(algo, codec, row["hosts"], row["rate_bps"], sent, d, overhead=1 / efficiency[d],
+                                   burst_seconds=burst)  # fmt: skip
+    return link, efficiency
+
+
 def _fleet_point(name: str, transport: str, row: dict, fixed: dict, compute: dict,
-                 slowdown: float = 1.0) -> dict | None:  # fmt: skip
+                 slowdown: float = 1.0, probe: dict | None = None) -> dict | None:  # fmt: skip
     algo, codec = row["method"].split("/")[:2]
     every = row["steps"] / row["rounds"] if row.get("rounds") else (1 if algo == "ddp" else 20)
     exchanges = row["steps"] / every
     steady = row.get("steady") or {}
     sent = row["bytes_sent_per_worker"] / exchanges
-    link = {d: predict_exchange(algo, codec, row["hosts"], row["rate_bps"], sent, d) for d in ("full", "half")}
-    key = (row["hosts"], row["rate_bps"])
+    link, efficiency = _fleet_link(algo, codec, row, sent, probe)
+    key = (row["hosts"], row["rate_bps"], row.get("burst_seconds") or FLEET_BURST_SECONDS)
     point = {
         "report": name,
         "method": row["method"],
@@ -529,8 +582,11 @@ def _fleet_point(name: str, transport: str, row: dict, fixed: dict, compute: dic
         "rate_mbit": row["rate_bps"] / 1e6,
         "transport": transport,
         "exchanges": exchanges,
+        "burst_seconds": row.get("burst_seconds") or FLEET_BURST_SECONDS,
         "link_full": link["full"],
         "link_half": link["half"],
+        "efficiency_full": efficiency["full"],
+        "efficiency_half": efficiency["half"],
     }
     overlapped = "overlap=true" in row["method"]
     if overlapped:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from noloco.fleet.linkmodel import DEFAULT_OVERHEAD, TokenBucket
 from noloco.sim.wan import (
+    FLEET_BURST_SECONDS,
+    LINK_PROBE_REPORT,
     OVERLAP_FIT_REPORT,
     WanConfig,
     calibration,
     claim_conditions,
     draw_peers,
     group_exchange,
+    link_efficiency,
     matchmaking_seconds,
     overlap_slowdown,
     payload_bytes,
+    predict_exchange,
     ring_allreduce,
     simulate_rounds,
     sync_times,
@@ -27,6 +32,7 @@ from noloco.sim.wan import (
 )
 
 MB = 1e6
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
 def test_ring_of_identical_peers_is_2_n_minus_1_steps_of_m_over_n():
@@ -144,8 +150,44 @@ def test_calibration_reads_the_fleet_reports_and_fits_one_point_per_report():
         assert len(fits) == len({(p["hosts"], p["rate_mbit"]) for p in fits})
         assert all(p["error"] == pytest.approx(0.0, abs=1e-12) for p in fits)
     ddp = [p for p in points if p["report"] == "throttled-duplex.json" and p["method"] == "ddp/fp32"]
-    # 4 hosts at 50 Mbit/s: the ring's bytes at the link rate, 2·3/4 · 2.76 MB · 1.07 · 8 / 5e7
-    assert ddp and ddp[0]["link_full"] == pytest.approx(495.936e6 / 120 * DEFAULT_OVERHEAD * 8 / 50e6, rel=1e-3)
+    # 4 hosts at 50 Mbit/s: the ring's 2·3/4 · 2.76 MB at the link rate and the probe's efficiency both ways for
+    # that stream, less the 5 ms bucket's head start
+    sent = 495.936e6 / 120
+    probe = json.loads((RESULTS / LINK_PROBE_REPORT).read_text())
+    efficiency = link_efficiency(probe, 50e6, FLEET_BURST_SECONDS, sent, both_ways=True)
+    assert 0.85 < efficiency < 0.93 and ddp and ddp[0]["efficiency_full"] == pytest.approx(efficiency)
+    assert ddp[0]["link_full"] == pytest.approx(sent * 8 / 50e6 / efficiency - FLEET_BURST_SECONDS, rel=1e-3)
+
+
+def _probe_row(nbytes: int, median: float, both_ways: bool = True, burst: float = 0.005) -> dict:
+    return {"burst_seconds": burst, "bytes": nbytes, "both_ways": both_ways, "median": median}
+
+
+def test_link_efficiency_is_the_probes_interpolated_in_log_size_without_the_buckets_head_start():
+    # 1 MB both ways in 0.195 s (+ the 5 ms bucket = 0.2 s): 8e6 / (5e7 · 0.2) = 0.8; 4 MB in 0.795 s: 0.8 too
+    rows = [_probe_row(1_000_000, 0.195), _probe_row(4_000_000, 0.795 * 0.8 / 0.9), _probe_row(1_000_000, 0.1, False),
+            _probe_row(1_000_000, 0.1, burst=0.05)]  # fmt: skip
+    probe = {"rate_bps": 50e6, "rows": rows}
+    at_4 = 32e6 / (50e6 * (0.795 * 0.8 / 0.9 + 0.005))
+    assert link_efficiency(probe, 50e6, 0.005, 1e6, both_ways=True) == pytest.approx(0.8)
+    assert link_efficiency(probe, 50e6, 0.005, 4e6, both_ways=True) == pytest.approx(at_4)
+    assert link_efficiency(probe, 50e6, 0.005, 2e6, both_ways=True) == pytest.approx((0.8 + at_4) / 2)  # log middle
+    assert link_efficiency(probe, 50e6, 0.005, 1e3, both_ways=True) == pytest.approx(0.8)  # clamped
+    assert link_efficiency(probe, 50e6, 0.005, 1e6, both_ways=False) == pytest.approx(8e6 / (50e6 * 0.105))
+    assert link_efficiency(probe, 50e6, 0.05, 1e6, both_ways=True) == pytest.approx(8e6 / (50e6 * 0.15))
+    for other in ((500e6, 0.005), (50e6, 0.02)):  # a rate or a bucket the probe did not measure: the default
+        assert link_efficiency(probe, *other, 1e6, both_ways=True) is None
+    assert link_efficiency(None, 50e6, 0.005, 1e6, both_ways=True) is None
+
+
+def test_a_buckets_head_start_comes_off_the_exchange_once():
+    plain = predict_exchange("diloco", "fp32", 4, 50e6, 3e6, "full")
+    assert predict_exchange("diloco", "fp32", 4, 50e6, 3e6, "full", burst_seconds=0.05) == pytest.approx(plain - 0.05)
+    slower = predict_exchange("diloco", "fp32", 4, 50e6, 3e6, "full", overhead=2 * DEFAULT_OVERHEAD)
+    assert slower == pytest.approx(2 * plain)
+    pair = predict_exchange("noloco", "int4", 4, 50e6, 3e6, "full")
+    deep = predict_exchange("noloco", "int4", 4, 50e6, 3e6, "full", burst_seconds=0.05)
+    assert pair - 0.06 < deep < pair - 0.04  # the pair's buckets pass 312 KB at once, in its first phase
 
 
 def _fleet_row(method: str, blocked: float, compute: float, exchange: float | None = None) -> dict:
