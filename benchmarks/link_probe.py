@@ -8,6 +8,12 @@ Efficiency = payload bits ÷ (link rate × seconds): the time model's link carri
 (headers and ACKs), and its bucket passes the first ``burst`` bytes at once.
 
     python -m benchmarks.link_probe --rate 50mbit --bursts 5ms 50ms --sizes 350000 2800000
+    python -m benchmarks.link_probe --rate 50mbit --bursts 5ms --sizes 2760000 --ring 4
+
+``--ring N`` times a ring all-reduce's traffic instead, among N hosts with plain sockets (no training, no
+reduction): each size is the all-reduce's payload M, sent as 2(N−1) steps of M/N, each host sending a step's
+chunk to the next while it receives the previous host's, and starting the next step once both are done. Its
+efficiency counts the 2(N−1)/N · M bytes each host sent.
 
 Every repetition but the first is reported (the first opens the connection's window).
 """
@@ -61,6 +67,45 @@ print(json.dumps(seconds))
 """
 
 
+#: One host of a ring (``me hosts addresses size reps idle``): it listens for its predecessor and connects to its
+#: successor; a token sent around the ring starts each repetition; prints the seconds of each all-reduce's traffic.
+RING = r"""
+import json, socket, sys, threading, time
+me, n, addresses, size, reps, idle = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), \
+    int(sys.argv[5]), float(sys.argv[6])
+server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind((addresses[me], 5998)); server.listen(1)
+for _ in range(200):
+    try:
+        out = socket.create_connection((addresses[(me + 1) % n], 5998)); break
+    except OSError:
+        time.sleep(0.1)
+inc, _ = server.accept()
+for conn in (out, inc):
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def take(conn, k):
+    got = 0
+    while got < k:
+        chunk = conn.recv(min(1 << 20, k - got))
+        if not chunk:
+            raise SystemExit("connection closed")
+        got += len(chunk)
+chunk, seconds = bytes(size // n), []
+for _ in range(reps):
+    if me == 0:
+        out.sendall(b"s"); take(inc, 1)
+    else:
+        take(inc, 1); out.sendall(b"s")
+    time.sleep(idle)
+    start = time.monotonic()
+    for _ in range(2 * (n - 1)):
+        reader = threading.Thread(target=take, args=(inc, len(chunk)))
+        reader.start(); out.sendall(chunk); reader.join()
+    seconds.append(time.monotonic() - start)
+print(json.dumps(seconds))
+"""
+
+
 def _rate_bps(text: str) -> float:
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
     for unit, factor in units.items():
@@ -90,6 +135,20 @@ def probe(rate_bps: float, burst: float, size: int, reps: int, idle: float, both
     return json.loads(out[0])[1:]
 
 
+def probe_ring(rate_bps: float, burst: float, size: int, reps: int, idle: float, hosts: int) -> list[float]:
+    """Seconds of each ring all-reduce's traffic after the first (host 0's clock), through a fresh fleet."""
+    from noloco.fleet.netns import Fleet
+
+    with Fleet(hosts, rate_bps, burst_seconds=burst) as fleet:
+        addresses = ",".join(fleet.ip(h) for h in range(hosts))
+        peers = [fleet.popen(h, [sys.executable, "-c", RING, str(h), str(hosts), addresses, str(size), str(reps),
+                                 str(idle)], stdout=subprocess.PIPE, text=True) for h in range(hosts)]  # fmt: skip
+        out = [p.communicate(timeout=120 + reps * (idle + 60))[0] for p in peers]
+        if any(p.returncode != 0 for p in peers):
+            raise RuntimeError(f"ring peers exited {[p.returncode for p in peers]}")
+    return json.loads(out[0])[1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.link_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -106,11 +165,40 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=7, help="messages per size and direction, the first dropped (7)")
     parser.add_argument("--idle", type=float, default=1.0, help="seconds between messages (1)")
+    parser.add_argument("--ring", type=int, default=0, metavar="N",
+                        help="time a ring all-reduce's traffic among N hosts (each size: its payload)")  # fmt: skip
     parser.add_argument("--name", default="link_probe", help="report file names (link_probe)")
     common.add_out(parser, "link_probe")
     args = parser.parse_args(argv)
     if args.reps < 2 or args.idle < 0 or min(args.sizes) <= 0:
         parser.error("--reps must be at least 2, --idle at least 0 and every size positive")
+    if args.ring and not 2 <= args.ring <= 16:
+        parser.error(f"--ring {args.ring}: a ring of 2 to 16 hosts")
+    rows = _ring_rows(args) if args.ring else _stream_rows(args)
+    command, machine = common.command("link_probe", argv), common.machine()
+    lines = _report(args, rows, command, machine)
+    print("\n".join(lines))
+    common.write_report(args.out, args.name, lines, {"rate_bps": args.rate, "rows": rows}, command=command,
+                        machine=machine)  # fmt: skip
+    return 0
+
+
+def _ring_rows(args) -> list[dict]:
+    rows = []
+    for burst in args.bursts:
+        for size in args.sizes:
+            seconds = probe_ring(args.rate, burst, size, args.reps, args.idle, args.ring)
+            median = statistics.median(seconds)
+            sent = 2 * (args.ring - 1) / args.ring * size
+            rows.append({"pattern": "ring", "hosts": args.ring, "burst_seconds": burst, "bytes": size,
+                         "both_ways": True, "seconds": seconds, "median": median,
+                         "efficiency": sent * 8 / args.rate / median})  # fmt: skip
+            print(f"burst {burst * 1000:g} ms, ring of {args.ring}, {size:,} B: {median:.3f} s, "
+                  f"efficiency {rows[-1]['efficiency']:.2f}", flush=True)  # fmt: skip
+    return rows
+
+
+def _stream_rows(args) -> list[dict]:
     rows = []
     for burst in args.bursts:
         for size in args.sizes:
@@ -124,15 +212,45 @@ def main(argv: list[str] | None = None) -> int:
                     f"{median:.3f} s, efficiency {rows[-1]['efficiency']:.2f}",
                     flush=True,
                 )
-    command, machine = common.command("link_probe", argv), common.machine()
-    lines = _report(args, rows, command, machine)
-    print("\n".join(lines))
-    common.write_report(args.out, args.name, lines, {"rate_bps": args.rate, "rows": rows}, command=command,
-                        machine=machine)  # fmt: skip
-    return 0
+    return rows
+
+
+def _ring_model(args, size: int, burst: float) -> float:
+    """The time model's seconds for this ring with its default link (``noloco.sim.wan.predict_exchange``: headers
+    and ACKs, × 1.07), less the bucket's head start."""
+    from noloco.sim.wan import predict_exchange
+
+    sent = 2 * (args.ring - 1) / args.ring * size
+    return predict_exchange("diloco", "fp32", args.ring, args.rate, sent, "full", burst_seconds=burst)
+
+
+def _ring_report(args, rows: list[dict], command: str, machine: str) -> list[str]:
+    lines = [
+        f"# A ring all-reduce's traffic through fleet links, {args.ring} hosts",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine}",
+        "",
+        f"{args.ring} fleet hosts, `tc tbf` at {args.rate / 1e6:g} Mbit/s on every link (queue 100 ms), plain TCP "
+        f"sockets in a ring; per row {args.reps - 1} all-reduces' traffic ({args.idle:g} s idle before each): "
+        f"2({args.ring}−1) steps of payload ÷ {args.ring}, each host sending to the next while receiving from the "
+        "previous. Efficiency = bits each host sent ÷ (rate × seconds). Model: the time model's ring with its "
+        "default link (headers and ACKs: 1 ÷ 1.07 = 0.93 of the rate), less the bucket's head start.",
+        "",
+        "| bucket | payload | median (s) | fastest, slowest (s) | efficiency | model (s) | measured ÷ model |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        model = _ring_model(args, r["bytes"], r["burst_seconds"])
+        lines.append(f"| {r['burst_seconds'] * 1000:g} ms | {r['bytes'] / 1e6:.2f} MB | {r['median']:.3f} | "
+                     f"{min(r['seconds']):.3f}, {max(r['seconds']):.3f} | {r['efficiency']:.2f} | {model:.3f} | "
+                     f"{r['median'] / model:.2f} |")  # fmt: skip
+    return lines
 
 
 def _report(args, rows: list[dict], command: str, machine: str) -> list[str]:
+    if args.ring:
+        return _ring_report(args, rows, command, machine)
     lines = [
         "# One message through a fleet link, one way and both ways at once",
         "",

@@ -27,8 +27,9 @@ DiLoCo (arXiv 2311.08105) runs ``ring`` or ``tree`` once per outer round; DDP ru
 every peer at once (the sync time the paper compares); :func:`simulate_rounds` runs rounds of compute and
 exchange with each peer's own clock and gives round time and idle fraction. :func:`calibration` checks the
 model against the throttled fleet's measured exchanges in ``docs/results``, its links taken at the payload
-efficiency a bare TCP stream had through them (``benchmarks/link_probe.py``: both ways at once through the
-fleet's 5 ms bucket, 0.87–0.90 against the 0.93 of headers and ACKs).
+efficiency bare TCP traffic of the exchange's pattern had through them (``benchmarks/link_probe.py``: through the
+fleet's 5 ms bucket, a pair's connection both ways at once 0.87–0.89, a ring's 0.90–0.92, against the 0.93 of
+headers and ACKs).
 
 Not modelled: TCP slow start and loss, congestion inside the core (only access links limit), NAT relays.
 """
@@ -453,28 +454,48 @@ FLEET_REPORTS = {
 
 #: the report whose overlapped exchanges set the model's overlap slowdown (:func:`overlap_slowdown`)
 OVERLAP_FIT_REPORT = "overlap_fleet-h100-balanced-phi.json"
-#: the fleet's links measured alone (``benchmarks/link_probe.py``): one TCP stream one way and both ways at once
-LINK_PROBE_REPORT = "link-probe-50mbit.json"
+#: the fleet's links measured alone (``benchmarks/link_probe.py``): one TCP connection, one way and both ways at once
+#: (a pair's exchange), and a ring's traffic (each host sending to its successor while receiving from its predecessor)
+LINK_PROBE_REPORTS = ("link-probe-50mbit.json", "link-probe-ring4-50mbit.json")
 #: the fleet's token bucket before reports recorded it (``noloco.fleet.netns.DEFAULT_BURST_SECONDS``)
 FLEET_BURST_SECONDS = 0.005
 
 
-def link_efficiency(probe: dict | None, rate_bps: float, burst_seconds: float, nbytes: float,
-                    both_ways: bool) -> float | None:  # fmt: skip
-    """Payload bits over (rate × seconds) of a stream of ``nbytes`` through a fleet link of ``rate_bps`` and a bucket
-    of ``burst_seconds``, one way or ``both_ways`` at once, as the link probe measured it (``probe``: its report),
-    without the bucket's head start (its seconds added back: the model passes a bucket's bytes at once itself).
-    Interpolated in log size between the probe's messages, clamped at its smallest and largest; None where the
-    probe measured no such link (another rate or bucket)."""
-    if not probe or not math.isclose(float(probe.get("rate_bps") or 0), rate_bps, rel_tol=1e-6):
+def load_link_probes(folder: Path | str | None = None) -> list[dict]:
+    """The rows of the link probe reports in ``folder`` (default: this checkout's ``docs/results``), each with its
+    report's ``rate_bps``; [] without them."""
+    folder = _results_folder(folder)
+    rows = []
+    for name in LINK_PROBE_REPORTS:
+        if (folder / name).is_file():
+            report = json.loads((folder / name).read_text())
+            rows += [{**r, "rate_bps": float(report["rate_bps"])} for r in report.get("rows", [])]
+    return rows
+
+
+def probe_pattern(row: dict) -> str:
+    """What a probe row measured: ``"ring"``, ``"both ways"`` (one connection, both directions) or ``"one way"``."""
+    return "ring" if row.get("pattern") == "ring" else "both ways" if row["both_ways"] else "one way"
+
+
+def link_efficiency(probes: list[dict], rate_bps: float, burst_seconds: float, nbytes: float,
+                    pattern: str) -> float | None:  # fmt: skip
+    """Payload bits over (rate × seconds) of ``nbytes`` sent per host through a fleet link of ``rate_bps`` and a
+    bucket of ``burst_seconds``, in traffic of ``pattern`` (:func:`probe_pattern`), as the link probe measured it
+    (``probes``: :func:`load_link_probes`), without the bucket's head start (its seconds added back: the model passes
+    a bucket's bytes at once itself). Interpolated in log size between the probe's sizes, clamped at its smallest
+    and largest; None where the probe measured no such link (another rate, bucket or pattern)."""
+    points = []
+    for r in probes:
+        if (probe_pattern(r) != pattern or not math.isclose(r["rate_bps"], rate_bps, rel_tol=1e-6)
+                or not math.isclose(r["burst_seconds"], burst_seconds, rel_tol=1e-6)):  # fmt: skip
+            continue
+        sent = 2 * (r["hosts"] - 1) / r["hosts"] * r["bytes"] if pattern == "ring" else r["bytes"]
+        points.append((sent, sent * 8 / (rate_bps * (r["median"] + burst_seconds))))
+    if not points:
         return None
-    same = [r for r in probe.get("rows", []) if r["both_ways"] == both_ways
-            and math.isclose(r["burst_seconds"], burst_seconds, rel_tol=1e-6)]  # fmt: skip
-    rows = sorted((r["bytes"], r["bytes"] * 8 / (rate_bps * (r["median"] + burst_seconds))) for r in same)
-    if not rows:
-        return None
-    sizes = [math.log(b) for b, _ in rows]
-    return float(np.interp(math.log(max(nbytes, 1.0)), sizes, [e for _, e in rows]))
+    points.sort()
+    return float(np.interp(math.log(max(nbytes, 1.0)), [math.log(b) for b, _ in points], [e for _, e in points]))
 
 
 def overlap_slowdown(folder: Path | str | None = None) -> float:
@@ -524,8 +545,8 @@ def calibration(folder: Path | str | None = None) -> list[dict]:
     Measured: blocking runs' seconds blocked per exchange (the steady rounds' where reported, else idle × loop
     wall ÷ exchanges); overlapped runs' seconds per round. Predicted: the link time of the exchange
     (:func:`predict_exchange`, full and half duplex, at the payload efficiency the link probe measured for the
-    run's rate, bucket and stream size (:func:`link_efficiency`, report :data:`LINK_PROBE_REPORT`; full duplex:
-    both ways at once), else headers and ACKs alone; the bucket's head start taken off), plus for outer exchanges
+    run's rate, bucket, traffic pattern and size (:func:`link_efficiency`, reports :data:`LINK_PROBE_REPORTS`),
+    else headers and ACKs alone; the bucket's head start taken off), plus for outer exchanges
     one fixed seconds per exchange per report, fitted on that report's blocking ``noloco/int4`` run (the point
     marked ``fit``): the waits that are
     not the link's (compute skew between workers sharing cores, encoding, handshakes). DDP's per-step exchanges
@@ -533,8 +554,7 @@ def calibration(folder: Path | str | None = None) -> list[dict]:
     beside training (:func:`overlap_slowdown`, one figure fitted on one report and applied to every report)."""
     folder = _results_folder(folder)
     slowdown = overlap_slowdown(folder)
-    probe_path = folder / LINK_PROBE_REPORT
-    probe = json.loads(probe_path.read_text()) if probe_path.is_file() else None
+    probes = load_link_probes(folder)
     points = []
     for name, transport in FLEET_REPORTS.items():
         path = folder / name
@@ -546,20 +566,23 @@ def calibration(folder: Path | str | None = None) -> list[dict]:
         fixed: dict[tuple, dict] = {}
         compute: dict[tuple, float] = {}
         for row in rows:
-            point = _fleet_point(name, transport, row, fixed, compute, slowdown, probe)
+            point = _fleet_point(name, transport, row, fixed, compute, slowdown, probes)
             if point is not None:
                 points.append(point)
     return points
 
 
-def _fleet_link(algo: str, codec: str, row: dict, sent: float, probe: dict | None) -> tuple[dict, dict]:
+def _fleet_link(algo: str, codec: str, row: dict, sent: float, probes: list[dict]) -> tuple[dict, dict]:
     """The model's link seconds of one exchange of a fleet run, full and half duplex, and the payload efficiency
-    each used: the link probe's for the run's bucket (both ways at once for full duplex, one way for half), else
-    the headers-and-ACKs default (``1 / DEFAULT_OVERHEAD``)."""
+    each used: the link probe's for the run's bucket, else the headers-and-ACKs default (``1 / DEFAULT_OVERHEAD``).
+    Full duplex: a pair's traffic is one connection both ways at once; three or more hosts send to some while
+    they receive from others, which the probe's ring measured. Half duplex: one way."""
     burst = row.get("burst_seconds") or FLEET_BURST_SECONDS
+    members = 2 if algo == "noloco" else row["hosts"]
     link, efficiency = {}, {}
     for d in ("full", "half"):
-        measured = link_efficiency(probe, row["rate_bps"], burst, sent, both_ways=d == "full")
+        pattern = "one way" if d == "half" else "both ways" if members == 2 else "ring"
+        measured = link_efficiency(probes, row["rate_bps"], burst, sent, pattern)
         efficiency[d] = measured if measured is not None else 1 / DEFAULT_OVERHEAD
         link[d] = predict_exchange(algo, codec, row["hosts"], row["rate_bps"], sent, d, overhead=1 / efficiency[d],
                                    burst_seconds=burst)  # fmt: skip
@@ -567,13 +590,13 @@ def _fleet_link(algo: str, codec: str, row: dict, sent: float, probe: dict | Non
 
 
 def _fleet_point(name: str, transport: str, row: dict, fixed: dict, compute: dict,
-                 slowdown: float = 1.0, probe: dict | None = None) -> dict | None:  # fmt: skip
+                 slowdown: float = 1.0, probes: list[dict] | None = None) -> dict | None:  # fmt: skip
     algo, codec = row["method"].split("/")[:2]
     every = row["steps"] / row["rounds"] if row.get("rounds") else (1 if algo == "ddp" else 20)
     exchanges = row["steps"] / every
     steady = row.get("steady") or {}
     sent = row["bytes_sent_per_worker"] / exchanges
-    link, efficiency = _fleet_link(algo, codec, row, sent, probe)
+    link, efficiency = _fleet_link(algo, codec, row, sent, probes or [])
     key = (row["hosts"], row["rate_bps"], row.get("burst_seconds") or FLEET_BURST_SECONDS)
     point = {
         "report": name,

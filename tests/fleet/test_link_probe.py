@@ -23,3 +23,24 @@ def test_the_probe_times_a_message_each_way_through_the_shaped_link_and_tears_th
         assert 0.3 < r["efficiency"] < 1.3, r
     assert "| 5 ms | 0.25 MB | both ways |" in (tmp_path / "probe.md").read_text()
     assert set(list_namespaces()) == before  # every namespace it built is gone
+
+
+@pytest.mark.skipif(not is_root() or bool(missing_tools()), reason="needs root and iproute2 (ip, tc)")
+def test_the_ring_probe_times_an_all_reduces_traffic_among_three_hosts_and_tears_the_fleet_down(tmp_path):
+    before = set(list_namespaces())
+    assert link_probe.main(["--rate", "20mbit", "--bursts", "5ms", "--sizes", "300000", "--reps", "3", "--idle",
+                            "0.2", "--ring", "3", "--out", str(tmp_path), "--name", "ring"]) == 0  # fmt: skip
+    (row,) = json.loads((tmp_path / "ring.json").read_text())["rows"]
+    assert row["pattern"] == "ring" and row["hosts"] == 3 and len(row["seconds"]) == 2
+    # each host sends 2·2/3 of 300 kB in 4 steps: 0.16 s of payload at 20 Mbit/s; not faster than the link, not stalled
+    assert 0.3 < row["efficiency"] < 1.3, row
+    assert "| 5 ms | 0.30 MB |" in (tmp_path / "ring.md").read_text()
+    assert set(list_namespaces()) == before
+
+
+def test_a_ring_of_one_host_or_too_many_is_refused_in_one_line(capsys):
+    for bad in ("1", "17"):
+        with pytest.raises(SystemExit) as exit_info:
+            link_probe.main(["--ring", bad])
+        assert exit_info.value.code == 2
+        assert f"--ring {bad}: a ring of 2 to 16 hosts" in capsys.readouterr().err

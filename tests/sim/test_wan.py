@@ -11,7 +11,6 @@ import pytest
 from noloco.fleet.linkmodel import DEFAULT_OVERHEAD, TokenBucket
 from noloco.sim.wan import (
     FLEET_BURST_SECONDS,
-    LINK_PROBE_REPORT,
     OVERLAP_FIT_REPORT,
     WanConfig,
     calibration,
@@ -19,6 +18,7 @@ from noloco.sim.wan import (
     draw_peers,
     group_exchange,
     link_efficiency,
+    load_link_probes,
     matchmaking_seconds,
     overlap_slowdown,
     payload_bytes,
@@ -150,34 +150,42 @@ def test_calibration_reads_the_fleet_reports_and_fits_one_point_per_report():
         assert len(fits) == len({(p["hosts"], p["rate_mbit"]) for p in fits})
         assert all(p["error"] == pytest.approx(0.0, abs=1e-12) for p in fits)
     ddp = [p for p in points if p["report"] == "throttled-duplex.json" and p["method"] == "ddp/fp32"]
-    # 4 hosts at 50 Mbit/s: the ring's 2·3/4 · 2.76 MB at the link rate and the probe's efficiency both ways for
-    # that stream, less the 5 ms bucket's head start
+    # 4 hosts at 50 Mbit/s: the ring's 2·3/4 · 2.76 MB at the link rate and the efficiency the probe's ring of 4
+    # measured for that traffic, less the 5 ms bucket's head start
     sent = 495.936e6 / 120
-    probe = json.loads((RESULTS / LINK_PROBE_REPORT).read_text())
-    efficiency = link_efficiency(probe, 50e6, FLEET_BURST_SECONDS, sent, both_ways=True)
-    assert 0.85 < efficiency < 0.93 and ddp and ddp[0]["efficiency_full"] == pytest.approx(efficiency)
+    efficiency = link_efficiency(load_link_probes(), 50e6, FLEET_BURST_SECONDS, sent, "ring")
+    assert 0.85 < efficiency < 0.97 and ddp and ddp[0]["efficiency_full"] == pytest.approx(efficiency)
     assert ddp[0]["link_full"] == pytest.approx(sent * 8 / 50e6 / efficiency - FLEET_BURST_SECONDS, rel=1e-3)
+    # NoLoCo's pair: one connection both ways at once, the probe's stream
+    rows = json.loads((RESULTS / "throttled-duplex.json").read_text())["results"]
+    row = next(r for r in rows if r["method"] == "noloco/fp32" and not r.get("long"))
+    pair = next(p for p in points if p["report"] == "throttled-duplex.json" and p["method"] == "noloco/fp32")
+    both = link_efficiency(load_link_probes(), 50e6, FLEET_BURST_SECONDS, row["bytes_sent_per_worker"] / 6, "both ways")
+    assert pair["efficiency_full"] == pytest.approx(both) and both != pytest.approx(efficiency)
 
 
 def _probe_row(nbytes: int, median: float, both_ways: bool = True, burst: float = 0.005) -> dict:
-    return {"burst_seconds": burst, "bytes": nbytes, "both_ways": both_ways, "median": median}
+    return {"burst_seconds": burst, "bytes": nbytes, "both_ways": both_ways, "median": median, "rate_bps": 50e6}
 
 
 def test_link_efficiency_is_the_probes_interpolated_in_log_size_without_the_buckets_head_start():
-    # 1 MB both ways in 0.195 s (+ the 5 ms bucket = 0.2 s): 8e6 / (5e7 · 0.2) = 0.8; 4 MB in 0.795 s: 0.8 too
-    rows = [_probe_row(1_000_000, 0.195), _probe_row(4_000_000, 0.795 * 0.8 / 0.9), _probe_row(1_000_000, 0.1, False),
-            _probe_row(1_000_000, 0.1, burst=0.05)]  # fmt: skip
-    probe = {"rate_bps": 50e6, "rows": rows}
-    at_4 = 32e6 / (50e6 * (0.795 * 0.8 / 0.9 + 0.005))
-    assert link_efficiency(probe, 50e6, 0.005, 1e6, both_ways=True) == pytest.approx(0.8)
-    assert link_efficiency(probe, 50e6, 0.005, 4e6, both_ways=True) == pytest.approx(at_4)
-    assert link_efficiency(probe, 50e6, 0.005, 2e6, both_ways=True) == pytest.approx((0.8 + at_4) / 2)  # log middle
-    assert link_efficiency(probe, 50e6, 0.005, 1e3, both_ways=True) == pytest.approx(0.8)  # clamped
-    assert link_efficiency(probe, 50e6, 0.005, 1e6, both_ways=False) == pytest.approx(8e6 / (50e6 * 0.105))
-    assert link_efficiency(probe, 50e6, 0.05, 1e6, both_ways=True) == pytest.approx(8e6 / (50e6 * 0.15))
+    # 1 MB both ways in 0.195 s (+ the 5 ms bucket = 0.2 s): 8e6 / (5e7 · 0.2) = 0.8
+    slow = 0.795 * 0.8 / 0.9
+    probes = [_probe_row(1_000_000, 0.195), _probe_row(4_000_000, slow), _probe_row(1_000_000, 0.1, False),
+              _probe_row(1_000_000, 0.1, burst=0.05),
+              {**_probe_row(2_000_000, 0.245), "pattern": "ring", "hosts": 4}]  # fmt: skip
+    at_4 = 32e6 / (50e6 * (slow + 0.005))
+    assert link_efficiency(probes, 50e6, 0.005, 1e6, "both ways") == pytest.approx(0.8)
+    assert link_efficiency(probes, 50e6, 0.005, 4e6, "both ways") == pytest.approx(at_4)
+    assert link_efficiency(probes, 50e6, 0.005, 2e6, "both ways") == pytest.approx((0.8 + at_4) / 2)  # log middle
+    assert link_efficiency(probes, 50e6, 0.005, 1e3, "both ways") == pytest.approx(0.8)  # clamped
+    assert link_efficiency(probes, 50e6, 0.005, 1e6, "one way") == pytest.approx(8e6 / (50e6 * 0.105))
+    assert link_efficiency(probes, 50e6, 0.05, 1e6, "both ways") == pytest.approx(8e6 / (50e6 * 0.15))
+    # a ring of 4 with a 2 MB payload: each host sent 2·3/4 of it, 3 MB, in 0.245 s (+ 5 ms)
+    assert link_efficiency(probes, 50e6, 0.005, 3e6, "ring") == pytest.approx(24e6 / (50e6 * 0.25))
     for other in ((500e6, 0.005), (50e6, 0.02)):  # a rate or a bucket the probe did not measure: the default
-        assert link_efficiency(probe, *other, 1e6, both_ways=True) is None
-    assert link_efficiency(None, 50e6, 0.005, 1e6, both_ways=True) is None
+        assert link_efficiency(probes, *other, 1e6, "both ways") is None
+    assert link_efficiency([], 50e6, 0.005, 1e6, "both ways") is None
 
 
 def test_a_buckets_head_start_comes_off_the_exchange_once():
