@@ -28,10 +28,23 @@ import sys
 
 from benchmarks import common
 
+#: What both scripts below start with: the imports, and ``take(conn, n)``, which reads n bytes from a socket.
+PRELUDE = r"""
+import json, socket, sys, threading, time
+def take(conn, n):
+    got = 0
+    while got < n:
+        chunk = conn.recv(min(1 << 20, n - got))
+        if not chunk:
+            raise SystemExit("connection closed")
+        got += len(chunk)
+"""
+
 #: One host's side (host 0 listens): ``role size reps idle`` on the command line; prints the seconds of each
 #: message as a JSON list. A rendezvous byte each way starts every repetition on both hosts together.
-PEER = r"""
-import json, socket, sys, threading, time
+PEER = (
+    PRELUDE
+    + r"""
 me, address, size, reps, idle, both = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
     float(sys.argv[5]), sys.argv[6] == "both"
 if me == 0:
@@ -44,33 +57,29 @@ else:
         except OSError:
             time.sleep(0.1)
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-def take(n):
-    got = 0
-    while got < n:
-        chunk = conn.recv(min(1 << 20, n - got))
-        if not chunk:
-            raise SystemExit("connection closed")
-        got += len(chunk)
 message, seconds = bytes(size), []
 for _ in range(reps):
-    conn.sendall(b"s"); take(1)
+    conn.sendall(b"s"); take(conn, 1)
     time.sleep(idle)
     start = time.monotonic()
     if both:
-        reader = threading.Thread(target=take, args=(size,)); reader.start(); conn.sendall(message); reader.join()
+        reader = threading.Thread(target=take, args=(conn, size)); reader.start(); conn.sendall(message)
+        reader.join()
     elif me == 0:
-        conn.sendall(message); take(1)
+        conn.sendall(message); take(conn, 1)
     else:
-        take(size); conn.sendall(b"k")
+        take(conn, size); conn.sendall(b"k")
     seconds.append(time.monotonic() - start)
 print(json.dumps(seconds))
 """
+)
 
 
 #: One host of a ring (``me hosts addresses size reps idle``): it listens for its predecessor and connects to its
 #: successor; a token sent around the ring starts each repetition; prints the seconds of each all-reduce's traffic.
-RING = r"""
-import json, socket, sys, threading, time
+RING = (
+    PRELUDE
+    + r"""
 me, n, addresses, size, reps, idle = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), \
     int(sys.argv[5]), float(sys.argv[6])
 server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -83,13 +92,6 @@ for _ in range(200):
 inc, _ = server.accept()
 for conn in (out, inc):
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-def take(conn, k):
-    got = 0
-    while got < k:
-        chunk = conn.recv(min(1 << 20, k - got))
-        if not chunk:
-            raise SystemExit("connection closed")
-        got += len(chunk)
 chunk, seconds = bytes(size // n), []
 for _ in range(reps):
     if me == 0:
@@ -104,6 +106,7 @@ for _ in range(reps):
     seconds.append(time.monotonic() - start)
 print(json.dumps(seconds))
 """
+)
 
 
 def _rate_bps(text: str) -> float:

@@ -191,6 +191,14 @@ def test_latest_incarnations_keeps_one_entry_per_name_and_none_of_this_peers_own
     assert latest_incarnations([], "p0") == []
 
 
+def _penalize(makers, peers: list[str], round_index: int) -> None:
+    """Each of ``makers`` strikes each of ``peers`` in ``round_index`` until it penalizes it (never confirming)."""
+    for maker in makers:
+        for peer in peers:
+            for _ in range(maker.strikes_before_penalty):
+                maker._strike(maker._strikes, peer, round_index, "no_confirm", "ready but did not confirm")
+
+
 def test_a_chain_of_penalized_announcements_does_not_end_the_window_of_the_peers_that_leave_them_out(
     in_process_peers,
 ):
@@ -201,10 +209,7 @@ def test_a_chain_of_penalized_announcements_does_not_end_the_window_of_the_peers
     20 rounds."""
     with in_process_peers(RUN + "-penalized", "catch-up-test-key-0123456789", 4) as peers:
         makers, ids = _makers(peers, behind=None, slack=0.5, wide=2)
-        for maker in makers[:2]:
-            for sybil in ids[2:]:
-                for _ in range(maker.strikes_before_penalty):
-                    maker._strike(maker._strikes, sybil, 69, "no_confirm", "ready but did not confirm")
+        _penalize(makers[:2], ids[2:], 69)
         results = _form_all(makers, 70, {2: 0.0, 3: 0.1, 0: 2 * WINDOW, 1: 2 * WINDOW + 0.1})
     for i in (0, 1):
         assert results[i][:2] == (["p0", "p1"], "joined"), (i, results)
@@ -222,11 +227,9 @@ def test_a_window_of_penalized_announcements_is_no_group_that_formed_without_the
     peer 1: what brought the sybil attack (tests/swarm/test_hostile_rounds.py) to 0 of 20 rounds."""
     with in_process_peers(RUN + "-penalized-window", "catch-up-test-key-0123456789", 4) as peers:
         makers, ids = _makers(peers, behind=None, slack=0.5)
+        _penalize(makers[:2], ids[2:], 79)
         for maker in makers[:2]:
             maker.expected = lambda r: set()
-            for sybil in ids[2:]:
-                for _ in range(maker.strikes_before_penalty):
-                    maker._strike(maker._strikes, sybil, 79, "no_confirm", "ready but did not confirm")
         results = _form_all(makers, 80, {2: 0.0, 3: 0.1, 0: 2 * WINDOW, 1: 2 * WINDOW + 1.0})
     for i in (0, 1):
         assert results[i][:2] == (["p0", "p1"], "joined"), (i, results)
