@@ -186,8 +186,9 @@ def time_tables(data: dict) -> list[str]:
     lines += ["", "## Calibration against the throttled fleet (docs/results)", "",
               "Predicted = link time (full or half duplex) + a fixed seconds per outer exchange fitted on each "
               "report's blocking noloco/int4 run (*fit*). The link time takes the payload efficiency (payload bits ÷ "
-              "rate × seconds) a bare TCP stream of the exchange's size had through the fleet's links at that rate and "
-              "bucket, both ways at once for full duplex and one way for half (benchmarks/link_probe.py, "
+              "rate × seconds) bare TCP traffic of the exchange's pattern and size had through the fleet's links at "
+              "that rate and bucket: full duplex, a pair's one connection both ways at once or, for three or more "
+              "hosts, a ring's traffic; half duplex, one way (benchmarks/link_probe.py, "
               "noloco.sim.wan.link_efficiency; 1 ÷ 1.07 for headers and ACKs where none was measured), less the "
               "bucket's head start. Transport: `full` posts receives ahead (now), `half` is the "
               "transport before, whose directions took turns part of the time. Overlapped rounds: max(compute, "
