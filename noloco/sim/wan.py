@@ -546,12 +546,12 @@ def calibration(folder: Path | str | None = None) -> list[dict]:
     wall ÷ exchanges); overlapped runs' seconds per round. Predicted: the link time of the exchange
     (:func:`predict_exchange`, full and half duplex, at the payload efficiency the link probe measured for the
     run's rate, bucket, traffic pattern and size (:func:`link_efficiency`, reports :data:`LINK_PROBE_REPORTS`),
-    else headers and ACKs alone; the bucket's head start taken off), plus for outer exchanges
-    one fixed seconds per exchange per report, fitted on that report's blocking ``noloco/int4`` run (the point
-    marked ``fit``): the waits that are
-    not the link's (compute skew between workers sharing cores, encoding, handshakes). DDP's per-step exchanges
-    get no fixed term. Overlapped: ``max(compute of the blocking run, c · exchange)``, c the exchange's slowdown
-    beside training (:func:`overlap_slowdown`, one figure fitted on one report and applied to every report)."""
+    else headers and ACKs alone; the bucket's head start taken off), plus for outer exchanges one fixed seconds per
+    exchange per report, fitted on that report's blocking ``noloco/int4`` run (the point marked ``fit``): the
+    waits that are not the link's (compute skew between workers sharing cores, encoding, handshakes). DDP's
+    per-step exchanges get no fixed term. Overlapped: ``max(compute of the blocking run, c · exchange)``, c the
+    exchange's slowdown beside training (:func:`overlap_slowdown`, one figure fitted on one report and applied to
+    every report)."""
     folder = _results_folder(folder)
     slowdown = overlap_slowdown(folder)
     probes = load_link_probes(folder)
