@@ -110,11 +110,12 @@ print(json.dumps(seconds))
 
 
 def _rate_bps(text: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, factor in units.items():
-        if text.lower().endswith(unit):
-            return float(text[: -len(unit)]) * factor
-    raise argparse.ArgumentTypeError(f"rate {text!r}: a number and kbit, mbit or gbit (50mbit)")
+    from noloco.fleet.netns import parse_rate
+
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds(text: str) -> float:

@@ -236,7 +236,7 @@ MIN_BURST_BYTES = 16 * 1024
 MAX_BURST_SECONDS = 10.0
 
 
-def _burst_bytes(rate_bps: float, seconds: float = DEFAULT_BURST_SECONDS) -> int:
+def burst_bytes(rate_bps: float, seconds: float = DEFAULT_BURST_SECONDS) -> int:
     # tbf needs burst >= rate/HZ and >= one MTU-sized packet. The default is small so the link rate holds over
     # short windows (5 ms of traffic, at least 16 KiB); TCP then moves a multi-megabyte message one way at 96-98%
     # of the rate and both ways at once at 87-90% (benchmarks/link_probe.py; docs/results/scale.md, "Calibration");
@@ -302,7 +302,7 @@ class Fleet:
         assert self.rate_bps is not None
         self._ns(
             namespace, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-            "rate", f"{int(self.rate_bps)}bit", "burst", str(_burst_bytes(self.rate_bps, self.burst_seconds)),
+            "rate", f"{int(self.rate_bps)}bit", "burst", str(burst_bytes(self.rate_bps, self.burst_seconds)),
             "latency", f"{int(self.queue_latency * 1000)}ms",
         )  # fmt: skip
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from noloco.fleet.linkmodel import DEFAULT_OVERHEAD, TokenBucket
-from noloco.fleet.netns import parse_duration, parse_rate
+from noloco.fleet.netns import DEFAULT_BURST_SECONDS, MIN_BURST_BYTES, burst_bytes, parse_duration, parse_rate
 from noloco.gossip import GroupSchedule, round_seed
 
 METHODS = ("ddp-ring", "diloco-ring", "diloco-tree", "noloco-g2", "noloco-g4", "swarm-g2")
@@ -235,7 +235,7 @@ def tree_allreduce(peers: Peers, nbytes: float, ready: np.ndarray | None = None,
 
 def group_exchange(peers: Peers, members: list[int], nbytes: float, start: float,
                    overhead: float = DEFAULT_OVERHEAD, duplex: str = "full",
-                   burst: float = 16 * 1024) -> float:  # fmt: skip
+                   burst: float = MIN_BURST_BYTES) -> float:  # fmt: skip
     """When a group's two-phase exchange of ``nbytes`` per member, started at ``start``, ends (every member).
 
     Each phase every member sends ``(n−1)/n`` of the payload to the others and receives as much, through its
@@ -457,8 +457,6 @@ OVERLAP_FIT_REPORT = "overlap_fleet-h100-balanced-phi.json"
 #: the fleet's links measured alone (``benchmarks/link_probe.py``): one TCP connection, one way and both ways at once
 #: (a pair's exchange), and a ring's traffic (each host sending to its successor while receiving from its predecessor)
 LINK_PROBE_REPORTS = ("link-probe-50mbit.json", "link-probe-ring4-50mbit.json")
-#: the fleet's token bucket before reports recorded it (``noloco.fleet.netns.DEFAULT_BURST_SECONDS``)
-FLEET_BURST_SECONDS = 0.005
 
 
 def load_link_probes(folder: Path | str | None = None) -> list[dict]:
@@ -534,7 +532,7 @@ def predict_exchange(method: str, codec: str, hosts: int, rate_bps: float, sent_
         ring = float(ring_allreduce(peers, payload, overhead=overhead, duplex=duplex).max())
         step = payload / n * overhead * 8 / rate_bps
         return ring - min(burst_seconds, step)
-    burst = max(16 * 1024, rate_bps / 8 * burst_seconds)
+    burst = burst_bytes(rate_bps, burst_seconds)
     return group_exchange(peers, list(range(n)), payload, 0.0, overhead=overhead, duplex=duplex, burst=burst)
 
 
@@ -577,7 +575,7 @@ def _fleet_link(algo: str, codec: str, row: dict, sent: float, probes: list[dict
     each used: the link probe's for the run's bucket, else the headers-and-ACKs default (``1 / DEFAULT_OVERHEAD``).
     Full duplex: a pair's traffic is one connection both ways at once; three or more hosts send to some while
     they receive from others, which the probe's ring measured. Half duplex: one way."""
-    burst = row.get("burst_seconds") or FLEET_BURST_SECONDS
+    burst = row.get("burst_seconds") or DEFAULT_BURST_SECONDS
     members = 2 if algo == "noloco" else row["hosts"]
     link, efficiency = {}, {}
     for d in ("full", "half"):
@@ -597,7 +595,7 @@ def _fleet_point(name: str, transport: str, row: dict, fixed: dict, compute: dic
     steady = row.get("steady") or {}
     sent = row["bytes_sent_per_worker"] / exchanges
     link, efficiency = _fleet_link(algo, codec, row, sent, probes or [])
-    key = (row["hosts"], row["rate_bps"], row.get("burst_seconds") or FLEET_BURST_SECONDS)
+    key = (row["hosts"], row["rate_bps"], row.get("burst_seconds") or DEFAULT_BURST_SECONDS)
     point = {
         "report": name,
         "method": row["method"],
@@ -605,7 +603,7 @@ def _fleet_point(name: str, transport: str, row: dict, fixed: dict, compute: dic
         "rate_mbit": row["rate_bps"] / 1e6,
         "transport": transport,
         "exchanges": exchanges,
-        "burst_seconds": row.get("burst_seconds") or FLEET_BURST_SECONDS,
+        "burst_seconds": row.get("burst_seconds") or DEFAULT_BURST_SECONDS,
         "link_full": link["full"],
         "link_half": link["half"],
         "efficiency_full": efficiency["full"],

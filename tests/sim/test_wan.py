@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from noloco.fleet.linkmodel import DEFAULT_OVERHEAD, TokenBucket
+from noloco.fleet.netns import DEFAULT_BURST_SECONDS
 from noloco.sim.wan import (
-    FLEET_BURST_SECONDS,
     OVERLAP_FIT_REPORT,
     WanConfig,
     calibration,
@@ -153,14 +153,15 @@ def test_calibration_reads_the_fleet_reports_and_fits_one_point_per_report():
     # 4 hosts at 50 Mbit/s: the ring's 2·3/4 · 2.76 MB at the link rate and the efficiency the probe's ring of 4
     # measured for that traffic, less the 5 ms bucket's head start
     sent = 495.936e6 / 120
-    efficiency = link_efficiency(load_link_probes(), 50e6, FLEET_BURST_SECONDS, sent, "ring")
+    efficiency = link_efficiency(load_link_probes(), 50e6, DEFAULT_BURST_SECONDS, sent, "ring")
     assert 0.85 < efficiency < 0.97 and ddp and ddp[0]["efficiency_full"] == pytest.approx(efficiency)
-    assert ddp[0]["link_full"] == pytest.approx(sent * 8 / 50e6 / efficiency - FLEET_BURST_SECONDS, rel=1e-3)
+    assert ddp[0]["link_full"] == pytest.approx(sent * 8 / 50e6 / efficiency - DEFAULT_BURST_SECONDS, rel=1e-3)
     # NoLoCo's pair: one connection both ways at once, the probe's stream
     rows = json.loads((RESULTS / "throttled-duplex.json").read_text())["results"]
     row = next(r for r in rows if r["method"] == "noloco/fp32" and not r.get("long"))
     pair = next(p for p in points if p["report"] == "throttled-duplex.json" and p["method"] == "noloco/fp32")
-    both = link_efficiency(load_link_probes(), 50e6, FLEET_BURST_SECONDS, row["bytes_sent_per_worker"] / 6, "both ways")
+    sent_pair = row["bytes_sent_per_worker"] / 6
+    both = link_efficiency(load_link_probes(), 50e6, DEFAULT_BURST_SECONDS, sent_pair, "both ways")
     assert pair["efficiency_full"] == pytest.approx(both) and both != pytest.approx(efficiency)
 
 
