@@ -21,9 +21,14 @@ the model, and so the exchange, stay the same.
 ``--peers-per-bucket K`` spreads each N's announcements over ``peer.buckets = max(1, N // K)`` keys (about K peers
 a key, whatever N), the setting docs/swarm.md recommends as N grows; without it every N uses one key.
 
+``--peers-per-core D`` gives each N the same share of the machine: its peers (with their DHT processes and p2pd)
+and then its gloo processes run pinned to the first ceil(N / D) of the cores this process may use, so N = 8 with
+D = 4 has 2 cores and N = 64 has 16. Without it every N shares all the cores, and N beyond them slows every peer's
+Python (encoding, matchmaking) whatever the swarm does; with it, what grows with N is the swarm's.
+
 Usage: ``python -m benchmarks.swarm_scale --peers 8 16 [--steps 60] [--every 10] [--reps 5] [--sleep-step S]
-[--peers-per-bucket K] [--out DIR] [-- KEY=VALUE ...]`` (the keys: ``train.py`` overrides for every peer, such as
-``peer.buckets=4``); writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default
+[--peers-per-bucket K] [--peers-per-core D] [--out DIR] [-- KEY=VALUE ...]`` (the keys: ``train.py`` overrides
+for every peer, such as ``peer.buckets=4``); writes ``DIR/swarm_scale.md``, ``.json`` and ``.png`` (default
 ``runs/benchmarks/swarm_scale/``; ``--name`` renames them); the peers' run folders go under
 ``runs/benchmarks/swarm_scale/``.
 """
@@ -109,6 +114,15 @@ def swarm_point(folder: Path, peers: int, steps: int, every: int, timeout: float
 
 
 PHASES = ("listing_seconds", "dht_seconds", "confirm_seconds")  # where matchmaking went (RoundRecord)
+
+
+def cores_for(peers: int, per_core: int, available: list[int]) -> list[int]:
+    """The first ceil(``peers`` / ``per_core``) of the ``available`` cores (``--peers-per-core``)."""
+    want = -(-peers // per_core)
+    if want > len(available):
+        raise ValueError(f"{peers} peers at {per_core} a core need {want} cores; this process may use "
+                         f"{len(available)}")  # fmt: skip
+    return sorted(available)[:want]
 
 
 def _cpu_times() -> tuple[float, float] | None:
@@ -209,14 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     common.add_out(parser, "swarm_scale")
     parser.add_argument("--peers-per-bucket", type=int, default=0, metavar="K",
                         help="peer.buckets = max(1, N // K) for each N (about K peers a key); 0: one key")  # fmt: skip
+    parser.add_argument("--peers-per-core", type=int, default=0, metavar="D",
+                        help="pin each N's peers and gloo processes to ceil(N / D) cores; 0: all cores")  # fmt: skip
     parser.add_argument("--name", default="swarm_scale", help="report file names (swarm_scale)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="train.py keys for every peer, after '--' (-- peer.buckets=4)")  # fmt: skip
     args = parser.parse_args(argv)
     if (min(args.peers) < 2 or args.steps < 2 * args.every or args.every < 1 or args.reps < 1 or args.sleep_step < 0
-            or args.peers_per_bucket < 0):  # fmt: skip
+            or args.peers_per_bucket < 0 or args.peers_per_core < 0):  # fmt: skip
         parser.error("need --peers >= 2, --every >= 1, --steps >= 2 x --every, --reps >= 1, --sleep-step >= 0, "
-                     "--peers-per-bucket >= 0")  # fmt: skip
+                     "--peers-per-bucket >= 0, --peers-per-core >= 0")  # fmt: skip
+    available = sorted(os.sched_getaffinity(0))
+    if args.peers_per_core:
+        try:
+            pinned = {n: cores_for(n, args.peers_per_core, available) for n in args.peers}
+        except ValueError as e:
+            parser.error(f"--peers-per-core: {e}")
     fds = _raise_fd_limit()
     out = common.out_dir(args.out)
     # the peers' run folders (logs, metrics) stay under runs/, whatever --out is
@@ -225,10 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.peers:
         buckets = max(1, n // args.peers_per_bucket) if args.peers_per_bucket else None
         keys = [f"peer.buckets={buckets}"] if buckets else []
-        row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout, args.sleep_step,
-                          [*args.overrides, *keys])  # fmt: skip
-        row["buckets"] = buckets or 1
-        row["gloo_seconds"] = gloo_point(n, row["params"], args.reps)["seconds"]
+        cores = pinned[n] if args.peers_per_core else available
+        os.sched_setaffinity(0, cores)  # the peers, their DHT processes, p2pd and the gloo ranks inherit it
+        try:
+            row = swarm_point(work / f"n{n}", n, args.steps, args.every, args.timeout, args.sleep_step,
+                              [*args.overrides, *keys])  # fmt: skip
+            row["gloo_seconds"] = gloo_point(n, row["params"], args.reps)["seconds"]
+        finally:
+            os.sched_setaffinity(0, available)
+        row["buckets"], row["cores"] = buckets or 1, len(cores)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "per_peer"}), flush=True)
     command, machine = common.command("swarm_scale", argv), common.machine()
@@ -259,6 +286,11 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
         )
         + (f"Every peer also ran `{' '.join(args.overrides)}`. " if args.overrides else "")
         + (f"Keys: `peer.buckets` = max(1, N // {args.peers_per_bucket}) for each N. " if args.peers_per_bucket else "")
+        + (
+            f"Cores: each N's peers and gloo processes pinned to ceil(N / {args.peers_per_core}) cores. "
+            if args.peers_per_core
+            else ""
+        )
         + f"gloo: N processes all-reduce the same number of fp32 values, median of {args.reps} (slowest process).",
         "",
         "Of matchmaking: registry = reading the live peers, DHT = announcing and reading the round's announcements, "
@@ -267,13 +299,14 @@ def _report(args, rows: list[dict], command: str, machine: str, fds: int) -> lis
         "the machine's cores busy from the N peers' start to their end (their start-up, N imports of torch and "
         "hivemind at once, included).",
         "",
-        "| N | keys | swarm sync (s) | matchmaking (s) | registry, DHT, confirm (s) | DHT reads | exchange (s) | "
-        "loop s / round | rounds formed (median, worst) | CPU | gloo all-reduce (s) | gloo ÷ swarm sync |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | keys | cores | swarm sync (s) | matchmaking (s) | registry, DHT, confirm (s) | DHT reads | "
+        "exchange (s) | loop s / round | rounds formed (median, worst) | CPU | gloo all-reduce (s) | "
+        "gloo ÷ swarm sync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["gloo_seconds"] / r["sync_seconds"] if r["sync_seconds"] else None
-        lines.append(f"| {r['peers']} | {r.get('buckets', 1)} | {fmt(r['sync_seconds'])} | "
+        lines.append(f"| {r['peers']} | {r.get('buckets', 1)} | {r.get('cores', '–')} | {fmt(r['sync_seconds'])} | "
                      f"{fmt(r['matchmaking_seconds'])} | {', '.join(fmt(r.get(k), '.2f') for k in PHASES)} | "
                      f"{fmt(r.get('dht_reads'), '.1f')} | {fmt(r['exchange_seconds'])} | "
                      f"{fmt(r['loop_seconds_per_round'])} | {r['formed']:.0%}, {r['formed_worst']:.0%} | "
