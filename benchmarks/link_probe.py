@@ -9,11 +9,16 @@ Efficiency = payload bits ÷ (link rate × seconds): the time model's link carri
 
     python -m benchmarks.link_probe --rate 50mbit --bursts 5ms 50ms --sizes 350000 2800000
     python -m benchmarks.link_probe --rate 50mbit --bursts 5ms --sizes 2760000 --ring 4
+    python -m benchmarks.link_probe --rate 50mbit --bursts 5ms --sizes 2760000 --two-phase 4
 
 ``--ring N`` times a ring all-reduce's traffic instead, among N hosts with plain sockets (no training, no
 reduction): each size is the all-reduce's payload M, sent as 2(N−1) steps of M/N, each host sending a step's
 chunk to the next while it receives the previous host's, and starting the next step once both are done. Its
 efficiency counts the 2(N−1)/N · M bytes each host sent.
+
+``--two-phase N`` times the traffic of noloco's two-phase all-reduce (``comm.reduction=two_phase``, the default,
+which DDP and DiLoCo run) instead: one connection between every two of N hosts, and two phases in each of which
+every host sends M/N to each of the others at once while it receives M/N from each; the same bytes as the ring.
 
 Every repetition but the first is reported (the first opens the connection's window).
 """
@@ -109,6 +114,52 @@ print(json.dumps(seconds))
 )
 
 
+#: One host of the two-phase traffic (``me hosts addresses size reps idle``): a connection to every other host (the
+#: lower-numbered ones listen); host 0 starts each repetition; prints the seconds of each all-reduce's traffic.
+MESH = (
+    PRELUDE
+    + r"""
+me, n, addresses, size, reps, idle = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), \
+    int(sys.argv[5]), float(sys.argv[6])
+server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind((addresses[me], 5996)); server.listen(n)
+conns = {}
+for j in range(me):
+    for _ in range(200):
+        try:
+            conns[j] = socket.create_connection((addresses[j], 5996)); break
+        except OSError:
+            time.sleep(0.1)
+    conns[j].sendall(bytes([me]))
+while len(conns) < n - 1:
+    conn, _ = server.accept()
+    conns[conn.recv(1)[0]] = conn
+for conn in conns.values():
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+chunk, seconds = bytes(size // n), []
+for _ in range(reps):
+    if me == 0:
+        for conn in conns.values():
+            conn.sendall(b"s")
+        for conn in conns.values():
+            take(conn, 1)
+    else:
+        take(conns[0], 1); conns[0].sendall(b"s")
+    time.sleep(idle)
+    start = time.monotonic()
+    for _ in range(2):
+        threads = [threading.Thread(target=take, args=(conn, len(chunk))) for conn in conns.values()]
+        threads += [threading.Thread(target=conn.sendall, args=(chunk,)) for conn in conns.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    seconds.append(time.monotonic() - start)
+print(json.dumps(seconds))
+"""
+)
+
+
 def _rate_bps(text: str) -> float:
     from noloco.fleet.netns import parse_rate
 
@@ -139,17 +190,20 @@ def probe(rate_bps: float, burst: float, size: int, reps: int, idle: float, both
     return json.loads(out[0])[1:]
 
 
-def probe_ring(rate_bps: float, burst: float, size: int, reps: int, idle: float, hosts: int) -> list[float]:
-    """Seconds of each ring all-reduce's traffic after the first (host 0's clock), through a fresh fleet."""
+def probe_ring(rate_bps: float, burst: float, size: int, reps: int, idle: float, hosts: int,
+               pattern: str = "ring") -> list[float]:  # fmt: skip
+    """Seconds of each all-reduce's traffic after the first (host 0's clock), through a fresh fleet: ``pattern``
+    ``"ring"`` (:data:`RING`) or ``"two-phase"`` (:data:`MESH`)."""
     from noloco.fleet.netns import Fleet
 
+    script = {"ring": RING, "two-phase": MESH}[pattern]
     with Fleet(hosts, rate_bps, burst_seconds=burst) as fleet:
         addresses = ",".join(fleet.ip(h) for h in range(hosts))
-        peers = [fleet.popen(h, [sys.executable, "-c", RING, str(h), str(hosts), addresses, str(size), str(reps),
+        peers = [fleet.popen(h, [sys.executable, "-c", script, str(h), str(hosts), addresses, str(size), str(reps),
                                  str(idle)], stdout=subprocess.PIPE, text=True) for h in range(hosts)]  # fmt: skip
         out = [p.communicate(timeout=120 + reps * (idle + 60))[0] for p in peers]
         if any(p.returncode != 0 for p in peers):
-            raise RuntimeError(f"ring peers exited {[p.returncode for p in peers]}")
+            raise RuntimeError(f"{pattern} peers exited {[p.returncode for p in peers]}")
     return json.loads(out[0])[1:]
 
 
@@ -169,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=7, help="messages per size and direction, the first dropped (7)")
     parser.add_argument("--idle", type=float, default=1.0, help="seconds between messages (1)")
-    parser.add_argument("--ring", type=int, default=0, metavar="N",
-                        help="time a ring all-reduce's traffic among N hosts (each size: its payload)")  # fmt: skip
+    among = parser.add_mutually_exclusive_group()
+    among.add_argument("--ring", type=int, default=0, metavar="N",
+                       help="time a ring all-reduce's traffic among N hosts (each size: its payload)")  # fmt: skip
+    among.add_argument("--two-phase", type=int, default=0, metavar="N",
+                       help="time the two-phase all-reduce's traffic among N hosts (each size: its "
+                            "payload)")  # fmt: skip
     parser.add_argument("--name", default="link_probe", help="report file names (link_probe)")
     common.add_out(parser, "link_probe")
     args = parser.parse_args(argv)
@@ -178,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--reps must be at least 2, --idle at least 0 and every size positive")
     if args.ring and not 2 <= args.ring <= 16:
         parser.error(f"--ring {args.ring}: a ring of 2 to 16 hosts")
-    rows = _ring_rows(args) if args.ring else _stream_rows(args)
+    if args.two_phase and not 2 <= args.two_phase <= 16:
+        parser.error(f"--two-phase {args.two_phase}: 2 to 16 hosts")
+    args.pattern, args.hosts = ("ring", args.ring) if args.ring else ("two-phase", args.two_phase)
+    rows = _ring_rows(args) if args.hosts else _stream_rows(args)
     command, machine = common.command("link_probe", argv), common.machine()
     lines = _report(args, rows, command, machine)
     print("\n".join(lines))
@@ -191,13 +252,13 @@ def _ring_rows(args) -> list[dict]:
     rows = []
     for burst in args.bursts:
         for size in args.sizes:
-            seconds = probe_ring(args.rate, burst, size, args.reps, args.idle, args.ring)
+            seconds = probe_ring(args.rate, burst, size, args.reps, args.idle, args.hosts, args.pattern)
             median = statistics.median(seconds)
-            sent = 2 * (args.ring - 1) / args.ring * size
-            rows.append({"pattern": "ring", "hosts": args.ring, "burst_seconds": burst, "bytes": size,
+            sent = 2 * (args.hosts - 1) / args.hosts * size
+            rows.append({"pattern": args.pattern, "hosts": args.hosts, "burst_seconds": burst, "bytes": size,
                          "both_ways": True, "seconds": seconds, "median": median,
                          "efficiency": sent * 8 / args.rate / median})  # fmt: skip
-            print(f"burst {burst * 1000:g} ms, ring of {args.ring}, {size:,} B: {median:.3f} s, "
+            print(f"burst {burst * 1000:g} ms, {args.pattern} of {args.hosts}, {size:,} B: {median:.3f} s, "
                   f"efficiency {rows[-1]['efficiency']:.2f}", flush=True)  # fmt: skip
     return rows
 
@@ -224,21 +285,29 @@ def _ring_model(args, size: int, burst: float) -> float:
     and ACKs, × 1.07), less the bucket's head start."""
     from noloco.sim.wan import predict_exchange
 
-    sent = 2 * (args.ring - 1) / args.ring * size
-    return predict_exchange("diloco", "fp32", args.ring, args.rate, sent, "full", burst_seconds=burst)
+    sent = 2 * (args.hosts - 1) / args.hosts * size
+    return predict_exchange("diloco", "fp32", args.hosts, args.rate, sent, "full", burst_seconds=burst)
 
 
 def _ring_report(args, rows: list[dict], command: str, machine: str) -> list[str]:
+    n = args.hosts
+    traffic = (
+        f"plain TCP sockets in a ring; per row {args.reps - 1} all-reduces' traffic ({args.idle:g} s idle before "
+        f"each): 2({n}−1) steps of payload ÷ {n}, each host sending to the next while receiving from the previous."
+        if args.pattern == "ring"
+        else f"plain TCP sockets, one between every two hosts; per row {args.reps - 1} two-phase all-reduces' "
+        f"traffic ({args.idle:g} s idle before each): 2 phases, in each every host sending payload ÷ {n} to each "
+        "of the others at once while receiving as much from each."
+    )
+    title = "A ring all-reduce's" if args.pattern == "ring" else "The two-phase all-reduce's"
     lines = [
-        f"# A ring all-reduce's traffic through fleet links, {args.ring} hosts",
+        f"# {title} traffic through fleet links, {n} hosts",
         "",
         f"Command: `{command}`  ",
         f"Machine: {machine}",
         "",
-        f"{args.ring} fleet hosts, `tc tbf` at {args.rate / 1e6:g} Mbit/s on every link (queue 100 ms), plain TCP "
-        f"sockets in a ring; per row {args.reps - 1} all-reduces' traffic ({args.idle:g} s idle before each): "
-        f"2({args.ring}−1) steps of payload ÷ {args.ring}, each host sending to the next while receiving from the "
-        "previous. Efficiency = bits each host sent ÷ (rate × seconds). Model: the time model's ring with its "
+        f"{n} fleet hosts, `tc tbf` at {args.rate / 1e6:g} Mbit/s on every link (queue 100 ms), {traffic} "
+        "Efficiency = bits each host sent ÷ (rate × seconds). Model: the time model's ring with its "
         "default link (headers and ACKs: 1 ÷ 1.07 = 0.93 of the rate), less the bucket's head start.",
         "",
         "| bucket | payload | median (s) | fastest, slowest (s) | efficiency | model (s) | measured ÷ model |",
@@ -253,7 +322,7 @@ def _ring_report(args, rows: list[dict], command: str, machine: str) -> list[str
 
 
 def _report(args, rows: list[dict], command: str, machine: str) -> list[str]:
-    if args.ring:
+    if args.hosts:
         return _ring_report(args, rows, command, machine)
     lines = [
         "# One message through a fleet link, one way and both ways at once",

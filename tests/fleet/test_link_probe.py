@@ -26,15 +26,19 @@ def test_the_probe_times_a_message_each_way_through_the_shaped_link_and_tears_th
 
 
 @pytest.mark.skipif(not is_root() or bool(missing_tools()), reason="needs root and iproute2 (ip, tc)")
-def test_the_ring_probe_times_an_all_reduces_traffic_among_three_hosts_and_tears_the_fleet_down(tmp_path):
+@pytest.mark.parametrize("pattern", ["ring", "two-phase"])
+def test_the_all_reduce_probes_time_their_traffic_among_three_hosts_and_tear_the_fleet_down(tmp_path, pattern):
     before = set(list_namespaces())
     assert link_probe.main(["--rate", "20mbit", "--bursts", "5ms", "--sizes", "300000", "--reps", "3", "--idle",
-                            "0.2", "--ring", "3", "--out", str(tmp_path), "--name", "ring"]) == 0  # fmt: skip
-    (row,) = json.loads((tmp_path / "ring.json").read_text())["rows"]
-    assert row["pattern"] == "ring" and row["hosts"] == 3 and len(row["seconds"]) == 2
-    # each host sends 2·2/3 of 300 kB in 4 steps: 0.16 s of payload at 20 Mbit/s; not faster than the link, not stalled
+                            "0.2", f"--{pattern}", "3", "--out", str(tmp_path), "--name", "probe"]) == 0  # fmt: skip
+    (row,) = json.loads((tmp_path / "probe.json").read_text())["rows"]
+    assert row["pattern"] == pattern and row["hosts"] == 3 and len(row["seconds"]) == 2
+    # each host sends 2·2/3 of 300 kB (a ring in 4 steps, two-phase in 2 phases to both others at once): 0.16 s
+    # of payload at 20 Mbit/s; not faster than the link, not stalled
     assert 0.3 < row["efficiency"] < 1.3, row
-    assert "| 5 ms | 0.30 MB |" in (tmp_path / "ring.md").read_text()
+    report = (tmp_path / "probe.md").read_text()
+    assert "| 5 ms | 0.30 MB |" in report
+    assert ("one between every two hosts" in report) == (pattern == "two-phase")
     assert set(list_namespaces()) == before
 
 
@@ -44,3 +48,10 @@ def test_a_ring_of_one_host_or_too_many_is_refused_in_one_line(capsys):
             link_probe.main(["--ring", bad])
         assert exit_info.value.code == 2
         assert f"--ring {bad}: a ring of 2 to 16 hosts" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exit_info:
+            link_probe.main(["--two-phase", bad])
+        assert exit_info.value.code == 2
+        assert f"--two-phase {bad}: 2 to 16 hosts" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        link_probe.main(["--ring", "3", "--two-phase", "3"])  # one pattern at a time
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
