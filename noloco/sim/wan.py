@@ -28,8 +28,8 @@ every peer at once (the sync time the paper compares); :func:`simulate_rounds` r
 exchange with each peer's own clock and gives round time and idle fraction. :func:`calibration` checks the
 model against the throttled fleet's measured exchanges in ``docs/results``, its links taken at the payload
 efficiency bare TCP traffic of the exchange's pattern had through them (``benchmarks/link_probe.py``: through the
-fleet's 5 ms bucket, a pair's connection both ways at once 0.87–0.89, a ring's 0.90–0.92, against the 0.93 of
-headers and ACKs).
+fleet's 5 ms bucket, a pair's connection both ways at once 0.87–0.89, the two-phase reduction's traffic among 4
+hosts 0.78–0.82 at 2.76 MB, a ring's 0.90–0.92, against the 0.93 of headers and ACKs).
 
 Not modelled: TCP slow start and loss, congestion inside the core (only access links limit), NAT relays.
 """
@@ -455,8 +455,11 @@ FLEET_REPORTS = {
 #: the report whose overlapped exchanges set the model's overlap slowdown (:func:`overlap_slowdown`)
 OVERLAP_FIT_REPORT = "overlap_fleet-h100-balanced-phi.json"
 #: the fleet's links measured alone (``benchmarks/link_probe.py``): one TCP connection, one way and both ways at once
-#: (a pair's exchange), and a ring's traffic (each host sending to its successor while receiving from its predecessor)
-LINK_PROBE_REPORTS = ("link-probe-50mbit.json", "link-probe-ring4-50mbit.json")
+#: (a pair's exchange), a ring's traffic (each host sending to its successor while receiving from its predecessor) and
+#: the two-phase reduction's (each host sending to every other at once while receiving from each)
+LINK_PROBE_REPORTS = ("link-probe-50mbit.json", "link-probe-ring4-50mbit.json", "link-probe-two-phase4-50mbit.json")
+#: the all-reduce patterns a probe row can have measured among ``hosts`` hosts (each host sends 2(n−1)/n of the payload)
+ALL_REDUCE_PATTERNS = ("ring", "two-phase")
 
 
 def load_link_probes(folder: Path | str | None = None) -> list[dict]:
@@ -472,8 +475,11 @@ def load_link_probes(folder: Path | str | None = None) -> list[dict]:
 
 
 def probe_pattern(row: dict) -> str:
-    """What a probe row measured: ``"ring"``, ``"both ways"`` (one connection, both directions) or ``"one way"``."""
-    return "ring" if row.get("pattern") == "ring" else "both ways" if row["both_ways"] else "one way"
+    """What a probe row measured: ``"ring"`` or ``"two-phase"`` (an all-reduce's traffic among its ``hosts``),
+    ``"both ways"`` (one connection, both directions) or ``"one way"``."""
+    if row.get("pattern") in ALL_REDUCE_PATTERNS:
+        return row["pattern"]
+    return "both ways" if row["both_ways"] else "one way"
 
 
 def link_efficiency(probes: list[dict], rate_bps: float, burst_seconds: float, nbytes: float,
@@ -488,7 +494,7 @@ def link_efficiency(probes: list[dict], rate_bps: float, burst_seconds: float, n
         if (probe_pattern(r) != pattern or not math.isclose(r["rate_bps"], rate_bps, rel_tol=1e-6)
                 or not math.isclose(r["burst_seconds"], burst_seconds, rel_tol=1e-6)):  # fmt: skip
             continue
-        sent = 2 * (r["hosts"] - 1) / r["hosts"] * r["bytes"] if pattern == "ring" else r["bytes"]
+        sent = 2 * (r["hosts"] - 1) / r["hosts"] * r["bytes"] if pattern in ALL_REDUCE_PATTERNS else r["bytes"]
         points.append((sent, sent * 8 / (rate_bps * (r["median"] + burst_seconds))))
     if not points:
         return None
@@ -573,13 +579,16 @@ def calibration(folder: Path | str | None = None) -> list[dict]:
 def _fleet_link(algo: str, codec: str, row: dict, sent: float, probes: list[dict]) -> tuple[dict, dict]:
     """The model's link seconds of one exchange of a fleet run, full and half duplex, and the payload efficiency
     each used: the link probe's for the run's bucket, else the headers-and-ACKs default (``1 / DEFAULT_OVERHEAD``).
-    Full duplex: a pair's traffic is one connection both ways at once; three or more hosts send to some while
-    they receive from others, which the probe's ring measured. Half duplex: one way."""
+    Full duplex: a pair's traffic is one connection both ways at once; three or more hosts run the fleet's
+    reduction, the two-phase one (``comm.reduction``'s default; a row's ``reduction`` names another), each host
+    sending to every other at once while it receives from each, which the probe's two-phase traffic measured.
+    Half duplex: one way."""
     burst = row.get("burst_seconds") or DEFAULT_BURST_SECONDS
     members = 2 if algo == "noloco" else row["hosts"]
+    reduction = {"two_phase": "two-phase", "ring": "ring"}.get(row.get("reduction", "two_phase"))
     link, efficiency = {}, {}
     for d in ("full", "half"):
-        pattern = "one way" if d == "half" else "both ways" if members == 2 else "ring"
+        pattern = "one way" if d == "half" else "both ways" if members == 2 else reduction
         measured = link_efficiency(probes, row["rate_bps"], burst, sent, pattern)
         efficiency[d] = measured if measured is not None else 1 / DEFAULT_OVERHEAD
         link[d] = predict_exchange(algo, codec, row["hosts"], row["rate_bps"], sent, d, overhead=1 / efficiency[d],
