@@ -49,7 +49,8 @@ docs/swarm.md):
    nothing at all in that round (no ``join``, not even one naming another group: every peer also
    sends its ``join`` to the other peers of its window, in the background, so that an honest peer
    whose view differed is never mistaken for a silent one) is *struck* once the next round begins,
-   unless its ``join`` arrived late meanwhile (``no_confirm``). So is a member that confirmed and then
+   unless its ``join`` arrived late meanwhile, or it shares this peer's window only as this peer's penalties cut
+   it (``no_confirm``; :meth:`SwarmMatchmaking._unpenalized_mates`). So is a member that confirmed and then
    delivered no data at all in the exchange while this peer timed out waiting for it or could not
    send to it (``no_data``; a member that sent part of its data, or that this peer never waited for,
    is not struck: in a group of three with one silent member, the other honest member is not blamed
@@ -638,6 +639,8 @@ class SwarmMatchmaking(GroupSource):
         self._heard: set[tuple[str, int]] = set()  # (peer, round) whose join this peer took
         self._excluded: set[tuple[str, int]] = set()  # (peer, round) exclusions already counted
         self._window_excluded: list[str] = []  # penalized peers of the window being drawn
+        # who shares that window as a peer penalizing nobody reads it (None: no window read, every member counts)
+        self._plain_mates: set[str] | None = None
         self._confirm_by = 0.0  # monotonic deadline of the latest confirmation
         self._read_by = 0.0  # monotonic time by which every member has read the window of the latest confirmation
         self.retry_wait = float(confirm_timeout if retry_wait is None else retry_wait)
@@ -1104,6 +1107,20 @@ class SwarmMatchmaking(GroupSource):
         out.discard(self.peer_id)
         return frozenset(out)
 
+    @staticmethod
+    def _unpenalized_mates(entries: list[Announcement], start: float, end: float, mine: float) -> set[str]:
+        """The peers that share this peer's window of ``[start, end]`` as a peer that penalizes nobody reads it (its
+        chain opened and ended by every announcement in it); empty when this peer is not in that window.
+
+        A peer's penalties end its chain (:func:`chain_end`) at other announcements than another's do, so a member
+        drawn only because this peer leaves some announcements out may have read another window and never drawn
+        this peer: its silence is no evidence against it, and only the members of this set are struck for it."""
+        plain = [e for e in entries if start <= e.time <= end]
+        gap = min(plain, key=lambda e: (e.time, e.peer)).gap if plain else None
+        if gap is not None and len(plain) > 1:
+            end = min(end, chain_end([e.time for e in plain], gap))
+        return {e.peer for e in plain if e.time <= end} if mine <= end else set()
+
     def _gather(self, round_index: int, record: RoundRecord, deadline: float, mine: float, expected: set[str],
                 also: frozenset[str] = frozenset()):  # fmt: skip
         """Wait for this peer's window to be readable; ``(announcements in it, window start, my time, read by)`` or
@@ -1122,6 +1139,7 @@ class SwarmMatchmaking(GroupSource):
             entries = [*others, Announcement(self.peer_id, mine, self.name, self._width, self._gap)]
             cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
             start, end = next(w for w in cut if w[0] <= mine <= w[1])
+            self._plain_mates = self._unpenalized_mates(entries, start, end, mine)
             now = get_dht_time()
             # the chain and the formed-without-it tests are of the announcements this peer draws with: ones it leaves
             # out (a key holder's penalized sybils, ready at once each round) would end its window or pass for a group
@@ -1265,9 +1283,10 @@ class SwarmMatchmaking(GroupSource):
                 elif fast_mismatch and self.endpoint.control_tags(channel, member):
                     raise _Mismatch(f"{names[member]} formed a different group")
             if waiting and time.monotonic() > confirm_by:
-                if strike:
+                if strike:  # only members that share this peer's window whoever's penalties cut it
                     self._silent.extend((m, round_index) for m in waiting if (m, round_index) not in self._heard
-                                        and not self.endpoint.control_tags(channel, m))  # fmt: skip
+                                        and not self.endpoint.control_tags(channel, m)
+                                        and (self._plain_mates is None or m in self._plain_mates))  # fmt: skip
                 raise TimeoutError(", ".join(sorted(names[m] for m in waiting)) + " did not confirm")
             if waiting:
                 time.sleep(0.02)

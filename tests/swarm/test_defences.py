@@ -465,6 +465,34 @@ def test_a_member_that_cannot_be_reached_is_left_out_from_its_first_strike(endpo
     assert mm._strikes.get(other.peer_id) == 1 and not any(mm.penalized(other.peer_id, r) for r in range(16))
 
 
+def test_a_member_drawn_only_because_of_this_peers_penalties_is_not_struck_for_its_silence(endpoints):
+    """Two identities this peer penalizes (a key holder's sybils) open the window with a short chain gap; peer b
+    comes 0.15 s after them, this peer 0.75 s after b. Without the sybils (this peer's read) the pair's chain holds
+    both; read as a peer that penalizes nobody does (b, whose penalties differ), the sybils' chain ends 0.2 s after
+    b, and this peer is in a later window: b never drew it. Its silence is then no strike, where it used to be one
+    (two of them penalized an honest peer, and the two honest peers of the sybil attack then left each other out
+    for every round: tests/swarm/test_hostile_rounds.py formed 0 of 20 in a full suite). A member that shares the
+    window either way keeps its strikes."""
+    sybils = [Announcement("s1", 100.0, "s1", 3.0, 0.2), Announcement("s2", 100.1, "s2", 3.0, 0.2)]
+    b, mine = Announcement("b", 100.25, "b", 3.0, 1.0), Announcement("me", 101.0, "me", 3.0, 1.0)
+    entries = [*sybils, b, mine]
+    assert SwarmMatchmaking._unpenalized_mates(entries, 100.0, 103.0, mine.time) == set()
+    assert SwarmMatchmaking._unpenalized_mates(entries, 100.0, 103.0, b.time) == {"s1", "s2", "b"}
+    close = Announcement("me", 100.3, "me", 3.0, 1.0)  # 0.05 s after b: in the sybils' chain too
+    assert SwarmMatchmaking._unpenalized_mates([*sybils, b, close], 100.0, 103.0, close.time) == {"s1", "s2", "b",
+                                                                                                  "me"}  # fmt: skip
+    target, other = endpoints
+    mm = SwarmMatchmaking(None, target, "target", penalty_rounds=4, strikes_before_penalty=2)
+    members = sorted([target.peer_id, other.peer_id])  # other answers and stays silent
+    for round_index, mates in ((5, set()), (6, {other.peer_id})):
+        mm._plain_mates = mates  # what this peer's read of the round's window left
+        with pytest.raises(TimeoutError):
+            mm._confirm(round_index, f"g{round_index}", members, {m: m for m in members}, time.monotonic() + 0.5,
+                        fast_mismatch=False)  # fmt: skip
+        mm._settle()
+        assert mm._strikes.get(other.peer_id, 0) == (0 if round_index == 5 else 1), round_index
+
+
 def test_the_limits_are_peer_config_keys_with_one_line_errors():
     from noloco.swarm import endpoint as swarm_endpoint
     from noloco.swarm import state as swarm_state

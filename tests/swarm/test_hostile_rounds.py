@@ -43,7 +43,9 @@ def test_sybil_identities_of_one_key_holder_are_drawn_around(swarm, identities):
     again after (most lost rounds ``late``: the honest peers out of step under that load), so a tenth is asserted:
     without the retry draw, 4 identities left 1 of 20. With pushed announcements it formed 0 of 20 in CI and in
     half the runs alone, until a window of penalized announcements stopped counting as a group that formed without
-    the honest peers (test_catching_up.py); 6 runs alone then formed 9 to 20."""
+    the honest peers (test_catching_up.py); 6 runs alone then formed 9 to 20. A full suite then formed 0 of 20
+    once more: each honest peer struck, and so penalized, the other, which it had drawn only because its own
+    penalties cut the window (tests/swarm/test_defences.py)."""
     steps, every = 200, 10
     swarm.pair(steps, every)
     stats_path = swarm.attacker("sybils", "sybils", "a", "--seconds", "150", "--count", "100", "--pause", "0.2",
