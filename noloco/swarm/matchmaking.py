@@ -624,23 +624,7 @@ class SwarmMatchmaking(GroupSource):
         self._by_own: dict[int, RoundRecord] = {}  # this peer's own round index -> its record (record_of)
         self._open: dict[str, tuple[RoundRecord, float, dict[str, int]]] = {}
         self._bad_entries: set[tuple[str, float]] = set()
-        self.penalty_rounds, self.strikes_before_penalty = int(penalty_rounds), int(strikes_before_penalty)
-        self.max_penalty_rounds = int(max_penalty_rounds)
-        self._strikes: dict[str, int] = {}  # peer -> silent rounds with this peer since it last confirmed
-        self._mute_strikes: dict[str, int] = {}  # peer -> exchanges it sent nothing in since it last sent data
-        self._record_strikes: dict[str, int] = {}  # peer -> DHT records it signed with refused fields
-        self._mute: list[tuple[str, int]] = []  # (peer, round) it confirmed and sent no data in; settled next round
-        self._penalty_lock = threading.Lock()  # release() may run in an overlapped exchange's thread
-        self._late: dict[str, int] = {}
-        self._banned_until: dict[str, int] = {}  # peer -> last swarm round it is left out of
-        self.penalties: dict[str, int] = {}  # reason -> penalties this peer imposed for it (a peer's summary)
-        self._silent: list[tuple[str, int]] = []  # (peer, round) it sent nothing in; settled next round
-        self._unreachable: set[tuple[str, int]] = set()  # of those, the ones that could not be reached at all
-        self._heard: set[tuple[str, int]] = set()  # (peer, round) whose join this peer took
-        self._excluded: set[tuple[str, int]] = set()  # (peer, round) exclusions already counted
-        self._window_excluded: list[str] = []  # penalized peers of the window being drawn
-        # who shares that window as a peer penalizing nobody reads it (None: no window read, every member counts)
-        self._plain_mates: set[str] | None = None
+        self._init_penalties(penalty_rounds, strikes_before_penalty, max_penalty_rounds)
         self._confirm_by = 0.0  # monotonic deadline of the latest confirmation
         self._read_by = 0.0  # monotonic time by which every member has read the window of the latest confirmation
         self.retry_wait = float(confirm_timeout if retry_wait is None else retry_wait)
@@ -658,6 +642,26 @@ class SwarmMatchmaking(GroupSource):
         self._gap: float | None = None  # the chain gap of this peer's latest announcement (adaptive deadlines)
         self.pace = PeerPace()  # expected peers that missed windows: waited for again after a streak in step
         self._behind = False  # the round being formed is ahead of this peer's own (it is catching up)
+
+    def _init_penalties(self, penalty_rounds: int, strikes_before_penalty: int, max_penalty_rounds: int) -> None:
+        """The strikes and penalties this peer keeps (docs/swarm.md, *Penalties*), all empty."""
+        self.penalty_rounds, self.strikes_before_penalty = int(penalty_rounds), int(strikes_before_penalty)
+        self.max_penalty_rounds = int(max_penalty_rounds)
+        self._strikes: dict[str, int] = {}  # peer -> silent rounds with this peer since it last confirmed
+        self._mute_strikes: dict[str, int] = {}  # peer -> exchanges it sent nothing in since it last sent data
+        self._record_strikes: dict[str, int] = {}  # peer -> DHT records it signed with refused fields
+        self._mute: list[tuple[str, int]] = []  # (peer, round) it confirmed and sent no data in; settled next round
+        self._penalty_lock = threading.Lock()  # release() may run in an overlapped exchange's thread
+        self._late: dict[str, int] = {}
+        self._banned_until: dict[str, int] = {}  # peer -> last swarm round it is left out of
+        self.penalties: dict[str, int] = {}  # reason -> penalties this peer imposed for it (a peer's summary)
+        self._silent: list[tuple[str, int]] = []  # (peer, round) it sent nothing in; settled next round
+        self._unreachable: set[tuple[str, int]] = set()  # of those, the ones that could not be reached at all
+        self._heard: set[tuple[str, int]] = set()  # (peer, round) whose join this peer took
+        self._excluded: set[tuple[str, int]] = set()  # (peer, round) exclusions already counted
+        self._window_excluded: list[str] = []  # penalized peers of the window being drawn
+        # who shares that window as a peer penalizing nobody reads it (None: no window read, every member counts)
+        self._plain_mates: set[str] | None = None
 
     @property
     def ready_ttl(self) -> float:
@@ -1107,6 +1111,14 @@ class SwarmMatchmaking(GroupSource):
         out.discard(self.peer_id)
         return frozenset(out)
 
+    def _cut(self, entries: list[Announcement], mine: float) -> tuple[list[tuple[float, float]], float, float]:
+        """The round's windows cut from ``entries`` (:func:`cut_windows`) and the start and end of this peer's (at
+        ``mine``); notes who shares it as a peer penalizing nobody reads it (:meth:`_unpenalized_mates`)."""
+        cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
+        start, end = next(w for w in cut if w[0] <= mine <= w[1])
+        self._plain_mates = self._unpenalized_mates(entries, start, end, mine)
+        return cut, start, end
+
     @staticmethod
     def _unpenalized_mates(entries: list[Announcement], start: float, end: float, mine: float) -> set[str]:
         """The peers that share this peer's window of ``[start, end]`` as a peer that penalizes nobody reads it (its
@@ -1137,9 +1149,7 @@ class SwarmMatchmaking(GroupSource):
             others, heard = self._entries(round_index, record, read_dht)
             fresh, read_dht = read_dht, not self.push  # fresh: this poll's entries include a DHT read
             entries = [*others, Announcement(self.peer_id, mine, self.name, self._width, self._gap)]
-            cut = cut_windows([(e.time, self.window if e.width is None else e.width) for e in entries])
-            start, end = next(w for w in cut if w[0] <= mine <= w[1])
-            self._plain_mates = self._unpenalized_mates(entries, start, end, mine)
+            cut, start, end = self._cut(entries, mine)
             now = get_dht_time()
             # the chain and the formed-without-it tests are of the announcements this peer draws with: ones it leaves
             # out (a key holder's penalized sybils, ready at once each round) would end its window or pass for a group
