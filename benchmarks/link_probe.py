@@ -33,7 +33,8 @@ import sys
 
 from benchmarks import common
 
-#: What both scripts below start with: the imports, and ``take(conn, n)``, which reads n bytes from a socket.
+#: What the scripts below start with: the imports; ``take(conn, n)``, which reads n bytes from a socket;
+#: ``listener(address, port, backlog)``; ``connect(address, port)``, retried while the other side starts.
 PRELUDE = r"""
 import json, socket, sys, threading, time
 def take(conn, n):
@@ -43,6 +44,37 @@ def take(conn, n):
         if not chunk:
             raise SystemExit("connection closed")
         got += len(chunk)
+def listener(address, port, backlog):
+    server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((address, port)); server.listen(backlog)
+    return server
+def connect(address, port):
+    for _ in range(199):
+        try:
+            return socket.create_connection((address, port))
+        except OSError:
+            time.sleep(0.1)
+    return socket.create_connection((address, port))
+"""
+
+#: What the all-reduce scripts (``me hosts addresses size reps idle``) read from their command line, and
+#: ``timed(conns, rendezvous, traffic)``: ``reps`` times, the rendezvous, ``idle`` seconds, then the timed traffic;
+#: prints the seconds of each as a JSON list.
+HOSTS = r"""
+me, n, addresses, size, reps, idle = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), \
+    int(sys.argv[5]), float(sys.argv[6])
+chunk = bytes(size // n)
+def timed(conns, rendezvous, traffic):
+    for conn in conns:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    seconds = []
+    for _ in range(reps):
+        rendezvous()
+        time.sleep(idle)
+        start = time.monotonic()
+        traffic()
+        seconds.append(time.monotonic() - start)
+    print(json.dumps(seconds))
 """
 
 #: One host's side (host 0 listens): ``role size reps idle`` on the command line; prints the seconds of each
@@ -52,15 +84,7 @@ PEER = (
     + r"""
 me, address, size, reps, idle, both = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
     float(sys.argv[5]), sys.argv[6] == "both"
-if me == 0:
-    server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((address, 5997)); server.listen(1); conn, _ = server.accept()
-else:
-    for _ in range(100):
-        try:
-            conn = socket.create_connection((address, 5997)); break
-        except OSError:
-            time.sleep(0.1)
+conn = listener(address, 5997, 1).accept()[0] if me == 0 else connect(address, 5997)
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 message, seconds = bytes(size), []
 for _ in range(reps):
@@ -84,32 +108,21 @@ print(json.dumps(seconds))
 #: successor; a token sent around the ring starts each repetition; prints the seconds of each all-reduce's traffic.
 RING = (
     PRELUDE
+    + HOSTS
     + r"""
-me, n, addresses, size, reps, idle = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), \
-    int(sys.argv[5]), float(sys.argv[6])
-server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind((addresses[me], 5998)); server.listen(1)
-for _ in range(200):
-    try:
-        out = socket.create_connection((addresses[(me + 1) % n], 5998)); break
-    except OSError:
-        time.sleep(0.1)
+server = listener(addresses[me], 5998, 1)
+out = connect(addresses[(me + 1) % n], 5998)
 inc, _ = server.accept()
-for conn in (out, inc):
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-chunk, seconds = bytes(size // n), []
-for _ in range(reps):
+def rendezvous():
     if me == 0:
         out.sendall(b"s"); take(inc, 1)
     else:
         take(inc, 1); out.sendall(b"s")
-    time.sleep(idle)
-    start = time.monotonic()
+def traffic():
     for _ in range(2 * (n - 1)):
         reader = threading.Thread(target=take, args=(inc, len(chunk)))
         reader.start(); out.sendall(chunk); reader.join()
-    seconds.append(time.monotonic() - start)
-print(json.dumps(seconds))
+timed((out, inc), rendezvous, traffic)
 """
 )
 
@@ -118,26 +131,16 @@ print(json.dumps(seconds))
 #: lower-numbered ones listen); host 0 starts each repetition; prints the seconds of each all-reduce's traffic.
 MESH = (
     PRELUDE
+    + HOSTS
     + r"""
-me, n, addresses, size, reps, idle = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), \
-    int(sys.argv[5]), float(sys.argv[6])
-server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind((addresses[me], 5996)); server.listen(n)
-conns = {}
+server, conns = listener(addresses[me], 5996, n), {}
 for j in range(me):
-    for _ in range(200):
-        try:
-            conns[j] = socket.create_connection((addresses[j], 5996)); break
-        except OSError:
-            time.sleep(0.1)
+    conns[j] = connect(addresses[j], 5996)
     conns[j].sendall(bytes([me]))
 while len(conns) < n - 1:
     conn, _ = server.accept()
     conns[conn.recv(1)[0]] = conn
-for conn in conns.values():
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-chunk, seconds = bytes(size // n), []
-for _ in range(reps):
+def rendezvous():
     if me == 0:
         for conn in conns.values():
             conn.sendall(b"s")
@@ -145,8 +148,7 @@ for _ in range(reps):
             take(conn, 1)
     else:
         take(conns[0], 1); conns[0].sendall(b"s")
-    time.sleep(idle)
-    start = time.monotonic()
+def traffic():
     for _ in range(2):
         threads = [threading.Thread(target=take, args=(conn, len(chunk))) for conn in conns.values()]
         threads += [threading.Thread(target=conn.sendall, args=(chunk,)) for conn in conns.values()]
@@ -154,8 +156,7 @@ for _ in range(reps):
             t.start()
         for t in threads:
             t.join()
-    seconds.append(time.monotonic() - start)
-print(json.dumps(seconds))
+timed(conns.values(), rendezvous, traffic)
 """
 )
 
