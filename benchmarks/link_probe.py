@@ -194,10 +194,10 @@ def probe(rate_bps: float, burst: float, size: int, reps: int, idle: float, both
 def probe_ring(rate_bps: float, burst: float, size: int, reps: int, idle: float, hosts: int,
                pattern: str = "ring") -> list[float]:  # fmt: skip
     """Seconds of each all-reduce's traffic after the first (host 0's clock), through a fresh fleet: ``pattern``
-    ``"ring"`` (:data:`RING`) or ``"two-phase"`` (:data:`MESH`)."""
+    ``"ring"`` (:data:`RING`) or ``"two_phase"`` (:data:`MESH`)."""
     from noloco.fleet.netns import Fleet
 
-    script = {"ring": RING, "two-phase": MESH}[pattern]
+    script = {"ring": RING, "two_phase": MESH}[pattern]
     with Fleet(hosts, rate_bps, burst_seconds=burst) as fleet:
         addresses = ",".join(fleet.ip(h) for h in range(hosts))
         peers = [fleet.popen(h, [sys.executable, "-c", script, str(h), str(hosts), addresses, str(size), str(reps),
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ring {args.ring}: a ring of 2 to 16 hosts")
     if args.two_phase and not 2 <= args.two_phase <= 16:
         parser.error(f"--two-phase {args.two_phase}: 2 to 16 hosts")
-    args.pattern, args.hosts = ("ring", args.ring) if args.ring else ("two-phase", args.two_phase)
+    args.pattern, args.hosts = ("ring", args.ring) if args.ring else ("two_phase", args.two_phase)
     rows = _ring_rows(args) if args.hosts else _stream_rows(args)
     command, machine = common.command("link_probe", argv), common.machine()
     lines = _report(args, rows, command, machine)

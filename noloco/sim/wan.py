@@ -459,7 +459,7 @@ OVERLAP_FIT_REPORT = "overlap_fleet-h100-balanced-phi.json"
 #: the two-phase reduction's (each host sending to every other at once while receiving from each)
 LINK_PROBE_REPORTS = ("link-probe-50mbit.json", "link-probe-ring4-50mbit.json", "link-probe-two-phase4-50mbit.json")
 #: the all-reduce patterns a probe row can have measured among ``hosts`` hosts (each host sends 2(n−1)/n of the payload)
-ALL_REDUCE_PATTERNS = ("ring", "two-phase")
+ALL_REDUCE_PATTERNS = ("ring", "two_phase")  # named as comm.reduction names them
 
 
 def load_link_probes(folder: Path | str | None = None) -> list[dict]:
@@ -475,7 +475,7 @@ def load_link_probes(folder: Path | str | None = None) -> list[dict]:
 
 
 def probe_pattern(row: dict) -> str:
-    """What a probe row measured: ``"ring"`` or ``"two-phase"`` (an all-reduce's traffic among its ``hosts``),
+    """What a probe row measured: ``"ring"`` or ``"two_phase"`` (an all-reduce's traffic among its ``hosts``),
     ``"both ways"`` (one connection, both directions) or ``"one way"``."""
     if row.get("pattern") in ALL_REDUCE_PATTERNS:
         return row["pattern"]
@@ -585,7 +585,7 @@ def _fleet_link(algo: str, codec: str, row: dict, sent: float, probes: list[dict
     Half duplex: one way."""
     burst = row.get("burst_seconds") or DEFAULT_BURST_SECONDS
     members = 2 if algo == "noloco" else row["hosts"]
-    reduction = {"two_phase": "two-phase", "ring": "ring"}.get(row.get("reduction", "two_phase"))
+    reduction = row.get("reduction", "two_phase")
     link, efficiency = {}, {}
     for d in ("full", "half"):
         pattern = "one way" if d == "half" else "both ways" if members == 2 else reduction

@@ -153,7 +153,7 @@ def test_calibration_reads_the_fleet_reports_and_fits_one_point_per_report():
     # 4 hosts at 50 Mbit/s: 2·3/4 · 2.76 MB at the link rate and the efficiency the probe of the two-phase
     # reduction's traffic among 4 hosts (what the fleet runs) measured for it, less the 5 ms bucket's head start
     sent = 495.936e6 / 120
-    efficiency = link_efficiency(load_link_probes(), 50e6, DEFAULT_BURST_SECONDS, sent, "two-phase")
+    efficiency = link_efficiency(load_link_probes(), 50e6, DEFAULT_BURST_SECONDS, sent, "two_phase")
     ring = link_efficiency(load_link_probes(), 50e6, DEFAULT_BURST_SECONDS, sent, "ring")
     assert 0.7 < efficiency < 0.9 and ring > efficiency  # all at once is slower through the 5 ms bucket
     assert ddp and ddp[0]["efficiency_full"] == pytest.approx(efficiency)
@@ -177,7 +177,7 @@ def test_link_efficiency_is_the_probes_interpolated_in_log_size_without_the_buck
     probes = [_probe_row(1_000_000, 0.195), _probe_row(4_000_000, slow), _probe_row(1_000_000, 0.1, False),
               _probe_row(1_000_000, 0.1, burst=0.05),
               {**_probe_row(2_000_000, 0.245), "pattern": "ring", "hosts": 4},
-              {**_probe_row(2_000_000, 0.295), "pattern": "two-phase", "hosts": 4}]  # fmt: skip
+              {**_probe_row(2_000_000, 0.295), "pattern": "two_phase", "hosts": 4}]  # fmt: skip
     at_4 = 32e6 / (50e6 * (slow + 0.005))
     assert link_efficiency(probes, 50e6, 0.005, 1e6, "both ways") == pytest.approx(0.8)
     assert link_efficiency(probes, 50e6, 0.005, 4e6, "both ways") == pytest.approx(at_4)
@@ -187,7 +187,7 @@ def test_link_efficiency_is_the_probes_interpolated_in_log_size_without_the_buck
     assert link_efficiency(probes, 50e6, 0.05, 1e6, "both ways") == pytest.approx(8e6 / (50e6 * 0.15))
     # a ring of 4 with a 2 MB payload: each host sent 2·3/4 of it, 3 MB, in 0.245 s (+ 5 ms)
     assert link_efficiency(probes, 50e6, 0.005, 3e6, "ring") == pytest.approx(24e6 / (50e6 * 0.25))
-    assert link_efficiency(probes, 50e6, 0.005, 3e6, "two-phase") == pytest.approx(24e6 / (50e6 * 0.3))
+    assert link_efficiency(probes, 50e6, 0.005, 3e6, "two_phase") == pytest.approx(24e6 / (50e6 * 0.3))
     for other in ((500e6, 0.005), (50e6, 0.02)):  # a rate or a bucket the probe did not measure: the default
         assert link_efficiency(probes, *other, 1e6, "both ways") is None
     assert link_efficiency([], 50e6, 0.005, 1e6, "both ways") is None
