@@ -4,6 +4,7 @@ Needs root, ``ip`` and ``tc`` (CI runs as root); skipped otherwise."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -11,9 +12,14 @@ from benchmarks import link_probe
 from noloco.fleet.netns import is_root, list_namespaces, missing_tools
 
 
+def _own_namespaces() -> set[str]:
+    """The namespaces of this process's fleets (``nlc<pid>...``): a test running beside it may build its own."""
+    return {name for name in list_namespaces() if name.split("-")[0].split("x")[0] == f"nlc{os.getpid()}"}
+
+
 @pytest.mark.skipif(not is_root() or bool(missing_tools()), reason="needs root and iproute2 (ip, tc)")
 def test_the_probe_times_a_message_each_way_through_the_shaped_link_and_tears_the_fleet_down(tmp_path):
-    before = set(list_namespaces())
+    before = _own_namespaces()
     assert link_probe.main(["--rate", "20mbit", "--bursts", "5ms", "--sizes", "250000", "--reps", "3",
                             "--idle", "0.2", "--out", str(tmp_path), "--name", "probe"]) == 0  # fmt: skip
     data = json.loads((tmp_path / "probe.json").read_text())
@@ -22,13 +28,13 @@ def test_the_probe_times_a_message_each_way_through_the_shaped_link_and_tears_th
     for r in rows:  # 250 kB at 20 Mbit/s is 0.1 s of payload: not faster than the bucket allows, not stalled
         assert 0.3 < r["efficiency"] < 1.3, r
     assert "| 5 ms | 0.25 MB | both ways |" in (tmp_path / "probe.md").read_text()
-    assert set(list_namespaces()) == before  # every namespace it built is gone
+    assert _own_namespaces() == before  # every namespace it built is gone
 
 
 @pytest.mark.skipif(not is_root() or bool(missing_tools()), reason="needs root and iproute2 (ip, tc)")
 @pytest.mark.parametrize("pattern", ["ring", "two_phase"])
 def test_the_all_reduce_probes_time_their_traffic_among_three_hosts_and_tear_the_fleet_down(tmp_path, pattern):
-    before = set(list_namespaces())
+    before = _own_namespaces()
     flag = "--" + pattern.replace("_", "-")
     assert link_probe.main(["--rate", "20mbit", "--bursts", "5ms", "--sizes", "300000", "--reps", "3", "--idle",
                             "0.2", flag, "3", "--out", str(tmp_path), "--name", "probe"]) == 0  # fmt: skip
@@ -40,7 +46,7 @@ def test_the_all_reduce_probes_time_their_traffic_among_three_hosts_and_tear_the
     report = (tmp_path / "probe.md").read_text()
     assert "| 5 ms | 0.30 MB |" in report
     assert ("one between every two hosts" in report) == (pattern == "two_phase")
-    assert set(list_namespaces()) == before
+    assert _own_namespaces() == before
 
 
 def test_a_ring_of_one_host_or_too_many_is_refused_in_one_line(capsys):
