@@ -995,6 +995,25 @@ class OuterAlgorithm(Algorithm):
             self._move_outer_state(torch.device("cpu"))
         copy_flat_into(self.slow, self.params)
 
+    @property
+    def can_skip(self) -> bool:
+        """Whether :meth:`skip_to` may move this algorithm ahead: not with ``outer.overlap``, whose rounds land
+        a fixed number of steps after they start."""
+        return self._overlapped is None
+
+    def skip_to(self, step: int) -> None:
+        """Go on as if inner step ``step`` (at or ahead of this one) were the last one taken, without taking
+        the steps between: a resumed swarm peer behind its swarm joins the
+        swarm's round (docs/swarm.md, *Restarting a peer*). The fast weights keep what they trained since the
+        last round, so the round's pseudo-gradient holds the steps this worker did take; the rounds of its own
+        that the skip passes over do not happen. ValueError (nothing changed) for a step behind this one, or
+        with ``outer.overlap``."""
+        if not self.can_skip:
+            raise ValueError("skip_to: not with outer.overlap (a round in flight lands a fixed number of steps on)")
+        if int(step) < self.inner_step:
+            raise ValueError(f"skip_to: step {step} is behind this worker's step {self.inner_step}")
+        self.inner_step = int(step)
+
     def state_dict(self) -> dict:
         # an exchange in flight is finished first; its result is part of the state
         overlapped = {"in_flight": None} if self._overlapped is None else self._overlapped.state_dict()

@@ -142,6 +142,8 @@ class Announcement:
 
 #: Widest window an announcement may ask for (seconds); a record asking for more is refused (``invalid_record``).
 MAX_WINDOW = 600.0
+#: Fewest seconds between two DHT reads of :meth:`SwarmMatchmaking.gathering` when announcements are pushed.
+GATHERING_READ = 1.0
 
 
 def windows(times: list[float], width: float) -> list[tuple[float, float]]:
@@ -619,6 +621,7 @@ class SwarmMatchmaking(GroupSource):
         self.cycle, self.buckets, self.push = cycle, buckets, bool(push)
         self._push_to: set[str] = set()  # the peers this peer's announcements of the round being formed go to
         self._last_read: tuple[int, list[Announcement]] = (-1, [])  # the round's latest DHT read of announcements
+        self._gathering_read = -math.inf  # monotonic time of gathering()'s latest DHT read
         self.counter: ByteCounter = endpoint.counter
         self.rounds: list[RoundRecord] = []
         self._by_own: dict[int, RoundRecord] = {}  # this peer's own round index -> its record (record_of)
@@ -866,6 +869,17 @@ class SwarmMatchmaking(GroupSource):
         self.endpoint.note_peers(peer for peer, _ in entries)
         return [Announcement(peer, float(value["t"]), str(value["name"]), float(value["w"]) if "w" in value else None,
                              float(value["g"]) if "g" in value else None) for peer, value in entries]  # fmt: skip
+
+    def gathering(self, round_index: int) -> bool:
+        """Whether another peer's valid announcement of ``round_index`` came recently enough for the window it
+        opened to be gathering still (its width and the slack ago at most): pushed to this peer, or read from the
+        DHT (at most once per :data:`GATHERING_READ` seconds with push, whose announcements come unasked)."""
+        found, _ = self._pushed(round_index)
+        if not found and (not self.push or time.monotonic() - self._gathering_read > GATHERING_READ):
+            self._gathering_read = time.monotonic()
+            found = self._read_announcements(round_index)
+        now = get_dht_time()
+        return any(e.peer != self.peer_id and now - e.time <= (e.width or self.window) + self.slack for e in found)
 
     # ------------------------------------------------------------------ GroupSource
     def target(self, round_index: int, ahead: int) -> int:

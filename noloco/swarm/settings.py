@@ -40,7 +40,8 @@ def check_peer_settings(peer: Mapping) -> None:
     for key in SECONDS:
         require(_number(peer[key]) and peer[key] > 0, f"peer.{key} must be a number of seconds > 0, got {peer[key]!r}")
     require(peer["deadlines"] in DEADLINES, f"peer.deadlines must be adaptive or fixed, got {peer['deadlines']!r}")
-    require(isinstance(peer["push"], bool), f"peer.push must be true or false, got {peer['push']!r}")
+    for key in ("push", "catch_up"):
+        require(isinstance(peer[key], bool), f"peer.{key} must be true or false, got {peer[key]!r}")
     spread = peer["deadline_spread"]
     require(_number(spread) and spread >= 0, f"peer.deadline_spread must be a number >= 0, got {spread!r}")
     rounds = peer["deadline_rounds"]

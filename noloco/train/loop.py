@@ -309,6 +309,17 @@ def advance_schedule(schedule: torch.optim.lr_scheduler.LRScheduler, steps: int)
             schedule.step()
 
 
+def skip_steps(ctx: RunContext, worker: Worker, log: StepLog, step: int, to: int) -> None:
+    """Go on from step ``to`` instead of ``step`` without training the steps between (a resumed swarm peer
+    joining its swarm's round: :meth:`~noloco.train.backends.base.Backend.next_step`): the algorithm's step,
+    the LR schedule (where the swarm's is), the step log's token rate and the progress bar move with it."""
+    worker.algo.skip_to(to)
+    advance_schedule(worker.schedule, to - step)
+    log.skip(to - step)
+    if ctx.progress is not None:
+        ctx.progress.skip(worker.rank, to - step)
+
+
 def train_worker(ctx: RunContext, backend: Backend) -> WorkerResult:
     """One worker's whole run on ``backend``, on a CUDA stream of its own on a GPU; returns its final numbers."""
     try:
@@ -335,7 +346,11 @@ def _train(ctx: RunContext, backend: Backend) -> WorkerResult:
         worker.evaluate()
     step = worker.start
     every = getattr(algo, "period", 0)
-    for step in range(worker.start + 1, cfg.steps + 1):
+    while step < cfg.steps:
+        following = backend.next_step(step, algo)  # step + 1, unless a swarm peer skips ahead to its swarm's step
+        if following > step + 1:
+            skip_steps(ctx, worker, log, step, following - 1)
+        step = following
         exchange = bool(every) and (algo.inner_step + 1) % every == 0
         ctx.mark(worker.rank, step - 1, f"step {step} and its outer exchange" if exchange else f"step {step}")
         loss, lr, outer_round, outer_seconds = inner_step(cfg, worker, step, stream_end)
@@ -407,6 +422,12 @@ class StepLog:
         self.peak = peak_tflops(worker.device, cfg.log.peak_tflops)
         self.outer_seconds, self.outer_steps = 0.0, 0  # the loop's time inside outer steps (blocked, not training)
         self.checkpoint_seconds = 0.0  # the loop's time writing checkpoints (not in tokens/s and MFU)
+        self.skipped, self.skipped_in_window = 0, 0  # steps skipped, not trained (skip_steps): not in tokens/s
+
+    def skip(self, steps: int) -> None:
+        """``steps`` steps were skipped, not trained: the token rates leave them out."""
+        self.skipped += steps
+        self.skipped_in_window += steps
 
     def wall(self) -> float:
         return self.worker.wall_offset + time.perf_counter() - self.started
@@ -437,7 +458,8 @@ class StepLog:
         ``tokens_per_second`` over the loop less its checkpoint writes and, where the device's peak is known,
         ``mfu`` of that rate (docs/design.md §8)."""
         loop = time.perf_counter() - self.started
-        rate = (last_step - self.worker.start) * self.tokens_per_step / max(loop - self.checkpoint_seconds, 1e-9)
+        trained = last_step - self.worker.start - self.skipped
+        rate = trained * self.tokens_per_step / max(loop - self.checkpoint_seconds, 1e-9)
         out = {
             "loop_seconds": round(loop, 3),
             "outer_seconds": round(self.outer_seconds, 3),
@@ -460,7 +482,7 @@ class StepLog:
         losses = torch.stack([loss.detach().float() for _, loss in self.pending]).tolist()
         algo, now = self.worker.algo, time.perf_counter()
         last = self.pending[-1][0]
-        steps = last["step"] - self.window[1]
+        steps = last["step"] - self.window[1] - self.skipped_in_window
         rate = steps * self.tokens_per_step / max(now - self.window[0], 1e-9)
         last["tokens_per_second"] = round(rate, 1)
         if self.flops is not None and self.peak is not None:
@@ -476,7 +498,7 @@ class StepLog:
             if self.ctx.progress is not None and record["step"] != advanced:  # one tick per step, not per line
                 self.ctx.progress.advance(self.worker.rank, loss)
                 advanced = record["step"]
-        self.window = (now, last["step"])
+        self.window, self.skipped_in_window = (now, last["step"]), 0
         self.pending.clear()
 
 

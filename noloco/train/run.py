@@ -85,6 +85,14 @@ class Progress:
             if done > self._bar.n:
                 self._bar.update(done - self._bar.n)
 
+    def skip(self, rank: int, steps: int) -> None:
+        """Worker ``rank`` skipped ``steps`` steps (a swarm peer catching up with its swarm): counted as done."""
+        with self._lock:
+            self._steps[rank] = self._steps.get(rank, self._initial) + steps
+            done = min(self._steps.values()) if len(self._steps) >= self._workers else self._initial
+            if done > self._bar.n:
+                self._bar.update(done - self._bar.n)
+
     def _show(self, refresh: bool) -> None:
         finite = [x for x in self._losses.values() if x == x]
         loss = {"loss": f"{sum(finite) / len(finite):.3f}"} if finite else {}

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("comm.codec=topk:64/4096+int2 outer.overlap=eager", "outer.slow_every null is 8 for comm.codec=topk"),
         ("model.preset=huge", "model.preset='huge'"),
         ("eval.weights=ema", "eval.weights='ema' is not one of auto, fast, slow"),
+        ("peer.catch_up=sometimes", "peer.catch_up must be true or false, got 'sometimes'"),
     ],
 )
 def test_bad_config_fails_with_clear_message(override, message):

@@ -65,6 +65,11 @@ class Backend(ABC):
     def after_step(self, step: int, algo) -> None:  # noqa: B027 - optional hook
         """Called after every inner step (after logging)."""
 
+    def next_step(self, step: int, algo) -> int:
+        """The step the worker trains next after ``step``: ``step + 1``; a swarm peer that resumed behind its
+        swarm may skip ahead to the swarm's round (the loop then moves the algorithm and the LR schedule there)."""
+        return step + 1
+
     @abstractmethod
     def barrier(self, step: int) -> bool:
         """Wait until every worker of the run saved ``step``'s checkpoint; False when some never will."""

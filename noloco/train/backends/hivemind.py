@@ -62,6 +62,7 @@ from omegaconf import DictConfig
 from noloco.comm.base import CommError
 from noloco.gossip.base import Group, GroupSource
 from noloco.optim import OuterAlgorithm, OuterState
+from noloco.optim.overlap import overlap_rule
 from noloco.swarm import (
     STATE_SERVICE,
     PeerDHTStart,
@@ -140,6 +141,7 @@ class HivemindBackend(Backend):
         self.period = exchange_period(cfg)  # inner steps per swarm round
         self._listing: tuple[float, list[dict]] = (-math.inf, [])  # (monotonic time read, _fresh()) of this round
         self._fetched: tuple[float, object] = (-math.inf, None)  # (asked at, PeerRegistry.fetch) for the next round
+        self._catching_up: int | None = None  # the step a resumed peer behind the swarm resumed at (resume_at)
 
     # --- what matchmaking asks of the registry -------------------------------------------------------
     def _fresh(self) -> list[dict]:
@@ -191,9 +193,51 @@ class HivemindBackend(Backend):
             self.say(f"noloco peer {self.peer_name}: could not publish liveness: {exc}")
 
     def resume_at(self, step: int) -> None:
-        """A peer resuming its own checkpoint: matchmaking catches up with the swarm's round from there."""
-        self.matchmaking.next_round = step // self.period  # the round whose exchange ends next
+        """A peer resuming its own checkpoint: matchmaking catches up with the swarm's round from there.
+
+        With ``peer.catch_up`` (and no ``outer.overlap``) and the swarm rounds ahead, the peer lists itself in the
+        swarm's next round at once, so the others expect it there (they wait for it and push their announcements
+        to it), and :meth:`next_step` skips ahead to that round as soon as its window opens."""
+        own = step // self.period  # the round whose exchange ends next
+        self.matchmaking.next_round = own
+        if self.cfg.peer.catch_up and overlap_rule(self.cfg.outer.overlap) is None:
+            try:
+                front = self._front()
+            except Exception:  # noqa: BLE001 - the registry is a hint: train to its own round, as without catch_up
+                front = own
+            if front > own:
+                self._catching_up = step
+                self.matchmaking.next_round = front
         self.publish(step)
+
+    def next_step(self, step: int, algo) -> int:
+        """``step + 1``; while a resumed peer catches up (:meth:`resume_at`) and the swarm's next round has begun to
+        gather (another peer's valid announcement of it has come), the step that ends that round: the peer takes
+        that step and joins the round with what it trained since its checkpoint, instead of training a whole round
+        first and meeting the swarm a round later. Catching up ends with its first round, skipped or not.
+
+        The round is the registry's front, refused beyond the steps the live peers' listing allows
+        (:func:`~noloco.swarm.matchmaking.step_bound`, as a joiner's state is): a key holder listing and announcing
+        a round far ahead cannot make a resumed peer skip its training."""
+        if self._catching_up is None:
+            return step + 1
+        if algo.last_round is not None or not getattr(algo, "can_skip", False):
+            self._catching_up = None  # its own round came first (or it cannot skip): in step with the swarm from here
+            return step + 1
+        try:
+            fresh = self._fresh()
+            front = max((e["round"] for e in fresh), default=-1)
+            to = (front + 1) * self.period  # the step that ends the front's round
+            bound = min(self.cfg.steps, step_bound(fresh, self.cfg.steps, self.cfg.outer.every,
+                                                   self.cfg.peer.live_timeout) + self.period)  # fmt: skip
+            if to <= step + 1 or to > bound or not self.matchmaking.gathering(front):
+                return step + 1
+        except Exception:  # noqa: BLE001 - the registry or the DHT is a hint: train on, ask again next step
+            return step + 1
+        self.say(f"noloco peer {self.peer_name}: the swarm's round {front} is gathering: joining it with the "
+                 f"{step - self._catching_up} step(s) trained since its checkpoint (step {step} → {to})")  # fmt: skip
+        self._catching_up = None
+        return to
 
     def start(self, algo, model: torch.nn.Module) -> int:
         self._serve(algo)
