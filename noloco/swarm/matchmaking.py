@@ -142,7 +142,7 @@ class Announcement:
 
 #: Widest window an announcement may ask for (seconds); a record asking for more is refused (``invalid_record``).
 MAX_WINDOW = 600.0
-#: Fewest seconds between two DHT reads of :meth:`SwarmMatchmaking.gathering` when announcements are pushed.
+#: Fewest seconds between two DHT reads of :meth:`SwarmMatchmaking.gathering` (without push).
 GATHERING_READ = 1.0
 
 
@@ -871,13 +871,19 @@ class SwarmMatchmaking(GroupSource):
                              float(value["g"]) if "g" in value else None) for peer, value in entries]  # fmt: skip
 
     def gathering(self, round_index: int) -> bool:
-        """Whether another peer's valid announcement of ``round_index`` came recently enough for the window it
-        opened to be gathering still (its width and the slack ago at most): pushed to this peer, or read from the
-        DHT (at most once per :data:`GATHERING_READ` seconds with push, whose announcements come unasked)."""
-        found, _ = self._pushed(round_index)
-        if not found and (not self.push or time.monotonic() - self._gathering_read > GATHERING_READ):
+        """Whether a window of ``round_index`` that will hold this peer is gathering: another peer's valid
+        announcement of it came recently enough (its width and the slack ago at most). With push, only one pushed
+        to this peer counts: a peer pushes to those it expects, and holds its window open for them; one that does
+        not expect this peer closes its window once those it expects are in, and would read the round without an
+        announcement it did not wait for (the members' views would differ, and the group fail to confirm). Without
+        push, the round's DHT entries, read at most once per :data:`GATHERING_READ` seconds."""
+        if self.push:
+            found, _ = self._pushed(round_index)
+        elif time.monotonic() - self._gathering_read > GATHERING_READ:
             self._gathering_read = time.monotonic()
             found = self._read_announcements(round_index)
+        else:
+            return False
         now = get_dht_time()
         return any(e.peer != self.peer_id and now - e.time <= (e.width or self.window) + self.slack for e in found)
 

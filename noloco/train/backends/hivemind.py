@@ -195,26 +195,26 @@ class HivemindBackend(Backend):
     def resume_at(self, step: int) -> None:
         """A peer resuming its own checkpoint: matchmaking catches up with the swarm's round from there.
 
-        With ``peer.catch_up`` (and no ``outer.overlap``) and the swarm rounds ahead, the peer lists itself in the
+        With ``peer.catch_up`` (and no ``outer.overlap``), when the swarm is rounds ahead the peer lists itself in the
         swarm's next round at once, so the others expect it there (they wait for it and push their announcements
-        to it), and :meth:`next_step` skips ahead to that round as soon as its window opens."""
+        to it), and :meth:`next_step` skips ahead to that round as soon as its window gathers."""
         own = step // self.period  # the round whose exchange ends next
         self.matchmaking.next_round = own
         if self.cfg.peer.catch_up and overlap_rule(self.cfg.outer.overlap) is None:
+            self._catching_up = step
             try:
-                front = self._front()
-            except Exception:  # noqa: BLE001 - the registry is a hint: train to its own round, as without catch_up
-                front = own
-            if front > own:
-                self._catching_up = step
-                self.matchmaking.next_round = front
+                self.matchmaking.next_round = max(own, self._front())
+            except Exception:  # noqa: BLE001 - the registry is a hint: next_step reads it again
+                pass
         self.publish(step)
 
     def next_step(self, step: int, algo) -> int:
         """``step + 1``; while a resumed peer catches up (:meth:`resume_at`) and the swarm's next round has begun to
-        gather (another peer's valid announcement of it has come), the step that ends that round: the peer takes
-        that step and joins the round with what it trained since its checkpoint, instead of training a whole round
-        first and meeting the swarm a round later. Catching up ends with its first round, skipped or not.
+        gather for it (:meth:`~noloco.swarm.matchmaking.SwarmMatchmaking.gathering`: an announcement pushed to it by
+        a peer that expects it), the step that ends that round: the peer takes that step and joins the round with
+        what it trained since its checkpoint, instead of training a whole round first and meeting the swarm a round
+        later. It keeps itself listed in the registry's front round meanwhile. Catching up ends with its first
+        round, skipped or not.
 
         The round is the registry's front, refused beyond the steps the live peers' listing allows
         (:func:`~noloco.swarm.matchmaking.step_bound`, as a joiner's state is): a key holder listing and announcing
@@ -227,6 +227,9 @@ class HivemindBackend(Backend):
         try:
             fresh = self._fresh()
             front = max((e["round"] for e in fresh), default=-1)
+            if front > max(self.matchmaking.next_round, step // self.period):  # listed there: the others expect it
+                self.matchmaking.next_round = front
+                self.publish(step)
             to = (front + 1) * self.period  # the step that ends the front's round
             bound = min(self.cfg.steps, step_bound(fresh, self.cfg.steps, self.cfg.outer.every,
                                                    self.cfg.peer.live_timeout) + self.period)  # fmt: skip
