@@ -11,9 +11,9 @@ matchmaking mode of ``--deadlines`` (``adaptive``: per-round deadlines from rece
    (training loop: start-up and the wait for peers left out) against N equal peers' and against the N − 1
    others alone, their rounds joined, and the straggler's.
 3. **restart** (adaptive only, unless ``--no-restart``): N equal peers with a checkpoint every round; one is
-   SIGKILLed (its process group: peer, DHT process, p2pd) after its second round and restarted at once from its
-   own checkpoint (``resume=``). Reported: seconds from the restart to its first outer round joined with the
-   swarm, and to its first inner step.
+   SIGKILLed (its process group: peer, DHT process, p2pd) after its second round (``--kill-after-steps K``: K inner
+   steps after it) and restarted at once from its own checkpoint (``resume=``). Reported: seconds from the restart
+   to its first outer round joined with the swarm, and to its first inner step.
 4. **supervised restart** (``--supervised-restart``): the same with the killed peer run with ``run.restarts=1``: the
    kill hits its run's process group (the run, its DHT process, p2pd), its supervisor forks the run again from its
    checkpoint with the imports done, and the seconds count from the kill.
@@ -96,8 +96,9 @@ def swarm_run(folder: Path, peers: int, steps: int, every: int, deadlines: str, 
 
 
 def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float = 1800,
-                overrides: tuple[str, ...] = (), supervised: bool = False) -> dict:  # fmt: skip
-    """Kill one of ``peers`` after its second round, restart it from its checkpoint; seconds to rejoin.
+                overrides: tuple[str, ...] = (), supervised: bool = False, kill_after: int = 0) -> dict:  # fmt: skip
+    """Kill one of ``peers`` ``kill_after`` steps after its second round, restart it from its checkpoint; seconds
+    to rejoin.
 
     ``overrides``: ``train.py`` keys for every peer after the tiny model's (a larger model, the GPU).
     ``supervised``: the killed peer runs with ``run.restarts=1``; the kill hits its run's process group (the run,
@@ -114,6 +115,10 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
         _start(swarm, names, args, {}, {victim: ["run.restarts=1"]} if supervised else {})
         rounds = lambda: [m for m in swarm.metrics(victim) if "outer_round" in m and "outer_skipped" not in m]
         swarm.wait(lambda: len(rounds()) >= 2, timeout, f"{victim} did not join two rounds")
+        if kill_after:  # later in the round that follows (the peer's checkpoint of its second round then written)
+            kill_at = rounds()[1]["step"] + kill_after
+            swarm.wait(lambda: max(m["step"] for m in swarm.metrics(victim)) >= kill_at, timeout,
+                       f"{victim} did not reach step {kill_at}")  # fmt: skip
         if supervised:  # its run: the supervisor's child that leads a process group
             (run,) = [c for c in children(swarm.procs[victim].pid) if os.getpgid(c) == c]
             os.killpg(run, signal.SIGKILL)
@@ -148,7 +153,8 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
                 break
             time.sleep(0.05)
         # measured: the others' remaining steps are not waited for (the swarm is killed on leaving the block)
-        return {"supervised": supervised, "resumed_at_step": resumed_at, "seconds_to_first_step": first_step,
+        return {"supervised": supervised, "kill_after": kill_after, "resumed_at_step": resumed_at,
+                "seconds_to_first_step": first_step,
                 "seconds_to_first_round": first_round, "rounds": rounds_seen, "log_timeline": timeline}  # fmt: skip
 
 
@@ -241,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         "in that order; the report gives each and the medians (1)",
     )
     parser.add_argument("--no-restart", action="store_true", help="skip the kill-and-restart measurement")
+    parser.add_argument("--kill-after-steps", type=int, default=0, metavar="K",
+                        help="kill the restarted peer K inner steps after its second round (0: at once)")  # fmt: skip
     parser.add_argument("--supervised-restart", action="store_true",
                         help="also measure the restart of a peer run with run.restarts=1 (its supervisor forks the "
                              "killed run again, imports kept), after the plain one")  # fmt: skip
@@ -252,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.peers < 3 or args.factor <= 1 or args.steps < 3 * args.every or args.every < 1 or args.reps < 1:
         parser.error("need --peers >= 3, --factor > 1, --every >= 1, --steps >= 3 x --every and --reps >= 1")
+    if not 0 <= args.kill_after_steps < args.steps:
+        parser.error("need 0 <= --kill-after-steps < --steps")
     # the peers' run folders (checkpoints, logs) stay under runs/, whatever --out is
     work = Path(tempfile.mkdtemp(prefix="straggler-", dir=common.out_dir(common.RUNS / "straggler")))
     rows = []
@@ -263,12 +273,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({**row, "rep": rep})
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("base", "slow", "without")}), flush=True)
     restart = None if args.no_restart else restart_run(work / "restart", args.peers, 3 * args.steps, args.every,
-                                                       overrides=tuple(args.overrides))  # fmt: skip
+                                                       overrides=tuple(args.overrides),
+                                                       kill_after=args.kill_after_steps)  # fmt: skip
     print(json.dumps({"restart": restart}), flush=True)
     supervised = None
     if args.supervised_restart:
         supervised = restart_run(work / "restart-supervised", args.peers, 3 * args.steps, args.every,
-                                 overrides=tuple(args.overrides), supervised=True)  # fmt: skip
+                                 overrides=tuple(args.overrides), supervised=True,
+                                 kill_after=args.kill_after_steps)  # fmt: skip
         print(json.dumps({"supervised_restart": supervised}), flush=True)
     command, machine = common.command("straggler", argv), common.machine()
     lines = _report(args, rows, restart, command, machine, supervised)
@@ -368,17 +380,22 @@ def _restart_lines(args, restart: dict) -> list[str]:
     """The report's section on one restart (plain, or by the peer's own supervisor)."""
     fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
     model = f" ({' '.join(args.overrides)})" if args.overrides else ""
+    when = (
+        f"{restart['kill_after']} steps after its second round"
+        if restart.get("kill_after")
+        else "after its second round"
+    )
     if restart.get("supervised"):
         lines = ["", "## Restart by the peer's supervisor (run.restarts=1) to first round", "",
                  f"One of {args.peers} peers{model}, run with `run.restarts=1`: its run (the forked process, its DHT "
-                 f"process, p2pd) SIGKILLed after its second round; the supervisor forked it again from its "
+                 f"process, p2pd) SIGKILLed {when}; the supervisor forked it again from its "
                  f"checkpoint (step {restart['resumed_at_step']}), the imports kept: "
                  f"{fmt(restart['seconds_to_first_step'])} s from the kill to its first inner step, "
                  f"{fmt(restart['seconds_to_first_round'])} s to its first outer round joined with the "
                  "swarm."]  # fmt: skip
     else:
         lines = ["", "## Restart to first round", "",
-                 f"One of {args.peers} peers{model} SIGKILLed after its second round and restarted from its own "
+                 f"One of {args.peers} peers{model} SIGKILLed {when} and restarted from its own "
                  f"checkpoint (step {restart['resumed_at_step']}): {fmt(restart['seconds_to_first_step'])} s to its "
                  f"first inner step, {fmt(restart['seconds_to_first_round'])} s to its first outer round joined with "
                  "the swarm (process start, torch and hivemind imports, DHT and p2pd start, checkpoint load "
