@@ -213,16 +213,17 @@ class HivemindBackend(Backend):
         gather for it (:meth:`~noloco.swarm.matchmaking.SwarmMatchmaking.gathering`: an announcement pushed to it by
         a peer that expects it), the step that ends that round: the peer takes that step and joins the round with
         what it trained since its checkpoint, instead of training a whole round first and meeting the swarm a round
-        later. It keeps itself listed in the registry's front round meanwhile. Catching up ends with its first
-        round, skipped or not.
+        later. It keeps itself listed in the registry's front round meanwhile. Catching up ends with its first round
+        joined: a round it missed (late, or its group failed to confirm) leaves it out of step still.
 
         The round is the registry's front, refused beyond the steps the live peers' listing allows
         (:func:`~noloco.swarm.matchmaking.step_bound`, as a joiner's state is): a key holder listing and announcing
         a round far ahead cannot make a resumed peer skip its training."""
         if self._catching_up is None:
             return step + 1
-        if algo.last_round is not None or not getattr(algo, "can_skip", False):
-            self._catching_up = None  # its own round came first (or it cannot skip): in step with the swarm from here
+        joined = algo.last_round is not None and algo.last_round.skipped is None
+        if joined or not getattr(algo, "can_skip", False):
+            self._catching_up = None  # a round joined (or it cannot skip): in step with the swarm from here
             return step + 1
         try:
             fresh = self._fresh()
