@@ -1002,12 +1002,11 @@ class OuterAlgorithm(Algorithm):
         return self._overlapped is None
 
     def skip_to(self, step: int) -> None:
-        """Go on as if inner step ``step`` (at or ahead of this one) were the last one taken, without taking
-        the steps between: a resumed swarm peer behind its swarm joins the
-        swarm's round (docs/swarm.md, *Restarting a peer*). The fast weights keep what they trained since the
-        last round, so the round's pseudo-gradient holds the steps this worker did take; the rounds of its own
-        that the skip passes over do not happen. ValueError (nothing changed) for a step behind this one, or
-        with ``outer.overlap``."""
+        """Go on as if inner step ``step`` (at or ahead of this one) were the last one taken, without taking the
+        steps between: a resumed swarm peer behind its swarm joins the swarm's round (docs/swarm.md, *Restarting a
+        peer*). The fast weights keep what they trained since the last round, so the round's pseudo-gradient holds
+        the steps this worker did take; the rounds of its own that the skip passes over do not happen. ValueError
+        (nothing changed) for a step behind this one, or with ``outer.overlap``."""
         if not self.can_skip:
             raise ValueError("skip_to: not with outer.overlap (a round in flight lands a fixed number of steps on)")
         if int(step) < self.inner_step:

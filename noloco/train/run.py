@@ -78,20 +78,20 @@ class Progress:
 
     def advance(self, rank: int, loss: float) -> None:
         with self._lock:
-            self._steps[rank] = self._steps.get(rank, self._initial) + 1
             self._losses[rank] = loss
-            done = min(self._steps.values()) if len(self._steps) >= self._workers else self._initial
             self._show(refresh=False)
-            if done > self._bar.n:
-                self._bar.update(done - self._bar.n)
+            self._add(rank, 1)
 
     def skip(self, rank: int, steps: int) -> None:
         """Worker ``rank`` skipped ``steps`` steps (a swarm peer catching up with its swarm): counted as done."""
         with self._lock:
-            self._steps[rank] = self._steps.get(rank, self._initial) + steps
-            done = min(self._steps.values()) if len(self._steps) >= self._workers else self._initial
-            if done > self._bar.n:
-                self._bar.update(done - self._bar.n)
+            self._add(rank, steps)
+
+    def _add(self, rank: int, steps: int) -> None:  # holds self._lock
+        self._steps[rank] = self._steps.get(rank, self._initial) + steps
+        done = min(self._steps.values()) if len(self._steps) >= self._workers else self._initial
+        if done > self._bar.n:
+            self._bar.update(done - self._bar.n)
 
     def _show(self, refresh: bool) -> None:
         finite = [x for x in self._losses.values() if x == x]
