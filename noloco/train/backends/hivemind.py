@@ -214,16 +214,19 @@ class HivemindBackend(Backend):
         a peer that expects it), the step that ends that round: the peer takes that step and joins the round with
         what it trained since its checkpoint, instead of training a whole round first and meeting the swarm a round
         later. It keeps itself listed in the registry's front round meanwhile. Catching up ends with its first round
-        joined: a round it missed (late, or its group failed to confirm) leaves it out of step still.
+        joined, or one in step with the swarm (its own round was the swarm's: none ahead, or none at all); a round it
+        missed behind the swarm (late, or its group failed to confirm) leaves it out of step still.
 
         The round is the registry's front, refused beyond the steps the live peers' listing allows
         (:func:`~noloco.swarm.matchmaking.step_bound`, as a joiner's state is): a key holder listing and announcing
         a round far ahead cannot make a resumed peer skip its training."""
         if self._catching_up is None:
             return step + 1
-        joined = algo.last_round is not None and algo.last_round.skipped is None
-        if joined or not getattr(algo, "can_skip", False):
-            self._catching_up = None  # a round joined (or it cannot skip): in step with the swarm from here
+        info = algo.last_round
+        record = self.matchmaking.record_of(info.round) if info is not None else None
+        in_step = record is not None and record.round == info.round  # its own round was the swarm's (or no swarm)
+        if (info is not None and (info.skipped is None or in_step)) or not getattr(algo, "can_skip", False):
+            self._catching_up = None  # a round joined, or one in step (or it cannot skip): nothing to catch up
             return step + 1
         try:
             fresh = self._fresh()
