@@ -265,6 +265,12 @@ class Swarm:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.run_dir.glob("*.log")))
 
     @staticmethod
+    def stopped(pid: int) -> bool:
+        """Whether process ``pid`` is stopped (SIGSTOP)."""
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rfind(")") + 2] == "T"
+
+    @staticmethod
     def group_members(pgid: int) -> list[int]:
         """Live processes (not zombies) of process group ``pgid``."""
         out = []

@@ -17,11 +17,6 @@ def _records(swarm, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _stopped(pid: int) -> bool:
-    stat = open(f"/proc/{pid}/stat").read()
-    return stat[stat.rfind(")") + 2] == "T"
-
-
 def test_a_resumed_peer_joins_the_round_the_swarm_gathers_with_the_steps_it_trained(swarm):
     """Peer c dies at step 25 (its checkpoint: step 20); a and b hold themselves (SIGSTOP) at step 35, mid-way
     through round 3, until c has resumed and trains again (one step a second, so its own next round, at step 30,
@@ -41,7 +36,7 @@ def test_a_resumed_peer_joins_the_round_the_swarm_gathers_with_the_steps_it_trai
     assert swarm.finish("c", timeout=200) == -signal.SIGKILL, swarm.logs()
     latest = swarm.peer_dir("c") / "checkpoints" / "latest"
     assert latest.resolve().name == "step_000020"
-    swarm.wait(lambda: _stopped(a.pid) and _stopped(b.pid), 150, "a and b did not reach the hold")
+    swarm.wait(lambda: swarm.stopped(a.pid) and swarm.stopped(b.pid), 150, "a and b did not reach the hold")
 
     swarm.peer("c", *common, join, "peer.worker=2", f"resume={latest}", env=swarm.paced(steps, 1.0))
     # the resumed run drops the killed one's records past step 20 before it says so

@@ -66,12 +66,6 @@ def _outer_rounds_done(swarm, name: str) -> int:
     return sum("outer_round" in line for line in path.read_text().splitlines())
 
 
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP)."""
-    stat = open(f"/proc/{pid}/stat").read()
-    return stat[stat.rfind(")") + 2] == "T"
-
-
 def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_live_weights(swarm):
     # The survivors freeze themselves (SIGSTOP, a NOLOCO_FAULTS fault) at step 95, after the victim's death,
     # and go on only once the late peer is up: a peer's start (torch, hivemind, its DHT) takes 20-50 s on busy
@@ -89,7 +83,7 @@ def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_
     # waits (up to 120 s) until the DHT lists the live peers; once they have finished its rounds are skipped at once
     swarm.peer("late", *common, join, "peer.worker=3", "peer.wait_for_peers=2", "peer.join_timeout=120")
     swarm.maddrs("late", timeout=150)
-    swarm.wait(lambda: all(_stopped(p.pid) for p in survivors), 150, "the survivors did not reach the hold")
+    swarm.wait(lambda: all(swarm.stopped(p.pid) for p in survivors), 150, "the survivors did not reach the hold")
     for proc in survivors:
         os.kill(proc.pid, signal.SIGCONT)
     for name in ("0", "1", "late"):
