@@ -557,7 +557,9 @@ def _peer_folder(cfg: DictConfig, dht, endpoint: SwarmEndpoint, name: str, say, 
 
         folder = new_run_folder(cfg, Path(cfg.run.dir) / (cfg.run.name or cfg.peer.run_id) / f"peer-{name}")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "maddrs.json").write_text(json.dumps({"peer_id": endpoint.peer_id, "maddrs": maddrs}))
+    # whole or not at all: others poll for it (a joiner's script, the fleet's health check) and read it at once
+    listing = json.dumps({"peer_id": endpoint.peer_id, "maddrs": maddrs})
+    checkpoint.atomic_write(folder / "maddrs.json", listing.encode())
     return folder
 
 
