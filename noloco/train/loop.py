@@ -455,8 +455,9 @@ class StepLog:
         """This worker's run in numbers for ``summary.json``: ``loop_seconds`` (its training loop, start-up
         excluded), ``outer_seconds`` and ``outer_steps`` (time the loop spent inside outer steps, which includes
         waiting for an overlapped exchange), ``outer_ms_mean``, ``checkpoint_seconds`` (writing checkpoints),
-        ``tokens_per_second`` over the loop less its checkpoint writes and, where the device's peak is known,
-        ``mfu`` of that rate (docs/design.md §8)."""
+        ``steps_skipped`` (not trained: a swarm peer catching up with its swarm), ``tokens_per_second`` over the
+        loop less its checkpoint writes and, where the device's peak is known, ``mfu`` of that rate
+        (docs/design.md §8)."""
         loop = time.perf_counter() - self.started
         trained = last_step - self.worker.start - self.skipped
         rate = trained * self.tokens_per_step / max(loop - self.checkpoint_seconds, 1e-9)
@@ -465,6 +466,7 @@ class StepLog:
             "outer_seconds": round(self.outer_seconds, 3),
             "checkpoint_seconds": round(self.checkpoint_seconds, 3),
             "outer_steps": self.outer_steps,
+            "steps_skipped": self.skipped,
             "tokens_per_second": round(rate, 1),
             "outer_ms_mean": round(1e3 * self.outer_seconds / self.outer_steps, 3) if self.outer_steps else None,
         }

@@ -535,12 +535,13 @@ def summarize(
 def timing_summary(results: list[WorkerResult]) -> dict:
     """Per worker, in worker order: the training loop's seconds, the seconds and mean milliseconds of its outer
     steps (the loop blocked in them: the whole exchange when blocking, the wait and merge when overlapped), the
-    seconds it spent writing checkpoints, MFU (over the loop less those writes) where the device's peak is
-    known, and on CUDA the peak GPU memory (GB, 2**30 bytes)."""
+    seconds it spent writing checkpoints, the steps it skipped (a swarm peer catching up with its swarm), MFU
+    (over the loop less those writes) where the device's peak is known, and on CUDA the peak GPU memory (GB,
+    2**30 bytes)."""
     timings = [r.timing or {} for r in results]
     out = {
         f"{key}_by_worker": [t.get(key) for t in timings]
-        for key in ("loop_seconds", "outer_seconds", "outer_ms_mean", "checkpoint_seconds")
+        for key in ("loop_seconds", "outer_seconds", "outer_ms_mean", "checkpoint_seconds", "steps_skipped")
     }
     if any("mfu" in t for t in timings):
         out["mfu_by_worker"] = [t.get("mfu") for t in timings]

@@ -59,3 +59,4 @@ def test_a_resumed_peer_joins_the_round_the_swarm_gathers_with_the_steps_it_trai
     assert [r["step"] for r in after if r["step"] >= 40] == list(range(40, steps + 1))
     s = swarm.summary("c")
     assert s["slow_weights_finite"] and s["rounds_joined"] >= 1, s["round_outcomes"]
+    assert s["steps_skipped_by_worker"] == [39 - trained[-1]], s["steps_skipped_by_worker"]  # not trained, counted
