@@ -141,7 +141,8 @@ class HivemindBackend(Backend):
         self.period = exchange_period(cfg)  # inner steps per swarm round
         self._listing: tuple[float, list[dict]] = (-math.inf, [])  # (monotonic time read, _fresh()) of this round
         self._fetched: tuple[float, object] = (-math.inf, None)  # (asked at, PeerRegistry.fetch) for the next round
-        self._catching_up: int | None = None  # a resumed peer's checkpoint step until it joins a round (resume_at)
+        # a resumed peer's checkpoint step (resume_at), until a round of its is joined or in step with the swarm
+        self._catching_up: int | None = None
 
     # --- what matchmaking asks of the registry -------------------------------------------------------
     def _fresh(self) -> list[dict]:
