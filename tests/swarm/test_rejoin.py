@@ -60,3 +60,41 @@ def test_a_resumed_peer_joins_the_round_the_swarm_gathers_with_the_steps_it_trai
     s = swarm.summary("c")
     assert s["slow_weights_finite"] and s["rounds_joined"] >= 1, s["round_outcomes"]
     assert s["steps_skipped_by_worker"] == [39 - trained[-1]], s["steps_skipped_by_worker"]  # not trained, counted
+
+
+def test_a_peer_held_rounds_behind_goes_on_from_the_swarms_step_and_finishes_with_it(swarm):
+    """Peer c is held (SIGSTOP) at step 8, mid-way through round 1, while a and b form rounds 1 to 3 without it.
+    Released, it ends its round 1 at step 10 and matches in the swarm's front: joined there (a round ahead of its
+    own), its partners have just ended that round's step, so it goes on from it; late instead, it joins the next
+    round that gathers for it with the steps it trained (``peer.catch_up``). Either way it skips the steps it is
+    behind and its last rounds come with the others', where without that it would train them alone after the swarm
+    had finished (``peer.catch_up=false``: its last rounds find no live peers)."""
+    steps, every = 50, 5
+    # each step takes at least 0.2 s (a round at least 1 s), so the hold costs c several of the others' rounds
+    common = (f"steps={steps}", f"outer.every={every}", "checkpoint.every=0", "checkpoint.final=false",
+              f"eval.every={steps}", "eval.batches=1", "log.plot=false", "peer.wait_for_peers=2")  # fmt: skip
+    paced = swarm.paced(steps, 0.2)
+    a = swarm.peer("a", *common, "peer.worker=0", env=paced)
+    join = f'peer.initial_peers=["{swarm.maddrs("a")[0]}"]'
+    swarm.peer("b", *common, join, "peer.worker=1", env=paced)
+    held = {"NOLOCO_FAULTS": paced["NOLOCO_FAULTS"].replace("inner.step@8=sleep:0.2", "inner.step@8=stop")}
+    c = swarm.peer("c", *common, join, "peer.worker=2", env=held)
+    swarm.wait(lambda: swarm.stopped(c.pid), 150, "c did not reach the hold")
+    swarm.wait(lambda: any(r.get("outer_round", -1) >= 3 for r in _records(swarm, "a")), 150, "a did not go on")
+    os.kill(c.pid, signal.SIGCONT)
+    for name in ("a", "b", "c"):
+        assert swarm.finish(name, timeout=300) == 0, swarm.logs()
+    assert a.returncode == 0
+
+    s = swarm.summary("c")
+    skipped = s["steps_skipped_by_worker"][0]
+    assert skipped >= every, (s["steps_skipped_by_worker"], s["round_outcomes"], swarm.logs())
+    log = (swarm.run_dir / "c.log").read_text()
+    assert "going on from the swarm's step" in log or "is gathering: joining it" in log, swarm.logs()
+    # it finished with the swarm: its last rounds had the others to meet (without the skip, 15 or more steps after
+    # theirs: rounds that find nobody live)
+    assert not any(o.startswith(("no live peers", "timeout")) for o in s["round_outcomes"][-2:]), s["round_outcomes"]
+    assert s["rounds_joined"] >= 2 and s["slow_weights_finite"], s["round_outcomes"]
+    for name in ("a", "b"):  # the hold cost the others nothing: no window waited out for c
+        outcomes = swarm.summary(name)["round_outcomes"]
+        assert outcomes.count("timeout") == 0 and outcomes.count("joined") >= 7, (name, outcomes)

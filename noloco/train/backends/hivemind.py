@@ -141,8 +141,10 @@ class HivemindBackend(Backend):
         self.period = exchange_period(cfg)  # inner steps per swarm round
         self._listing: tuple[float, list[dict]] = (-math.inf, [])  # (monotonic time read, _fresh()) of this round
         self._fetched: tuple[float, object] = (-math.inf, None)  # (asked at, PeerRegistry.fetch) for the next round
-        # a resumed peer's checkpoint step (resume_at), until a round of its is joined or in step with the swarm
+        # a resumed peer's checkpoint step (resume_at), or the step of a round it missed behind the swarm, until a
+        # round of its is joined or in step with the swarm; and what that step was, for its log
         self._catching_up: int | None = None
+        self._catching_up_since = "its checkpoint"
 
     # --- what matchmaking asks of the registry -------------------------------------------------------
     def _fresh(self) -> list[dict]:
@@ -202,7 +204,7 @@ class HivemindBackend(Backend):
         own = step // self.period  # the round whose exchange ends next
         self.matchmaking.next_round = own
         if self.cfg.peer.catch_up and overlap_rule(self.cfg.outer.overlap) is None:
-            self._catching_up = step
+            self._catching_up, self._catching_up_since = step, "its checkpoint"
             try:
                 self.matchmaking.next_round = max(own, self._front())
             except Exception:  # noqa: BLE001 - the registry is a hint: next_step reads it again
@@ -216,19 +218,20 @@ class HivemindBackend(Backend):
         what it trained since its checkpoint, instead of training a whole round first and meeting the swarm a round
         later. It keeps itself listed in the registry's front round meanwhile. Catching up ends with its first round
         joined, or one in step with the swarm (its own round was the swarm's: none ahead, or none at all); a round it
-        missed behind the swarm (late, or its group failed to confirm) leaves it out of step still.
+        missed behind the swarm (late, or its group failed to confirm) leaves it catching up. A running peer that
+        falls behind the swarm's steps catches up too (:meth:`_out_of_step`).
 
         The round is the registry's front, refused beyond the steps the live peers' listing allows
         (:func:`~noloco.swarm.matchmaking.step_bound`, as a joiner's state is): a key holder listing and announcing
         a round far ahead cannot make a resumed peer skip its training."""
-        if self._catching_up is None:
-            return step + 1
         info = algo.last_round
         record = self.matchmaking.record_of(info.round) if info is not None else None
+        if self._catching_up is None:
+            return self._out_of_step(step, algo, info, record)
         in_step = record is not None and record.round == info.round  # its own round was the swarm's (or no swarm)
         if (info is not None and (info.skipped is None or in_step)) or not getattr(algo, "can_skip", False):
             self._catching_up = None  # a round joined, or one in step (or it cannot skip): nothing to catch up
-            return step + 1
+            return self._out_of_step(step, algo, info, record)  # (a round joined behind the swarm: its step)
         try:
             fresh = self._fresh()
             front = max((e["round"] for e in fresh), default=-1)
@@ -238,14 +241,44 @@ class HivemindBackend(Backend):
             to = (front + 1) * self.period  # the step that ends the front's round
             bound = min(self.cfg.steps, step_bound(fresh, self.cfg.steps, self.cfg.outer.every,
                                                    self.cfg.peer.live_timeout) + self.period)  # fmt: skip
+            if front < self.matchmaking.next_round:
+                return step + 1  # the front's round is one this peer matched in already (the registry lags)
             if to <= step + 1 or to > bound or not self.matchmaking.gathering(front):
                 return step + 1
         except Exception:  # noqa: BLE001 - the registry or the DHT is a hint: train on, ask again next step
             return step + 1
+        trained = step - self._catching_up
         self.say(f"noloco peer {self.peer_name}: the swarm's round {front} is gathering: joining it with the "
-                 f"{step - self._catching_up} step(s) trained since its checkpoint (step {step} → {to})")  # fmt: skip
+                 f"{trained} step(s) trained since {self._catching_up_since} (step {step} → {to})")  # fmt: skip
         self._catching_up = None
         return to
+
+    def _out_of_step(self, step: int, algo, info, record) -> int:
+        """``step + 1``, unless the round this peer just had was a later swarm round than its own (it matched in the
+        swarm's front, behind it in steps: after a round it waited out, a group that failed to confirm, a pause):
+        - joined, its partners have just ended that round's step: the peer goes on from there (the steps between
+          are skipped, as a resumed peer's are), so that its next rounds come when theirs do and its last ones are
+          not trained alone after the swarm has finished (unless that round was the swarm's last; nor beyond the
+          steps the live peers' listing allows, :func:`~noloco.swarm.matchmaking.step_bound`);
+        - not joined (late, no partner, its group failed), it is out of step in time too: it catches up as a resumed
+          peer does (:meth:`next_step`), joining the next round that gathers for it with the steps it trained.
+        Only with ``peer.catch_up``, and without ``outer.overlap`` (whose rounds land a fixed number of steps on)."""
+        behind = record is not None and record.round > info.round
+        if not behind or not self.cfg.peer.catch_up or not getattr(algo, "can_skip", False):
+            return step + 1
+        if info.skipped is not None:
+            self._catching_up, self._catching_up_since = step, f"its round {info.round} (swarm round {record.round})"
+            return step + 1
+        to = (record.round + 1) * self.period  # the step its partners took last, the one that ended the round
+        try:
+            bound = step_bound(self._fresh(), self.cfg.steps, self.cfg.outer.every, self.cfg.peer.live_timeout)
+        except Exception:  # noqa: BLE001 - the registry is a hint: without it, the group's round is the bound
+            bound = self.cfg.steps
+        if to <= step or to > bound + self.period or to >= self.cfg.steps:
+            return step + 1  # (that round was the swarm's last: nobody is left to be in step with)
+        self.say(f"noloco peer {self.peer_name}: its round {info.round} was the swarm's round {record.round}: "
+                 f"going on from the swarm's step {to} (step {step} → {to + 1})")  # fmt: skip
+        return to + 1
 
     def start(self, algo, model: torch.nn.Module) -> int:
         self._serve(algo)
