@@ -202,6 +202,16 @@ class Swarm:
         return json.loads(lines[-1])["wall"]
 
     @staticmethod
+    def check_rounds(s: dict, steps: int, period: int) -> None:
+        """A peer's summary has one round per ``period`` steps from its first step, less the whole rounds its skips
+        passed over (``peer.catch_up``: a peer behind the swarm's steps goes on from the swarm's step). A skip into a
+        round's last step passes over the rounds of the steps it skips, rounded down (none, for a skip of fewer than
+        ``period`` steps), so with several skips the count lies between that of their total and the count without."""
+        whole = (steps - s["eval_history"][0][0]) // period
+        skipped = sum(s["steps_skipped_by_worker"])
+        assert whole - skipped // period <= s["rounds"] <= whole, (s["rounds"], whole, skipped, s["round_outcomes"])
+
+    @staticmethod
     def check_trained(s: dict, min_joined: int) -> None:
         """An honest peer's summary: finite, its held-out loss fell, and it joined at least ``min_joined`` rounds."""
         first_loss = s["eval_history"][0][1]

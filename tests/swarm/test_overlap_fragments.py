@@ -128,9 +128,9 @@ def test_two_peers_train_together_with_overlap_or_fragments(swarm, overlap, frag
     rounds = {name: _records(swarm.peer_dir(name) / "rounds.jsonl") for name in ("a", "b")}
     seed_loss = max(s["eval_history"][0][1] for s in summaries.values())
     for name, s in summaries.items():
-        first_step = s["eval_history"][0][0]
         # one round per exchange from the peer's first step; on a busy machine a peer may miss one
-        assert s["rounds"] == (steps - first_step) // period == len(rounds[name]), (name, s["round_outcomes"])
+        swarm.check_rounds(s, steps, period)
+        assert s["rounds"] == len(rounds[name]), (name, s["round_outcomes"])
         assert s["rounds_joined"] >= s["rounds"] // 2, (name, s["round_outcomes"])
         assert s["slow_weights_finite"] and s["final_eval_loss"] < seed_loss - 0.3, (name, s["eval_history"])
         assert all(b > 0 for b in s["bytes_sent_per_round"])

