@@ -262,8 +262,12 @@ class HivemindBackend(Backend):
           steps the live peers' listing allows, :func:`~noloco.swarm.matchmaking.step_bound`);
         - not joined (late, no partner, its group failed), it is out of step in time too: it catches up as a resumed
           peer does (:meth:`next_step`), joining the next round that gathers for it with the steps it trained.
+        A round it came ``late`` to in step (the swarm's round, formed without it) puts it behind in time by less than a
+        round, and it would come late again (docs/swarm.md, *Adaptive deadlines*): it catches up the same way, skipping
+        the rest of its next round's steps once that round gathers.
         Only with ``peer.catch_up``, and without ``outer.overlap`` (whose rounds land a fixed number of steps on)."""
-        behind = record is not None and record.round > info.round
+        late = record is not None and info.skipped is not None and record.outcome == "late"
+        behind = record is not None and (record.round > info.round or late)
         if not behind or not self.cfg.peer.catch_up or not getattr(algo, "can_skip", False):
             return step + 1
         if info.skipped is not None:
