@@ -127,6 +127,8 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
             swarm.kill(victim)
         latest = swarm.peer_dir(victim) / "checkpoints" / "latest"
         resumed_at = int(latest.resolve().name.split("_")[-1])
+        others = {n: max((m["step"] for m in swarm.metrics(n)), default=0) for n in names if n != victim}
+        others_seen: dict[str, list] = {n: [] for n in others}  # the others' rounds after the kill, as its own below
         # the killed run's lines past the checkpoint stay until the resumed peer rewrites the file: only new ones count
         before = {json.dumps(m, sort_keys=True) for m in swarm.metrics(victim)}
         log = folder / f"{victim}.log"
@@ -147,6 +149,8 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
                 if "outer_round" in m and (m["step"], m["outer_round"]) not in seen:  # its rounds, and why none formed
                     rounds_seen.append((round(time.monotonic() - started, 2), m["step"], m["outer_round"],
                                         m.get("outer_skipped", "joined")))  # fmt: skip
+            for name, killed_at in others.items():  # what the swarm did meanwhile: where a first round was lost
+                _rounds_since(swarm.metrics(name), killed_at, time.monotonic() - started, others_seen[name])
             if any("outer_round" in m and "outer_skipped" not in m for m in after):
                 first_round = time.monotonic() - started
             if swarm.procs[victim].poll() is not None and first_round is None:
@@ -155,7 +159,18 @@ def restart_run(folder: Path, peers: int, steps: int, every: int, timeout: float
         # measured: the others' remaining steps are not waited for (the swarm is killed on leaving the block)
         return {"supervised": supervised, "kill_after": kill_after, "resumed_at_step": resumed_at,
                 "seconds_to_first_step": first_step,
-                "seconds_to_first_round": first_round, "rounds": rounds_seen, "log_timeline": timeline}  # fmt: skip
+                "seconds_to_first_round": first_round, "rounds": rounds_seen, "log_timeline": timeline,
+                "others_rounds": others_seen}  # fmt: skip
+
+
+def _rounds_since(metrics: list[dict], after_step: int, seconds: float, seen: list) -> None:
+    """Append ``(seconds, step, round, outcome, partners)`` for each round in ``metrics`` past ``after_step`` not in
+    ``seen`` yet (a peer's rounds as they appear in its ``metrics.jsonl``)."""
+    known = {(step, r) for _, step, r, _, _ in seen}
+    for m in metrics:
+        if m["step"] > after_step and "outer_round" in m and (m["step"], m["outer_round"]) not in known:
+            seen.append((round(seconds, 2), m["step"], m["outer_round"], m.get("outer_skipped", "joined"),
+                         ",".join(map(str, m.get("group") or []))))  # fmt: skip
 
 
 def _new_lines(log: Path, offset: int, seconds: float, timeline: list) -> int:
@@ -404,6 +419,12 @@ def _restart_lines(args, restart: dict) -> list[str]:
         lines += ["", "Its rounds after the restart, from its metrics (s after the restart when first seen):",
                   "", "| s | step | its round | outcome |", "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {t:.2f} | {step} | {r} | {outcome} |" for t, step, r, outcome in restart["rounds"]]
+    if restart.get("others_rounds"):
+        lines += ["", "The other peers' rounds after the kill, from their metrics (s after the restart when first "
+                  "seen; group: its members):", "", "| peer | s | step | its round | outcome | group |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for name, seen in restart["others_rounds"].items():
+            lines += [f"| {name} | {t:.2f} | {step} | {r} | {why} | {group} |" for t, step, r, why, group in seen[:12]]
     if restart.get("log_timeline"):
         lines += ["", "The restarted peer's log, each line's first sight (s after the restart):", "", "```"]
         lines += [f"{t:7.2f}  {line}" for t, line in restart["log_timeline"][:40]] + ["```"]
