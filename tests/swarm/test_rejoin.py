@@ -74,7 +74,7 @@ def test_a_peer_held_rounds_behind_goes_on_from_the_swarms_step_and_finishes_wit
     common = (f"steps={steps}", f"outer.every={every}", "checkpoint.every=0", "checkpoint.final=false",
               f"eval.every={steps}", "eval.batches=1", "log.plot=false", "peer.wait_for_peers=2")  # fmt: skip
     paced = swarm.paced(steps, 0.2)
-    a = swarm.peer("a", *common, "peer.worker=0", env=paced)
+    swarm.peer("a", *common, "peer.worker=0", env=paced)
     join = f'peer.initial_peers=["{swarm.maddrs("a")[0]}"]'
     swarm.peer("b", *common, join, "peer.worker=1", env=paced)
     held = {"NOLOCO_FAULTS": paced["NOLOCO_FAULTS"].replace("inner.step@8=sleep:0.2", "inner.step@8=stop")}
@@ -84,7 +84,6 @@ def test_a_peer_held_rounds_behind_goes_on_from_the_swarms_step_and_finishes_wit
     os.kill(c.pid, signal.SIGCONT)
     for name in ("a", "b", "c"):
         assert swarm.finish(name, timeout=300) == 0, swarm.logs()
-    assert a.returncode == 0
 
     s = swarm.summary("c")
     skipped = s["steps_skipped_by_worker"][0]

@@ -239,11 +239,9 @@ class HivemindBackend(Backend):
                 self.matchmaking.next_round = front
                 self.publish(step)
             to = (front + 1) * self.period  # the step that ends the front's round
-            bound = min(self.cfg.steps, step_bound(fresh, self.cfg.steps, self.cfg.outer.every,
-                                                   self.cfg.peer.live_timeout) + self.period)  # fmt: skip
             if front < self.matchmaking.next_round:
                 return step + 1  # the front's round is one this peer matched in already (the registry lags)
-            if to <= step + 1 or to > bound or not self.matchmaking.gathering(front):
+            if to <= step + 1 or to > self._skip_bound(fresh) or not self.matchmaking.gathering(front):
                 return step + 1
         except Exception:  # noqa: BLE001 - the registry or the DHT is a hint: train on, ask again next step
             return step + 1
@@ -252,6 +250,12 @@ class HivemindBackend(Backend):
                  f"{trained} step(s) trained since {self._catching_up_since} (step {step} → {to})")  # fmt: skip
         self._catching_up = None
         return to
+
+    def _skip_bound(self, fresh: list[dict]) -> int:
+        """The furthest step a skip may go to: the round after the steps the live peers' listing allows
+        (:func:`~noloco.swarm.matchmaking.step_bound`, as for a joiner's state), at most the run's last step."""
+        allowed = step_bound(fresh, self.cfg.steps, self.cfg.outer.every, self.cfg.peer.live_timeout)
+        return min(self.cfg.steps, allowed + self.period)
 
     def _out_of_step(self, step: int, algo, info, record) -> int:
         """``step + 1``, unless the round this peer just had was a later swarm round than its own (it matched in the
@@ -266,8 +270,7 @@ class HivemindBackend(Backend):
         round, and it would come late again (docs/swarm.md, *Adaptive deadlines*): it catches up the same way, skipping
         the rest of its next round's steps once that round gathers.
         Only with ``peer.catch_up``, and without ``outer.overlap`` (whose rounds land a fixed number of steps on)."""
-        late = record is not None and info.skipped is not None and record.outcome == "late"
-        behind = record is not None and (record.round > info.round or late)
+        behind = record is not None and (record.round > info.round or record.outcome == "late")
         if not behind or not self.cfg.peer.catch_up or not getattr(algo, "can_skip", False):
             return step + 1
         if info.skipped is not None:
@@ -275,11 +278,11 @@ class HivemindBackend(Backend):
             return step + 1
         to = (record.round + 1) * self.period  # the step its partners took last, the one that ended the round
         try:
-            bound = step_bound(self._fresh(), self.cfg.steps, self.cfg.outer.every, self.cfg.peer.live_timeout)
+            bound = self._skip_bound(self._fresh())
         except Exception:  # noqa: BLE001 - the registry is a hint: without it, the group's round is the bound
             bound = self.cfg.steps
-        if to <= step or to > bound + self.period or to >= self.cfg.steps:
-            return step + 1  # (that round was the swarm's last: nobody is left to be in step with)
+        if to <= step or to > bound or to >= self.cfg.steps:
+            return step + 1  # (to the swarm's last step: nobody is left to be in step with)
         self.say(f"noloco peer {self.peer_name}: its round {info.round} was the swarm's round {record.round}: "
                  f"going on from the swarm's step {to} (step {step} → {to + 1})")  # fmt: skip
         return to + 1
